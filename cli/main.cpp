@@ -1,0 +1,29 @@
+// attnkit: command-line front end of the library.
+#include <attnkit/runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <iostream>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"attnkit: fast CPU attention mechanisms (exact, clustered, agglomerative, "
+               "linear, sparse) with forward and backward passes"};
+  app.set_version_flag("--version", "attnkit " + attnkit::version());
+  app.require_subcommand(1);
+  attnkit::cli::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const c10::Error& e) {
+    std::cerr << "attnkit: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "attnkit: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,7 @@
+// Umbrella header: everything a C++ user of attnkit needs.
+#pragma once
+
+#include <attnkit/ops.h>
+#include <attnkit/runtime.h>
+#include <attnkit/nn/zoo.h>
+#include <attnkit/nn/multihead.h>

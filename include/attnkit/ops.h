@@ -1,0 +1,176 @@
+// attnkit functional API: every attention mechanism of the library as a
+// differentiable function on torch::Tensor.
+//
+// Layout convention (that of torch's scaled_dot_product_attention):
+//   queries q (N, H, L, E), keys k (N, H, S, E), values v (N, H, S, M),
+//   output (N, H, L, M).
+// Masks: `causal` lets query i see key j iff j <= i + (S - L) (bottom-right
+// aligned); `key_lengths` (int64, shape (N)) hides keys j >= key_lengths[n].
+// A query that sees no key outputs zeros and receives zero gradients.
+//
+// Each function is also registered as torch.ops.attnkit.<name> with the same
+// semantics; see docs/API.md for shapes, errors and complexity.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace attnkit {
+
+// ----------------------------------------------------------------------------
+// Exact softmax attention:  out = softmax(scale * q k^T + bias + mask) v.
+// ----------------------------------------------------------------------------
+struct SoftmaxAttentionOptions {
+  /// Multiplies q k^T. Unset means 1 / sqrt(E).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Query i sees key j iff j <= i + (S - L).
+  TORCH_ARG(bool, causal) = false;
+  /// int64 (N): keys j >= key_lengths[n] are invisible. Undefined = all visible.
+  TORCH_ARG(torch::Tensor, key_lengths) = {};
+  /// Additive score bias broadcastable to (N, H, L, S); -inf entries hide keys.
+  TORCH_ARG(torch::Tensor, bias) = {};
+};
+torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v,
+                                const SoftmaxAttentionOptions& options = {});
+
+// ----------------------------------------------------------------------------
+// Linear attention (seed 004 and its feature-map generalisation):
+//   out_l = phi(q_l)^T S / (phi(q_l) . z + eps)   (the division when normalize)
+//   S = sum_s phi(k_s) v_s^T,  z = sum_s phi(k_s)  (over visible s when causal).
+// feature_map = identity, normalize = false, k = v = H is the seed's C q.
+// ----------------------------------------------------------------------------
+enum class FeatureMap { identity, elu };  // elu means elu(x) + 1
+
+struct LinearAttentionOptions {
+  TORCH_ARG(FeatureMap, feature_map) = FeatureMap::identity;
+  TORCH_ARG(bool, normalize) = false;
+  TORCH_ARG(bool, causal) = false;
+  TORCH_ARG(double, eps) = 1e-6;
+};
+torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v,
+                               const LinearAttentionOptions& options = {});
+
+/// Parses "identity" | "elu"; throws naming the accepted values otherwise.
+FeatureMap feature_map_from_string(const std::string& name);
+std::string to_string(FeatureMap map);
+
+// ----------------------------------------------------------------------------
+// Gated linear attention (seed 004, section 4): the recurrence
+//   C_t = alpha_t C_{t-1} + beta_t f_t f_t^T,   C_0 = 0,
+// read out by q:  causal: out_t = C_t q_t;  otherwise out_t = C_L q_t.
+// f (N, H, L, E), q (N, H, L, E), alpha and beta (N, H, L) -> (N, H, L, E).
+// The seed's gated form is alpha = beta = 1, f_t = sigmoid(W h_t + b) * h_t
+// (nn::GatedLinearAttention builds it).
+// ----------------------------------------------------------------------------
+struct GatedLinearAttentionOptions {
+  TORCH_ARG(bool, causal) = false;
+};
+torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
+                                     const torch::Tensor& alpha, const torch::Tensor& beta,
+                                     const GatedLinearAttentionOptions& options = {});
+
+// ----------------------------------------------------------------------------
+// Agglomerative attention (seed 000), one head per class:
+//   a_h = sum_t cr_th v_t / max(sum_t cr_th, clip),  out_ih = cq_ih * a_h
+// causal: the sums run over t <= i + (S - L).
+// cq (N, H, L), cr (N, H, S), v (N, H, S, M) -> (N, H, L, M).
+// The clip's gradient is zero where it is active (sum < clip).
+// ----------------------------------------------------------------------------
+struct AgglomerativeOptions {
+  TORCH_ARG(bool, causal) = false;
+  TORCH_ARG(double, clip) = 1e-3;
+};
+torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
+                                      const torch::Tensor& v,
+                                      const AgglomerativeOptions& options = {});
+
+// ----------------------------------------------------------------------------
+// Clustered (topk = 0) and improved-clustered (topk > 0) attention (seed 002).
+// Queries are hashed with `bits` random hyperplanes drawn from `seed`, grouped
+// by Hamming K-means into `clusters` groups, and each group attends through its
+// centroid. See SPECS.md section 3 and docs/API.md for the exact rules.
+// ----------------------------------------------------------------------------
+struct ClusteredAttentionOptions {
+  TORCH_ARG(int64_t, clusters) = 100;
+  TORCH_ARG(int64_t, bits) = 63;
+  TORCH_ARG(int64_t, iterations) = 10;
+  /// 0: plain clustered attention. > 0: improved clustered with this many keys.
+  TORCH_ARG(int64_t, topk) = 0;
+  /// Use the threshold column of the planes (false: hyperplanes through 0).
+  TORCH_ARG(bool, hash_bias) = true;
+  TORCH_ARG(int64_t, seed) = 0;
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  TORCH_ARG(torch::Tensor, key_lengths) = {};
+  /// int64 (N): queries i >= query_lengths[n] are padding; they output zeros.
+  TORCH_ARG(torch::Tensor, query_lengths) = {};
+};
+torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v,
+                                  const ClusteredAttentionOptions& options = {});
+
+// ----------------------------------------------------------------------------
+// Sparse attention over neighbour lists (SAC, seed 001):
+//   out_i = sum_{j in N(i)} softmax_{j in N(i)}(scale q_i . k_j) v_j.
+// ----------------------------------------------------------------------------
+/// Compressed sparse rows of a bipartite graph from L queries to S keys.
+/// Shared by all heads: offsets int64 (L+1), columns int64 (nnz).
+/// One list per head: offsets int64 (H, L+1) indexing one flat columns (nnz);
+/// the edges of query i in head h are columns[offsets[h][i] : offsets[h][i+1]].
+/// Columns within a row are strictly increasing and lie in [0, S).
+struct EdgeList {
+  torch::Tensor offsets;
+  torch::Tensor columns;
+
+  bool per_head() const { return offsets.defined() && offsets.dim() == 2; }
+  int64_t num_queries() const { return offsets.size(-1) - 1; }
+  int64_t num_edges() const { return columns.numel(); }
+};
+
+struct SparseAttentionOptions {
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+};
+torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const EdgeList& edges,
+                               const SparseAttentionOptions& options = {});
+
+/// Throws a clear error if `edges` is not a valid list for L queries, S keys
+/// and H heads (the op calls this; builders' outputs always pass).
+void check_edge_list(const EdgeList& edges, int64_t L, int64_t S, int64_t H,
+                     const char* op = "sparse_attention");
+
+// Edge-pattern builders: the attention patterns of earlier models as edge lists
+// (SAC treats them all as special cases of one sparse kernel). Square patterns
+// are over n positions; bp_tree and star add nodes (see each comment).
+namespace edges {
+/// Every query sees every key.
+EdgeList full(int64_t L, int64_t S);
+/// Query i sees keys j <= i + (S - L).
+EdgeList causal(int64_t L, int64_t S);
+/// Query i sees keys with |i - j| <= span (causal: i - span <= j <= i).
+EdgeList local(int64_t n, int64_t span, bool causal = false);
+/// Transformer-XL style segments of `segment` positions: a query sees its own
+/// segment and the previous one (causal: only keys j <= i).
+EdgeList segments(int64_t n, int64_t segment, bool causal = false);
+/// Binary-partition tree (BP-Transformer) over n tokens: 2n - 1 nodes, tokens
+/// are nodes 0..n-1, internal spans n..2n-2 (node n is the root). A token sees
+/// itself and the O(log n) spans that tile the rest of the sequence (the
+/// siblings of its ancestors); a span node sees its two children.
+EdgeList bp_tree(int64_t n);
+/// Star transformer: n satellites (0..n-1) and one relay node (n). A satellite
+/// sees its neighbours i-1, i, i+1 and the relay; the relay sees every node.
+EdgeList star(int64_t n);
+/// Sparse-transformer strided pattern (causal): j <= i and (i - j < stride or
+/// (i - j) % stride == 0).
+EdgeList strided(int64_t n, int64_t stride);
+/// Builds a pattern by name: "full", "causal", "local", "segments", "bp-tree",
+/// "star", "strided"; `param` is the span, segment length or stride.
+EdgeList by_name(const std::string& name, int64_t n, int64_t param);
+}  // namespace edges
+
+}  // namespace attnkit

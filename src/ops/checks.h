@@ -1,0 +1,93 @@
+// Validation shared by every op boundary. Each check raises one c10::Error whose
+// message names the op, the argument, what was expected and what came.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cmath>
+#include <string>
+
+namespace attnkit::detail {
+
+inline std::string shape_str(const torch::Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + ")";
+}
+
+/// A defined, floating, CPU tensor of the given rank.
+inline void check_float_tensor(const char* op, const char* name, const torch::Tensor& t,
+                               int64_t rank) {
+  TORCH_CHECK(t.defined(), op, ": argument '", name, "' is undefined");
+  TORCH_CHECK(t.device().is_cpu(), op, ": argument '", name,
+              "' must be on the CPU, got device ", t.device());
+  TORCH_CHECK(t.is_floating_point(), op, ": argument '", name,
+              "' must be a floating tensor, got dtype ", t.scalar_type());
+  TORCH_CHECK(t.dim() == rank, op, ": argument '", name, "' must have ", rank,
+              " dimensions, got shape ", shape_str(t));
+}
+
+inline void check_same_dtype(const char* op, const char* name, const torch::Tensor& t,
+                             const torch::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": argument '", name,
+              "' must have dtype ", like.scalar_type(), " like the queries, got ",
+              t.scalar_type());
+}
+
+inline void check_dim(const char* op, const char* name, const torch::Tensor& t, int64_t dim,
+                      int64_t expected, const char* what) {
+  TORCH_CHECK(t.size(dim) == expected, op, ": argument '", name, "' has ", what, " ",
+              t.size(dim), " at dimension ", dim, ", expected ", expected, " (shape ",
+              shape_str(t), ")");
+}
+
+/// q (N,H,L,E), k (N,H,S,E), v (N,H,S,M): ranks, dtypes and matching sizes.
+inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                      const torch::Tensor& v) {
+  check_float_tensor(op, "q", q, 4);
+  check_float_tensor(op, "k", k, 4);
+  check_float_tensor(op, "v", v, 4);
+  check_same_dtype(op, "k", k, q);
+  check_same_dtype(op, "v", v, q);
+  check_dim(op, "k", k, 0, q.size(0), "batch size N");
+  check_dim(op, "k", k, 1, q.size(1), "head count H");
+  check_dim(op, "k", k, 3, q.size(3), "feature size E");
+  check_dim(op, "v", v, 0, q.size(0), "batch size N");
+  check_dim(op, "v", v, 1, q.size(1), "head count H");
+  check_dim(op, "v", v, 2, k.size(2), "key count S");
+  TORCH_CHECK(q.size(3) > 0 && v.size(3) > 0, op,
+              ": feature sizes E and M must be positive, got E = ", q.size(3),
+              ", M = ", v.size(3));
+}
+
+/// Optional int64 (N) lengths with 0 <= lengths[n] <= limit.
+inline void check_lengths(const char* op, const char* name, const torch::Tensor& lengths,
+                          int64_t N, int64_t limit) {
+  if (!lengths.defined()) return;
+  TORCH_CHECK(lengths.device().is_cpu(), op, ": argument '", name,
+              "' must be on the CPU, got device ", lengths.device());
+  TORCH_CHECK(lengths.scalar_type() == torch::kLong, op, ": argument '", name,
+              "' must be int64, got dtype ", lengths.scalar_type());
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == N, op, ": argument '", name,
+              "' must have shape (", N, "), got ", shape_str(lengths));
+  if (N == 0) return;
+  const int64_t lo = lengths.min().item<int64_t>();
+  const int64_t hi = lengths.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0, op, ": argument '", name, "' has a negative entry ", lo);
+  TORCH_CHECK(hi <= limit, op, ": argument '", name, "' has an entry ", hi,
+              " larger than the sequence length ", limit);
+}
+
+inline void check_finite(const char* op, const char* name, double value) {
+  TORCH_CHECK(std::isfinite(value), op, ": option '", name, "' must be finite, got ", value);
+}
+
+inline void check_scale(const char* op, const c10::optional<double>& scale) {
+  if (scale) check_finite(op, "scale", *scale);
+}
+
+inline double scale_or_default(const c10::optional<double>& scale, int64_t E) {
+  return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
+}
+
+}  // namespace attnkit::detail

@@ -1,0 +1,147 @@
+// Edge-pattern builders: the attention patterns of earlier models as CSR edge
+// lists for one sparse kernel (SAC's special cases, seed 001).
+#include <attnkit/ops.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+namespace attnkit::edges {
+
+namespace {
+
+/// CSR from a row-wise predicate over an L x S grid.
+EdgeList from_predicate(int64_t L, int64_t S, const std::function<bool(int64_t, int64_t)>& sees) {
+  std::vector<int64_t> offsets{0}, columns;
+  offsets.reserve(L + 1);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < S; ++j)
+      if (sees(i, j)) columns.push_back(j);
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  auto opts = torch::TensorOptions().dtype(torch::kLong);
+  return {torch::tensor(offsets, opts), torch::tensor(columns, opts)};
+}
+
+/// CSR from explicit neighbour sets (sorted and de-duplicated here).
+EdgeList from_rows(std::vector<std::vector<int64_t>> rows) {
+  std::vector<int64_t> offsets{0}, columns;
+  for (auto& r : rows) {
+    std::sort(r.begin(), r.end());
+    r.erase(std::unique(r.begin(), r.end()), r.end());
+    columns.insert(columns.end(), r.begin(), r.end());
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  auto opts = torch::TensorOptions().dtype(torch::kLong);
+  return {torch::tensor(offsets, opts), torch::tensor(columns, opts)};
+}
+
+void check_size(const char* builder, const char* name, int64_t value, int64_t min) {
+  TORCH_CHECK(value >= min, "edges::", builder, ": argument '", name, "' must be >= ", min,
+              ", got ", value);
+}
+
+}  // namespace
+
+EdgeList full(int64_t L, int64_t S) {
+  check_size("full", "L", L, 0);
+  check_size("full", "S", S, 0);
+  return from_predicate(L, S, [](int64_t, int64_t) { return true; });
+}
+
+EdgeList causal(int64_t L, int64_t S) {
+  check_size("causal", "L", L, 0);
+  check_size("causal", "S", S, 0);
+  return from_predicate(L, S, [&](int64_t i, int64_t j) { return j <= i + (S - L); });
+}
+
+EdgeList local(int64_t n, int64_t span, bool is_causal) {
+  check_size("local", "n", n, 0);
+  check_size("local", "span", span, 0);
+  std::vector<std::vector<int64_t>> rows(n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = std::max<int64_t>(0, i - span); j <= (is_causal ? i : std::min(n - 1, i + span)); ++j)
+      rows[i].push_back(j);
+  return from_rows(std::move(rows));
+}
+
+EdgeList segments(int64_t n, int64_t segment, bool is_causal) {
+  check_size("segments", "n", n, 0);
+  check_size("segments", "segment", segment, 1);
+  std::vector<std::vector<int64_t>> rows(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = i / segment;
+    const int64_t begin = std::max<int64_t>(0, s - 1) * segment;
+    const int64_t end = is_causal ? i + 1 : std::min(n, (s + 1) * segment);
+    for (int64_t j = begin; j < end; ++j) rows[i].push_back(j);
+  }
+  return from_rows(std::move(rows));
+}
+
+EdgeList bp_tree(int64_t n) {
+  check_size("bp_tree", "n", n, 1);
+  // Nodes: tokens 0..n-1; internal spans numbered from n in pre-order (root = n).
+  std::vector<std::vector<int64_t>> rows(2 * n - 1);
+  int64_t next_internal = n;
+  // Builds the span [lo, hi) below an ancestor path of sibling ids; returns its node id.
+  std::function<int64_t(int64_t, int64_t, std::vector<int64_t>&)> build =
+      [&](int64_t lo, int64_t hi, std::vector<int64_t>& context) -> int64_t {
+    if (hi - lo == 1) {
+      rows[lo] = context;   // the spans that tile the rest of the sequence
+      rows[lo].push_back(lo);
+      return lo;
+    }
+    const int64_t id = next_internal++;
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    // The ids of the two children are known only after they are built, and each
+    // child's context needs its sibling: reserve ids by building sizes first.
+    const int64_t left_id = (mid - lo == 1) ? lo : next_internal;
+    const int64_t right_id = (hi - mid == 1) ? mid : next_internal + (mid - lo - 1);
+    context.push_back(right_id);
+    build(lo, mid, context);
+    context.back() = left_id;
+    build(mid, hi, context);
+    context.pop_back();
+    rows[id] = {left_id, right_id};
+    return id;
+  };
+  std::vector<int64_t> context;
+  build(0, n, context);
+  return from_rows(std::move(rows));
+}
+
+EdgeList star(int64_t n) {
+  check_size("star", "n", n, 1);
+  std::vector<std::vector<int64_t>> rows(n + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = std::max<int64_t>(0, i - 1); j <= std::min(n - 1, i + 1); ++j) rows[i].push_back(j);
+    rows[i].push_back(n);
+  }
+  for (int64_t j = 0; j <= n; ++j) rows[n].push_back(j);
+  return from_rows(std::move(rows));
+}
+
+EdgeList strided(int64_t n, int64_t stride) {
+  check_size("strided", "n", n, 0);
+  check_size("strided", "stride", stride, 1);
+  return from_predicate(n, n, [&](int64_t i, int64_t j) {
+    return j <= i && (i - j < stride || (i - j) % stride == 0);
+  });
+}
+
+EdgeList by_name(const std::string& name, int64_t n, int64_t param) {
+  if (name == "full") return full(n, n);
+  if (name == "causal") return causal(n, n);
+  if (name == "local") return local(n, param);
+  if (name == "local-causal") return local(n, param, true);
+  if (name == "segments") return segments(n, param);
+  if (name == "segments-causal") return segments(n, param, true);
+  if (name == "bp-tree") return bp_tree(n);
+  if (name == "star") return star(n);
+  if (name == "strided") return strided(n, param);
+  TORCH_CHECK(false, "edges::by_name: unknown pattern '", name,
+              "'; expected one of full, causal, local, local-causal, segments, "
+              "segments-causal, bp-tree, star, strided");
+}
+
+}  // namespace attnkit::edges

@@ -1,0 +1,100 @@
+// Registers every op as torch.ops.attnkit.<name>. The schemas name the keyword
+// arguments Python callers use; each wrapper only unpacks them into the C++
+// options struct and calls the C++ op, so both languages share one
+// implementation and one set of checks. The ops are composite (their autograd
+// comes from the functions they call), hence CompositeImplicitAutograd.
+#include <attnkit/ops.h>
+#include <torch/library.h>
+
+namespace attnkit {
+namespace {
+
+torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, c10::optional<double> scale,
+                                   bool causal, const c10::optional<torch::Tensor>& key_lengths,
+                                   const c10::optional<torch::Tensor>& bias) {
+  return softmax_attention(q, k, v, SoftmaxAttentionOptions()
+                                        .scale(scale)
+                                        .causal(causal)
+                                        .key_lengths(key_lengths.value_or(torch::Tensor()))
+                                        .bias(bias.value_or(torch::Tensor())));
+}
+
+torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, c10::string_view feature_map,
+                                  bool normalize, bool causal, double eps) {
+  return linear_attention(q, k, v, LinearAttentionOptions()
+                                       .feature_map(feature_map_from_string(std::string(feature_map)))
+                                       .normalize(normalize)
+                                       .causal(causal)
+                                       .eps(eps));
+}
+
+torch::Tensor gated_linear_attention_op(const torch::Tensor& f, const torch::Tensor& q,
+                                        const torch::Tensor& alpha, const torch::Tensor& beta,
+                                        bool causal) {
+  return gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionOptions().causal(causal));
+}
+
+torch::Tensor agglomerative_attention_op(const torch::Tensor& cq, const torch::Tensor& cr,
+                                         const torch::Tensor& v, bool causal, double clip) {
+  return agglomerative_attention(cq, cr, v, AgglomerativeOptions().causal(causal).clip(clip));
+}
+
+torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, int64_t clusters, int64_t bits,
+                                     int64_t iterations, int64_t topk, bool hash_bias,
+                                     int64_t seed, c10::optional<double> scale,
+                                     const c10::optional<torch::Tensor>& key_lengths,
+                                     const c10::optional<torch::Tensor>& query_lengths) {
+  return clustered_attention(q, k, v, ClusteredAttentionOptions()
+                                          .clusters(clusters)
+                                          .bits(bits)
+                                          .iterations(iterations)
+                                          .topk(topk)
+                                          .hash_bias(hash_bias)
+                                          .seed(seed)
+                                          .scale(scale)
+                                          .key_lengths(key_lengths.value_or(torch::Tensor()))
+                                          .query_lengths(query_lengths.value_or(torch::Tensor())));
+}
+
+torch::Tensor sparse_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& offsets,
+                                  const torch::Tensor& columns, c10::optional<double> scale) {
+  return sparse_attention(q, k, v, EdgeList{offsets, columns}, SparseAttentionOptions().scale(scale));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> edge_pattern_op(c10::string_view name, int64_t n,
+                                                         int64_t param) {
+  auto e = edges::by_name(std::string(name), n, param);
+  return {e.offsets, e.columns};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnkit, m) {
+  m.def("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
+        "Tensor? key_lengths=None, Tensor? bias=None) -> Tensor",
+        &softmax_attention_op);
+  m.def("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='identity', "
+        "bool normalize=False, bool causal=False, float eps=1e-6) -> Tensor",
+        &linear_attention_op);
+  m.def("gated_linear_attention(Tensor f, Tensor q, Tensor alpha, Tensor beta, *, "
+        "bool causal=False) -> Tensor",
+        &gated_linear_attention_op);
+  m.def("agglomerative_attention(Tensor cq, Tensor cr, Tensor v, *, bool causal=False, "
+        "float clip=0.001) -> Tensor",
+        &agglomerative_attention_op);
+  m.def("clustered_attention(Tensor q, Tensor k, Tensor v, *, int clusters=100, int bits=63, "
+        "int iterations=10, int topk=0, bool hash_bias=True, int seed=0, float? scale=None, "
+        "Tensor? key_lengths=None, Tensor? query_lengths=None) -> Tensor",
+        &clustered_attention_op);
+  m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, *, "
+        "float? scale=None) -> Tensor",
+        &sparse_attention_op);
+  m.def("edge_pattern(str name, int n, int param=0) -> (Tensor offsets, Tensor columns)",
+        &edge_pattern_op);
+}
+
+}  // namespace attnkit

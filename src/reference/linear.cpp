@@ -1,0 +1,51 @@
+// Reference linear and gated linear attention (SPECS section 5).
+#include "reference/reference.h"
+
+namespace attnkit::reference {
+
+namespace {
+torch::Tensor apply_feature_map(const torch::Tensor& x, FeatureMap map) {
+  return map == FeatureMap::elu ? torch::elu(x) + 1 : x;
+}
+}  // namespace
+
+torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const LinearAttentionOptions& o) {
+  const int64_t N = q.size(0), L = q.size(2), S = k.size(2);
+  auto fq = apply_feature_map(q, o.feature_map());
+  auto fk = apply_feature_map(k, o.feature_map());
+  if (!o.causal()) {
+    auto state = torch::matmul(fk.transpose(-2, -1), v);  // (N,H,E,M)
+    auto out = torch::matmul(fq, state);
+    if (!o.normalize()) return out;
+    auto z = fk.sum(-2);                                   // (N,H,E)
+    auto den = (fq * z.unsqueeze(-2)).sum(-1, /*keepdim=*/true) + o.eps();
+    return out / den;
+  }
+  // Causal: the explicit lower-triangular (bottom-right aligned) score matrix.
+  auto scores = torch::matmul(fq, fk.transpose(-2, -1));  // (N,H,L,S)
+  scores = scores * visibility(N, L, S, /*causal=*/true, {}).to(scores.scalar_type());
+  auto out = torch::matmul(scores, v);
+  if (!o.normalize()) return out;
+  return out / (scores.sum(-1, /*keepdim=*/true) + o.eps());
+}
+
+torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
+                                     const torch::Tensor& alpha, const torch::Tensor& beta,
+                                     const GatedLinearAttentionOptions& o) {
+  const int64_t N = f.size(0), H = f.size(1), L = f.size(2), E = f.size(3);
+  auto C = torch::zeros({N, H, E, E}, f.options());
+  std::vector<torch::Tensor> outs;
+  outs.reserve(o.causal() ? L : 0);
+  for (int64_t t = 0; t < L; ++t) {
+    auto ft = f.select(2, t);                                   // (N,H,E)
+    auto at = alpha.select(2, t).view({N, H, 1, 1});
+    auto bt = beta.select(2, t).view({N, H, 1, 1});
+    C = at * C + bt * ft.unsqueeze(-1) * ft.unsqueeze(-2);      // C_t
+    if (o.causal()) outs.push_back(torch::matmul(C, q.select(2, t).unsqueeze(-1)).squeeze(-1));
+  }
+  if (o.causal()) return torch::stack(outs, 2);
+  return torch::matmul(q, C.transpose(-2, -1));                 // out_t = C_L q_t
+}
+
+}  // namespace attnkit::reference

@@ -1,0 +1,81 @@
+// Reference implementations: composite libtorch code, dtype-generic, written to
+// be read next to SPECS.md. Tests run them in float64 as the oracle for the fast
+// kernels; benchmarks and the approximation tool use them too. Production code
+// (ops with a fast kernel, modules, models) never calls them.
+//
+// Inputs are assumed valid (the ops validate); shapes follow include/attnkit/ops.h.
+#pragma once
+
+#include <attnkit/ops.h>
+
+#include "ops/masking.h"
+#include <torch/types.h>
+
+namespace attnkit::reference {
+
+using detail::masked_softmax;
+using detail::visibility;
+
+/// SPECS 1. Also the attention matrix when `weights` is non-null.
+torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const SoftmaxAttentionOptions& o,
+                                torch::Tensor* weights = nullptr);
+
+/// SPECS 5: quadratic masked form when causal (obviously correct, O(L S)).
+torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const LinearAttentionOptions& o);
+
+/// SPECS 5: the recurrence step by step, C_t kept only for the current t.
+torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
+                                     const torch::Tensor& alpha, const torch::Tensor& beta,
+                                     const GatedLinearAttentionOptions& o);
+
+/// SPECS 4 on class weights: cq (N,H,L), cr (N,H,S), v (N,H,S,M).
+torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
+                                      const torch::Tensor& v, const AgglomerativeOptions& o);
+
+// --- Clustered attention, SPECS 3, in its separate steps -----------------------
+
+/// Planes (B, E+1) of i.i.d. N(0,1) values drawn from `seed`, float64. The same
+/// seed gives the same planes everywhere (see kernels/random.h).
+torch::Tensor hash_planes(int64_t bits, int64_t E, int64_t seed, bool hash_bias);
+
+/// Sign bits of q (N,H,L,E) against planes (B,E+1): bool (N,H,L,B), bit b set
+/// iff sum_e q_e P[b,e] > P[b,E]. Computed in q's dtype.
+torch::Tensor hash_bits(const torch::Tensor& q, const torch::Tensor& planes);
+
+/// Packs bool (..., B) bits little-endian into int64 (...) (plane 0 = bit 0).
+torch::Tensor pack_bits(const torch::Tensor& bits);
+
+/// Hamming K-means over packed hashes (N,H,L) int64. Returns labels (N,H,L)
+/// int64 with -1 for padded queries (i >= query_lengths[n]).
+torch::Tensor hamming_kmeans(const torch::Tensor& hashes, int64_t clusters, int64_t bits,
+                             int64_t iterations, int64_t seed,
+                             const torch::Tensor& query_lengths);
+
+/// Clustered (topk = 0) or improved-clustered attention given the labels.
+/// When `weights` is non-null it receives the dense (N,H,L,S) attention rows
+/// that the output is the product of (At for improved, Ac broadcast for plain).
+torch::Tensor clustered_attention_given_labels(const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v,
+                                               const torch::Tensor& labels,
+                                               int64_t clusters, int64_t topk, double scale,
+                                               const torch::Tensor& key_lengths,
+                                               torch::Tensor* weights = nullptr);
+
+/// All steps: planes, hashes, K-means, attention.
+torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const ClusteredAttentionOptions& o,
+                                  torch::Tensor* weights = nullptr);
+
+// --- Sparse attention, SPECS 6 --------------------------------------------------
+
+/// Dense boolean visibility (1 or H, L, S) of an edge list.
+torch::Tensor edge_mask(const EdgeList& edges, int64_t H, int64_t L, int64_t S);
+
+torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const EdgeList& edges,
+                               const SparseAttentionOptions& o,
+                               torch::Tensor* weights = nullptr);
+
+}  // namespace attnkit::reference

@@ -1,0 +1,89 @@
+// Helpers shared by the test files: random inputs, error measures, a float64
+// finite-difference gradient checker, and an error-message matcher.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace attnkit::testing {
+
+inline torch::TensorOptions f64() { return torch::TensorOptions().dtype(torch::kDouble); }
+inline torch::TensorOptions f32() { return torch::TensorOptions().dtype(torch::kFloat); }
+
+/// max |a - b| / max(max |b|, tiny): one number for "how far apart", scale-free.
+inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+  EXPECT_EQ(a64.sizes(), b64.sizes());
+  if (a64.numel() == 0) return 0.0;
+  const double scale = std::max(b64.abs().max().item<double>(), 1e-300);
+  return (a64 - b64).abs().max().item<double>() / scale;
+}
+
+inline double max_abs(const torch::Tensor& t) {
+  return t.numel() ? t.detach().abs().max().item<double>() : 0.0;
+}
+
+inline bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
+
+/// Checks the autograd gradients of sum(f(inputs) * cotangent) against central
+/// differences, in float64, for every input with requires_grad. Inputs must be
+/// small (each element is perturbed twice). Tolerance: |analytic - numeric| <=
+/// atol + rtol * |numeric| element-wise, with defaults fitting eps = 1e-6 on
+/// smooth float64 functions of O(1) values.
+inline void expect_gradients_match(
+    const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& f,
+    std::vector<torch::Tensor> inputs, double eps = 1e-6, double atol = 1e-6, double rtol = 1e-5) {
+  for (auto& x : inputs)
+    if (x.defined() && x.is_floating_point()) {
+      ASSERT_EQ(x.scalar_type(), torch::kDouble) << "gradient checks run in float64";
+      x = x.detach().clone().requires_grad_(true);
+    }
+  auto out = f(inputs);
+  auto cot = torch::randn(out.sizes(), f64());
+  auto loss = (out * cot).sum();
+  std::vector<torch::Tensor> diff;
+  for (auto& x : inputs)
+    if (x.defined() && x.requires_grad()) diff.push_back(x);
+  auto grads = torch::autograd::grad({loss}, diff, {}, /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+  torch::NoGradGuard no_grad;
+  for (size_t a = 0; a < diff.size(); ++a) {
+    auto analytic = grads[a].defined() ? grads[a] : torch::zeros_like(diff[a]);
+    auto flat = diff[a].view({-1});
+    auto numeric = torch::zeros_like(flat);
+    for (int64_t i = 0; i < flat.numel(); ++i) {
+      const double x0 = flat[i].item<double>();
+      flat[i] = x0 + eps;
+      const double up = (f(inputs) * cot).sum().item<double>();
+      flat[i] = x0 - eps;
+      const double down = (f(inputs) * cot).sum().item<double>();
+      flat[i] = x0;
+      numeric[i] = (up - down) / (2 * eps);
+    }
+    numeric = numeric.view_as(diff[a]);
+    auto bad = (analytic - numeric).abs() > atol + rtol * numeric.abs();
+    EXPECT_FALSE(bad.any().item<bool>())
+        << "gradient of input " << a << " differs from finite differences; max |diff| = "
+        << (analytic - numeric).abs().max().item<double>() << "\nanalytic:\n" << analytic
+        << "\nnumeric:\n" << numeric;
+  }
+}
+
+/// Expects `body` to throw a c10::Error whose message contains every fragment.
+inline void expect_error(const std::function<void()>& body, const std::vector<std::string>& fragments) {
+  try {
+    body();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    for (const auto& frag : fragments)
+      EXPECT_NE(msg.find(frag), std::string::npos) << "message lacks '" << frag << "': " << msg;
+    return;
+  }
+  ADD_FAILURE() << "expected an error mentioning '" << (fragments.empty() ? "" : fragments[0]) << "'";
+}
+
+}  // namespace attnkit::testing
