@@ -37,10 +37,10 @@ if(NOT threads EQUAL 1 OR peak LESS_EQUAL 0)
   message(FATAL_ERROR "bad machine record: ${cpu} ${threads} ${peak}")
 endif()
 string(JSON n LENGTH "${json}" results)
-# 2 lengths x (full: 3 impls, linear: 2, agglomerative: 1 (no separate reference),
-# clustered: 2) x 2 passes = 32 rows.
-if(NOT n EQUAL 32)
-  message(FATAL_ERROR "expected 32 results, got ${n}:\n${json}")
+# 2 lengths x (full: fast, reference, torch; linear, agglomerative, clustered:
+# fast, reference) x 2 passes = 36 rows.
+if(NOT n EQUAL 36)
+  message(FATAL_ERROR "expected 36 results, got ${n}:\n${json}")
 endif()
 math(EXPR last "${n} - 1")
 foreach(i RANGE ${last})
