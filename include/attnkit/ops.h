@@ -122,6 +122,8 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
 /// Shared by all heads: offsets int64 (L+1), columns int64 (nnz).
 /// One list per head: offsets int64 (H, L+1) indexing one flat columns (nnz);
 /// the edges of query i in head h are columns[offsets[h][i] : offsets[h][i+1]].
+/// Each head's offsets are non-decreasing within [0, nnz]; heads may share or
+/// skip ranges of columns (a shared list must start at 0 and end at nnz).
 /// Columns within a row are strictly increasing and lie in [0, S).
 struct EdgeList {
   torch::Tensor offsets;

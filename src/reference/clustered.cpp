@@ -81,7 +81,7 @@ void kmeans_one(const int64_t* hashes, int64_t n, int64_t clusters, int64_t bits
       centroids[c] = h;
     }
     // Empty clusters, in increasing index, take the hashes of the queries
-    // farthest from their centroid (distance before this update; ties to the
+    // farthest from the just-updated centroid of their cluster (ties to the
     // lower position), each query used once.
     std::vector<int64_t> empty;
     for (int64_t c = 0; c < C; ++c)
