@@ -10,12 +10,16 @@ namespace attnkit::nn {
 
 namespace {
 
-/// Checks (N,L,Dq), (N,S,Dk), (N,S,Dv) inputs of a scoring module.
+/// Checks (N,L,Dq), (N,S,Dk), (N,S,Dv) inputs of a scoring module. A dimension
+/// of 0 is not checked; key_dim < 0 means "the query's feature size".
 void check_inputs(const char* module, const torch::Tensor& s, const torch::Tensor& h,
                   const torch::Tensor& values, int64_t query_dim, int64_t key_dim) {
   detail::check_float_tensor(module, "query", s, 3);
   detail::check_float_tensor(module, "keys", h, 3);
   detail::check_float_tensor(module, "values", values, 3);
+  detail::check_same_dtype(module, "keys", h, s);
+  detail::check_same_dtype(module, "values", values, s);
+  if (key_dim < 0) key_dim = s.size(2);
   if (query_dim > 0) detail::check_dim(module, "query", s, 2, query_dim, "feature size");
   if (key_dim > 0) detail::check_dim(module, "keys", h, 2, key_dim, "feature size");
   detail::check_dim(module, "keys", h, 0, s.size(0), "batch size N");
@@ -100,7 +104,7 @@ torch::Tensor DotAttentionImpl::scores(const torch::Tensor& s, const torch::Tens
 AttentionOutput DotAttentionImpl::forward(const torch::Tensor& s, const torch::Tensor& h,
                                           const torch::Tensor& values,
                                           const torch::Tensor& key_lengths) {
-  check_inputs("DotAttention", s, h, values, 0, s.size(2));
+  check_inputs("DotAttention", s, h, values, 0, /*key_dim: as the query*/ -1);
   detail::check_lengths("DotAttention", "key_lengths", key_lengths, s.size(0), h.size(1));
   return attend(scores(s, h), values, key_lengths);
 }
