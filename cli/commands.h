@@ -9,4 +9,10 @@ namespace attnkit::cli {
 /// `attnkit bench`: times mechanisms over lengths, prints a table, writes JSON.
 void add_bench_command(CLI::App& app);
 
+/// `attnkit figure-clustered`: seed 002 Figure 4 (time, memory per element vs L).
+void add_figure_clustered_command(CLI::App& app);
+
+/// `attnkit approx`: clustered and improved-clustered attention vs exact.
+void add_approx_command(CLI::App& app);
+
 }  // namespace attnkit::cli

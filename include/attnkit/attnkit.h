@@ -5,3 +5,4 @@
 #include <attnkit/runtime.h>
 #include <attnkit/nn/zoo.h>
 #include <attnkit/nn/multihead.h>
+#include <attnkit/nn/clustered.h>

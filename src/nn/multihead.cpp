@@ -33,7 +33,7 @@ EdgeList pattern_edges(const std::string& pattern, int64_t n, int64_t param) {
 }
 
 std::vector<std::string> mechanism_names() {
-  std::vector<std::string> names{"full", "linear", "causal-linear", "clustered",
+  std::vector<std::string> names{"full", "linear", "causal-linear", "gated-linear", "clustered",
                                  "improved-clustered"};
   for (const auto& p : sparse_patterns()) names.push_back("sparse-" + p);
   return names;
@@ -42,6 +42,8 @@ std::vector<std::string> mechanism_names() {
 torch::Tensor attend(const MechanismOptions& m, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v, bool causal, const torch::Tensor& key_lengths) {
   const std::string& name = m.name();
+  // Ranks and sizes first: the mechanisms below read sizes before their op checks.
+  detail::check_qkv("attend", q, k, v);
   if (name == "full")
     return softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(causal).key_lengths(key_lengths));
   if (name == "linear" || name == "causal-linear") {
@@ -51,15 +53,31 @@ torch::Tensor attend(const MechanismOptions& m, const torch::Tensor& q, const to
                                          .normalize(m.normalize())
                                          .causal(causal || name == "causal-linear"));
   }
+  if (name == "gated-linear") {
+    reject(key_lengths.defined(), name, "key_lengths (padding)");
+    TORCH_CHECK(k.size(3) == v.size(3), "attend: mechanism 'gated-linear' gates the values with "
+                "the keys and needs E == M, got E = ", k.size(3), ", M = ", v.size(3));
+    // The seed's f = sigmoid(W h + b) * h with the key projection as W h + b and
+    // the value projection as h. Its alpha = beta = 1 make the recurrence linear
+    // attention with keys = values = f (nn/linear.h).
+    const auto f = torch::sigmoid(k) * v;
+    return linear_attention(q, f, f, LinearAttentionOptions().causal(causal));
+  }
   if (name == "clustered" || name == "improved-clustered") {
     reject(causal, name, "causal masking");
+    const bool improved = name == "improved-clustered";
+    TORCH_CHECK(m.clusters() >= 1, "attend: mechanism '", name,
+                "' needs clusters >= 1, got ", m.clusters());
+    TORCH_CHECK(!improved || m.topk() >= 1, "attend: mechanism 'improved-clustered' needs "
+                "topk >= 1, got ", m.topk());
+    // A layer meets many lengths: cap the settings at what this input has.
     const int64_t L = q.size(2), S = k.size(2);
     return clustered_attention(
         q, k, v, ClusteredAttentionOptions()
-                     .clusters(std::max<int64_t>(1, std::min(m.clusters(), L)))
+                     .clusters(std::min(m.clusters(), std::max<int64_t>(L, 1)))
                      .bits(m.bits())
                      .iterations(m.iterations())
-                     .topk(name == "clustered" ? 0 : std::min(m.topk(), S))
+                     .topk(improved ? std::min(m.topk(), S) : 0)
                      .seed(m.seed())
                      .key_lengths(key_lengths));
   }

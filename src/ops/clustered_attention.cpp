@@ -1,8 +1,133 @@
-// Op boundary of clustered and improved-clustered attention.
+// Op boundary of clustered and improved-clustered attention: validation, then
+// for float32 the fast kernels (clustering without gradient, then the attention
+// as an autograd Function with the labels as constants); other dtypes use the
+// reference.
+#include "kernels/clustered_attention.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
+#include <torch/autograd.h>
+
 namespace attnkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+void strides_of(const torch::Tensor& t, int64_t* stride) {
+  for (int64_t d = 0; d < 4; ++d) stride[d] = t.stride(d);
+}
+
+const int64_t* data_or_null(const torch::Tensor& t) {
+  return t.defined() ? t.data_ptr<int64_t>() : nullptr;
+}
+
+/// Labels (N, H, L) of the queries: LSH bits from the options' seed, then
+/// Hamming K-means; -1 for padded queries.
+torch::Tensor cluster_labels(const torch::Tensor& q, const ClusteredAttentionOptions& o,
+                             const torch::Tensor& query_lengths) {
+  auto labels = torch::empty({q.size(0), q.size(1), q.size(2)}, torch::kLong);
+  kernels::ClusterParams p;
+  p.q = q.data_ptr<float>();
+  strides_of(q, p.q_stride);
+  p.query_lengths = data_or_null(query_lengths);
+  p.labels = labels.data_ptr<int64_t>();
+  p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.E = q.size(3);
+  p.clusters = o.clusters(), p.bits = o.bits(), p.iterations = o.iterations(), p.seed = o.seed();
+  p.hash_bias = o.hash_bias();
+  kernels::cluster_queries(p);
+  return labels;
+}
+
+/// The attention given the labels. Saves for the backward q, k, v, the labels
+/// and O(C (k' + M) + L) numbers per head, never an L x S matrix.
+class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAttentionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& labels,
+                               const c10::optional<torch::Tensor>& key_lengths_or_none,
+                               int64_t clusters, int64_t topk, double scale) {
+    const torch::Tensor key_lengths = key_lengths_or_none.value_or(torch::Tensor());
+    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+    auto f32 = q.options();
+    auto out = torch::empty({N, H, L, M}, f32);
+    auto centroid_lse = torch::empty({N, H, clusters}, f32);
+    auto background = torch::empty({N, H, clusters, M}, f32);
+    auto top = torch::empty({N, H, clusters, topk}, torch::kLong);
+    auto mass = torch::empty({N, H, topk > 0 ? clusters : 0}, f32);
+    auto query_lse = torch::empty({N, H, topk > 0 ? L : 0}, f32);
+    kernels::ClusteredAttentionParams p;
+    fill(p, q, k, v, labels, key_lengths, clusters, topk, scale);
+    p.out = out.data_ptr<float>();
+    strides_of(out, p.out_stride);
+    p.centroid_lse = centroid_lse.data_ptr<float>();
+    p.background = background.data_ptr<float>();
+    p.top = top.data_ptr<int64_t>();
+    p.mass = mass.data_ptr<float>();
+    p.query_lse = query_lse.data_ptr<float>();
+    kernels::clustered_attention_forward(p);
+
+    ctx->save_for_backward(
+        {q, k, v, labels, key_lengths, centroid_lse, background, top, mass, query_lse});
+    ctx->saved_data["clusters"] = clusters;
+    ctx->saved_data["topk"] = topk;
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2];
+    auto dout = grads[0];
+    auto dq = torch::empty(q.sizes(), q.options());
+    auto dk = torch::empty(k.sizes(), k.options());
+    auto dv = torch::empty(v.sizes(), v.options());
+    if (!dout.defined()) {
+      dq.zero_(), dk.zero_(), dv.zero_();
+    } else {
+      kernels::ClusteredAttentionBackwardParams p;
+      fill(p, q, k, v, saved[3], saved[4], ctx->saved_data["clusters"].toInt(),
+           ctx->saved_data["topk"].toInt(), ctx->saved_data["scale"].toDouble());
+      p.centroid_lse = saved[5].data_ptr<float>();
+      p.background = saved[6].data_ptr<float>();
+      p.top = saved[7].data_ptr<int64_t>();
+      p.mass = saved[8].data_ptr<float>();
+      p.query_lse = saved[9].data_ptr<float>();
+      p.dout = dout.data_ptr<float>();
+      strides_of(dout, p.dout_stride);
+      p.dq = dq.data_ptr<float>();
+      strides_of(dq, p.dq_stride);
+      p.dk = dk.data_ptr<float>();
+      strides_of(dk, p.dk_stride);
+      p.dv = dv.data_ptr<float>();
+      strides_of(dv, p.dv_stride);
+      kernels::clustered_attention_backward(p);
+    }
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+
+ private:
+  static void fill(kernels::ClusteredAttentionParams& p, const torch::Tensor& q,
+                   const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& labels,
+                   const torch::Tensor& key_lengths, int64_t clusters, int64_t topk, double scale) {
+    p.q = q.data_ptr<float>();
+    strides_of(q, p.q_stride);
+    p.k = k.data_ptr<float>();
+    strides_of(k, p.k_stride);
+    p.v = v.data_ptr<float>();
+    strides_of(v, p.v_stride);
+    p.labels = labels.data_ptr<int64_t>();
+    p.key_lengths = data_or_null(key_lengths);
+    p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2);
+    p.E = q.size(3), p.M = v.size(3);
+    p.C = clusters, p.topk = topk;
+    p.scale = static_cast<float>(scale);
+  }
+};
+
+}  // namespace
 
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const ClusteredAttentionOptions& options) {
@@ -23,7 +148,21 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
   detail::check_scale(op, options.scale());
   detail::check_lengths(op, "key_lengths", options.key_lengths(), q.size(0), S);
   detail::check_lengths(op, "query_lengths", options.query_lengths(), q.size(0), L);
-  return reference::clustered_attention(q, k, v, options);
+  if (q.scalar_type() != torch::kFloat) return reference::clustered_attention(q, k, v, options);
+
+  // Key lengths go to the autograd Function as an optional: it rejects undefined tensors.
+  c10::optional<torch::Tensor> key_lengths;
+  if (options.key_lengths().defined()) key_lengths = options.key_lengths().contiguous();
+  const auto query_lengths =
+      options.query_lengths().defined() ? options.query_lengths().contiguous() : torch::Tensor();
+  torch::Tensor labels;
+  {
+    torch::NoGradGuard no_grad;  // clustering has no gradient
+    labels = cluster_labels(q.detach(), options, query_lengths);
+  }
+  return ClusteredAttentionFunction::apply(q, k, v, labels, key_lengths, options.clusters(),
+                                           options.topk(),
+                                           detail::scale_or_default(options.scale(), q.size(3)));
 }
 
 }  // namespace attnkit

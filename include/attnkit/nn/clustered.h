@@ -1,0 +1,64 @@
+// Clustered and improved-clustered attention (seed 002) as a module, so that it
+// can be swapped into a model in place of exact attention.
+//
+// The module has no parameters: it maps q (N, H, L, E), k (N, H, S, E) and
+// v (N, H, S, M) to (N, H, L, M) with attnkit::clustered_attention. It adapts
+// the options to each call's shapes: min(clusters, L) clusters and
+// min(topk, S) top keys, so one module serves sequences of any length.
+//
+// Seeds. The hashing planes and the K-means initialisation come from a seed.
+// By default every call uses options.seed(): the same inputs always give the
+// same output. With advance_seed(true), forward calls in training mode use
+// seed, seed + 1, seed + 2, ... (fresh planes per step, as the authors' code
+// draws them); the count of such calls is the buffer `calls`, saved and loaded
+// with the module's state, so a resumed run continues the sequence. Calls in
+// eval mode always use options.seed().
+#pragma once
+
+#include <attnkit/ops.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace attnkit::nn {
+
+/// The settings of attnkit::ClusteredAttentionOptions that do not depend on
+/// the call, plus the seed policy. (A distinct name, so that code in namespace
+/// attnkit::nn can still name the op's options unqualified.)
+struct ClusteredAttentionModuleOptions {
+  TORCH_ARG(int64_t, clusters) = 100;
+  TORCH_ARG(int64_t, bits) = 63;
+  TORCH_ARG(int64_t, iterations) = 10;
+  /// 0: plain clustered attention; > 0: improved clustered with this many keys.
+  TORCH_ARG(int64_t, topk) = 0;
+  TORCH_ARG(bool, hash_bias) = true;
+  TORCH_ARG(int64_t, seed) = 0;
+  /// Multiplies q k^T; unset means 1 / sqrt(E).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Training-mode calls use seed + (number of earlier training-mode calls).
+  TORCH_ARG(bool, advance_seed) = false;
+};
+
+class ClusteredAttentionImpl : public torch::nn::Cloneable<ClusteredAttentionImpl> {
+ public:
+  explicit ClusteredAttentionImpl(const ClusteredAttentionModuleOptions& options = {});
+  /// Checks the options and (re)registers the `calls` buffer at 0.
+  void reset() override;
+
+  /// key_lengths and query_lengths: optional int64 (N), as in ops.h; padded
+  /// queries output zeros.
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& key_lengths = {},
+                        const torch::Tensor& query_lengths = {});
+
+  /// The seed the next forward call will use.
+  int64_t next_seed() const;
+
+  void pretty_print(std::ostream& stream) const override;
+
+  ClusteredAttentionModuleOptions options;
+  torch::Tensor calls;  // int64 scalar buffer: training-mode calls so far
+};
+TORCH_MODULE(ClusteredAttention);
+
+}  // namespace attnkit::nn

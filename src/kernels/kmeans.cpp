@@ -1,0 +1,159 @@
+#include "kernels/kmeans.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "kernels/memory.h"
+#include "kernels/random.h"
+#include "kernels/threading.h"
+
+#ifdef __AVX512F__
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+namespace attnkit::kernels {
+
+namespace {
+
+int hamming(int64_t a, int64_t b) { return __builtin_popcountll(static_cast<uint64_t>(a ^ b)); }
+
+/// labels[i] = argmin_c popcount(hashes[i] ^ centroids[c]), ties to the lowest c.
+void assign(const int64_t* hashes, int64_t n, const int64_t* centroids, int64_t C,
+            int64_t* labels) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512VPOPCNTDQ__)
+  // Eight queries per vector; centroids in increasing order with a strict
+  // "closer" test keep the lowest index on ties, as the scalar loop does.
+  for (; i < n; i += 8) {
+    const __mmask8 lanes = static_cast<__mmask8>(n - i >= 8 ? 0xff : (1u << (n - i)) - 1u);
+    const __m512i h = _mm512_maskz_loadu_epi64(lanes, hashes + i);
+    __m512i best = _mm512_set1_epi64(65), arg = _mm512_setzero_si512();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i d = _mm512_popcnt_epi64(_mm512_xor_si512(h, _mm512_set1_epi64(centroids[c])));
+      const __mmask8 closer = _mm512_cmplt_epi64_mask(d, best);
+      best = _mm512_mask_mov_epi64(best, closer, d);
+      arg = _mm512_mask_mov_epi64(arg, closer, _mm512_set1_epi64(c));
+    }
+    _mm512_mask_storeu_epi64(labels + i, lanes, arg);
+  }
+#endif
+  for (; i < n; ++i) {
+    int64_t arg = 0;
+    int best = hamming(hashes[i], centroids[0]);
+    for (int64_t c = 1; c < C; ++c) {
+      const int d = hamming(hashes[i], centroids[c]);
+      if (d < best) best = d, arg = c;
+    }
+    labels[i] = arg;
+  }
+}
+
+/// count[c] = members of c; ones[c * 64 + b] = members of c with bit b set.
+void count_bits(const int64_t* hashes, const int64_t* labels, int64_t n, int64_t C,
+                int32_t* count, int32_t* ones) {
+  std::fill(count, count + C, 0);
+  std::fill(ones, ones + C * 64, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    ++count[labels[i]];
+    int32_t* o = ones + labels[i] * 64;
+#ifdef __AVX512F__
+    const uint64_t h = static_cast<uint64_t>(hashes[i]);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int w = 0; w < 4; ++w) {
+      const __m512i acc = _mm512_loadu_si512(o + 16 * w);
+      _mm512_storeu_si512(o + 16 * w, _mm512_mask_add_epi32(acc, static_cast<__mmask16>(h >> (16 * w)),
+                                                            acc, one));
+    }
+#else
+    for (int b = 0; b < 64; ++b) o[b] += (static_cast<uint64_t>(hashes[i]) >> b) & 1;
+#endif
+  }
+}
+
+/// Per-thread scratch of one sequence, sized for L queries and C clusters.
+struct Scratch {
+  int64_t* centroids;  // C
+  int64_t* positions;  // L: initial shuffle, then the farthest-first order
+  int32_t* count;      // C
+  int32_t* ones;       // 64 C
+  int32_t* distance;   // L
+  int32_t* histogram;  // 65 (distances 0..64)
+};
+
+/// Clusters one sequence of n >= 1 valid hashes into C = min(clusters, n).
+void kmeans_one(const KMeansParams& p, const int64_t* hashes, int64_t n, uint64_t stream,
+                int64_t* labels, const Scratch& w) {
+  const int64_t C = std::min(p.clusters, n);
+  const uint64_t seed = static_cast<uint64_t>(p.seed);
+  const int64_t kept_bits = static_cast<int64_t>((uint64_t{1} << p.bits) - 1);  // bits <= 63
+
+  // Initial centroids: a partial Fisher-Yates shuffle of the positions.
+  std::iota(w.positions, w.positions + n, int64_t{0});
+  for (int64_t c = 0; c < C; ++c)
+    std::swap(w.positions[c], w.positions[c + random::below(seed, stream, c, n - c)]);
+  for (int64_t c = 0; c < C; ++c) w.centroids[c] = hashes[w.positions[c]];
+
+  for (int64_t it = 0; it < p.iterations; ++it) {
+    assign(hashes, n, w.centroids, C, labels);
+    count_bits(hashes, labels, n, C, w.count, w.ones);
+    int64_t empty = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      if (w.count[c] == 0) {
+        ++empty;
+        continue;
+      }
+      int64_t h = 0;
+      for (int b = 0; b < 64; ++b)
+        if (2 * w.ones[c * 64 + b] > w.count[c]) h |= int64_t{1} << b;
+      w.centroids[c] = h & kept_bits;
+    }
+    if (empty == 0) continue;
+    // Farthest-first order, ties to the lower position: a stable counting
+    // sort by decreasing distance to the (updated) centroid of one's cluster.
+    std::fill(w.histogram, w.histogram + 65, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      w.distance[i] = hamming(hashes[i], w.centroids[labels[i]]);
+      ++w.histogram[w.distance[i]];
+    }
+    int32_t start = 0;  // histogram becomes the first slot of each distance
+    for (int d = 64; d >= 0; --d) std::swap(start, w.histogram[d]), start += w.histogram[d];
+    for (int64_t i = 0; i < n; ++i) w.positions[w.histogram[w.distance[i]]++] = i;
+    for (int64_t c = 0, next = 0; c < C; ++c)
+      if (w.count[c] == 0) w.centroids[c] = hashes[w.positions[next++]];
+  }
+  assign(hashes, n, w.centroids, C, labels);
+}
+
+}  // namespace
+
+void hamming_kmeans(const KMeansParams& p) {
+  const int64_t heads = p.N * p.H, L = p.L, C = std::min(p.clusters, L);
+  if (heads == 0 || L == 0) return;
+  const int threads = num_threads();
+  const int64_t i64_per_thread = C + L, i32_per_thread = C + 64 * C + L + 65;
+  Buffer<int64_t> i64(static_cast<std::size_t>(threads * i64_per_thread));
+  Buffer<int32_t> i32(static_cast<std::size_t>(threads * i32_per_thread));
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t* a = i64.data() + omp_get_thread_num() * i64_per_thread;
+    int32_t* b = i32.data() + omp_get_thread_num() * i32_per_thread;
+    const Scratch w{a, a + C, b, b + C, b + C + 64 * C, b + C + 64 * C + L};
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nh = 0; nh < heads; ++nh) {
+      const int64_t n = nh / p.H;
+      const int64_t valid = p.query_lengths ? std::clamp<int64_t>(p.query_lengths[n], 0, L) : L;
+      int64_t* labels = p.labels + nh * L;
+      std::fill(labels + valid, labels + L, int64_t{-1});
+      if (valid > 0)
+        kmeans_one(p, p.hashes + nh * L, valid, random::kInitStream + static_cast<uint64_t>(nh),
+                   labels, w);
+    }
+  }
+}
+
+}  // namespace attnkit::kernels
