@@ -6,3 +6,4 @@
 #include <attnkit/nn/zoo.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/clustered.h>
+#include <attnkit/nn/agglomerative.h>

@@ -1,8 +1,117 @@
-// Op boundary of agglomerative attention.
+// Op boundary of agglomerative attention: validation, then for float32 the
+// kernels of kernels/agglomerative.h behind an autograd::Function; other dtypes
+// use the reference composite (which is how tests run it in float64).
+#include <torch/autograd.h>
+
+#include <limits>
+
+#include "kernels/agglomerative.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit {
+
+namespace {
+
+template <size_t R>
+void copy_strides(const torch::Tensor& t, int64_t (&strides)[R]) {
+  for (size_t d = 0; d < R; ++d) strides[d] = t.stride(static_cast<int64_t>(d));
+}
+
+/// An (N, H, L, M) output laid out like v: when v's classes are interleaved
+/// within each row ((N, S, H, M) storage, as a view of x P is), so are the
+/// output's, which makes concatenating the classes a free view.
+torch::Tensor empty_output_like(const torch::Tensor& v, int64_t L) {
+  const int64_t N = v.size(0), H = v.size(1), M = v.size(3);
+  if (v.stride(1) < v.stride(2)) return torch::empty({N, L, H, M}, v.options()).transpose(1, 2);
+  return torch::empty({N, H, L, M}, v.options());
+}
+
+/// Fills the inputs, sizes and options shared by the forward and backward params.
+void fill_inputs(kernels::AgglomerativeParams& p, const torch::Tensor& cq, const torch::Tensor& cr,
+                 const torch::Tensor& v, bool causal, double clip) {
+  p.cq = cq.data_ptr<float>();
+  copy_strides(cq, p.cq_stride);
+  p.cr = cr.data_ptr<float>();
+  copy_strides(cr, p.cr_stride);
+  p.v = v.data_ptr<float>();
+  copy_strides(v, p.v_stride);
+  p.N = cq.size(0);
+  p.H = cq.size(1);
+  p.L = cq.size(2);
+  p.S = cr.size(2);
+  p.M = v.size(3);
+  p.causal = causal;
+  p.clip = static_cast<float>(clip);
+}
+
+/// Params of a forward into a new output laid out like v (see empty_output_like).
+kernels::AgglomerativeParams forward_params(const torch::Tensor& cq, const torch::Tensor& cr,
+                                            const torch::Tensor& v, bool causal, double clip,
+                                            torch::Tensor* out) {
+  *out = empty_output_like(v, cq.size(2));
+  kernels::AgglomerativeParams p;
+  fill_inputs(p, cq, cr, v, causal, clip);
+  p.out = out->data_ptr<float>();
+  copy_strides(*out, p.out_stride);
+  return p;
+}
+
+/// The float32 forward without autograd: nothing is saved.
+torch::Tensor forward_only(const torch::Tensor& cq, const torch::Tensor& cr, const torch::Tensor& v,
+                           bool causal, double clip) {
+  torch::Tensor out;
+  kernels::agglomerative_forward(forward_params(cq, cr, v, causal, clip, &out));
+  return out;
+}
+
+/// The float32 op under autograd. The forward saves the class average each
+/// query read and its unclipped denominator (one row per query when causal,
+/// one per class when full), so the backward never recomputes a scan.
+class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& cq,
+                               const torch::Tensor& cr, const torch::Tensor& v, bool causal,
+                               double clip) {
+    const int64_t N = cq.size(0), H = cq.size(1), M = v.size(3);
+    const int64_t rows = kernels::agglomerative_saved_rows(causal, cq.size(2));
+    auto avg = torch::empty({N, H, rows, M}, v.options());
+    auto den = torch::empty({N, H, rows}, v.options());
+    torch::Tensor out;
+    auto p = forward_params(cq, cr, v, causal, clip, &out);
+    p.avg = avg.data_ptr<float>();
+    p.den = den.data_ptr<float>();
+    kernels::agglomerative_forward(p);
+    ctx->save_for_backward({cq, cr, v, avg, den});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["clip"] = clip;
+    return out;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &cq = saved[0], &cr = saved[1], &v = saved[2], &avg = saved[3], &den = saved[4];
+    const torch::Tensor& dout = grads[0];
+    auto dcq = torch::empty_like(cq), dcr = torch::empty_like(cr), dv = torch::empty_like(v);
+    kernels::AgglomerativeBackwardParams p;
+    fill_inputs(p, cq, cr, v, ctx->saved_data["causal"].toBool(), ctx->saved_data["clip"].toDouble());
+    p.avg = avg.data_ptr<float>();
+    p.den = den.data_ptr<float>();
+    p.dout = dout.data_ptr<float>();
+    copy_strides(dout, p.dout_stride);
+    p.dcq = dcq.data_ptr<float>();
+    copy_strides(dcq, p.dcq_stride);
+    p.dcr = dcr.data_ptr<float>();
+    copy_strides(dcr, p.dcr_stride);
+    p.dv = dv.data_ptr<float>();
+    copy_strides(dv, p.dv_stride);
+    kernels::agglomerative_backward(p);
+    return {dcq, dcr, dv, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
 
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
                                       const torch::Tensor& v, const AgglomerativeOptions& options) {
@@ -19,7 +128,17 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
   detail::check_finite(op, "clip", options.clip());
   TORCH_CHECK(options.clip() > 0, op, ": option 'clip' must be > 0, got ", options.clip());
-  return reference::agglomerative_attention(cq, cr, v, options);
+  if (cq.scalar_type() != torch::kFloat) return reference::agglomerative_attention(cq, cr, v, options);
+
+  // In float32 a smaller clip rounds to 0 or a subnormal and the average of an
+  // empty prefix becomes 0 / 0.
+  TORCH_CHECK(options.clip() >= std::numeric_limits<float>::min(), op,
+              ": option 'clip' must be at least ", std::numeric_limits<float>::min(),
+              " for float32 inputs, got ", options.clip());
+  const bool needs_grad = torch::GradMode::is_enabled() &&
+                          (cq.requires_grad() || cr.requires_grad() || v.requires_grad());
+  if (!needs_grad) return forward_only(cq, cr, v, options.causal(), options.clip());
+  return AgglomerativeFunction::apply(cq, cr, v, options.causal(), options.clip());
 }
 
 }  // namespace attnkit

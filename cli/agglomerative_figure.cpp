@@ -1,0 +1,384 @@
+// `attnkit figure-agglomerative`: seed 000's Figure 1 with our layers. Times
+// the forward pass of one whole self-attention layer, projections included,
+// for nn::AgglomerativeAttention and nn::MultiheadAttention (mechanism "full",
+// the exact kernel), without and with the causal mask, over doubling lengths,
+// by default as in the seed: batch 32, d = 512, 8 heads / classes, one thread.
+//
+// `--part attention` times the attention alone instead, on the inputs the
+// layers give it (agglomerative_attention against the "full" mechanism), which
+// separates the mechanisms from the projections both layers share.
+//
+// Times are process CPU time by default (`--clock`): on a machine shared with
+// other jobs it leaves out the waits for a core they hold, which wall time
+// counts; with one thread on an idle machine the two agree. The JSON keeps
+// both clocks for every call.
+//
+// Each (mask, length) row is printed as soon as both layers are timed, and the
+// JSON and CSV files are rewritten atomically after every row, so an
+// interrupted run keeps everything it measured. scripts/plot-figure turns the
+// CSV into the log-log plot.
+#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/multihead.h>
+#include <attnkit/ops.h>
+#include <attnkit/runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "commands.h"
+
+namespace attnkit::cli {
+
+namespace {
+
+// The length range of the linearity target (docs/performance/agglomerative.md).
+constexpr int64_t kFitFrom = 512, kFitTo = 4096;
+
+struct FigureConfig {
+  std::vector<int64_t> lengths{32, 64, 128, 256, 512, 1024, 2048, 4096};
+  std::vector<std::string> masks{"full", "masked"};
+  std::vector<std::string> layers{"agglomerative", "multihead"};
+  std::string part = "layer";  // or "attention"
+  std::string clock = "cpu";   // or "wall"
+  int64_t batch = 32, d_model = 512, heads = 8;
+  int threads = 1;
+  int repeats = 5;
+  std::string json, csv;
+};
+
+struct Timing {
+  std::string layer, mask;
+  int64_t L = 0;
+  std::vector<double> wall_ms, cpu_ms;   // one per timed repeat
+  double median = 0, mean = 0, sem = 0;  // of the chosen clock; sem: standard error of the mean
+  double load = 0;                       // 1-minute load average after the run
+};
+
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return load;
+}
+
+std::string cpu_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+/// Process CPU time in ms: the time the process's threads spent on a CPU, so
+/// waiting for a core that other jobs hold does not count.
+double cpu_now_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+/// One warm-up call, then `repeats` timed calls on both clocks; the summary
+/// statistics are of `clock`.
+template <class Run>
+Timing time_calls(const Run& run, int repeats, const std::string& clock) {
+  Timing t;
+  run();
+  for (int r = 0; r < repeats; ++r) {
+    const double cpu0 = cpu_now_ms();
+    const auto wall0 = std::chrono::steady_clock::now();
+    run();
+    t.wall_ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count());
+    t.cpu_ms.push_back(cpu_now_ms() - cpu0);
+  }
+  const std::vector<double>& ms = clock == "cpu" ? t.cpu_ms : t.wall_ms;
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  t.median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  for (double x : ms) t.mean += x / n;
+  if (n > 1) {
+    double var = 0;
+    for (double x : ms) var += (x - t.mean) * (x - t.mean) / (n - 1);
+    t.sem = std::sqrt(var / n);
+  }
+  t.load = load_average();
+  return t;
+}
+
+const Timing* find(const std::vector<Timing>& rows, const std::string& layer, const std::string& mask,
+                   int64_t L) {
+  for (const auto& r : rows)
+    if (r.layer == layer && r.mask == mask && r.L == L) return &r;
+  return nullptr;
+}
+
+/// Least-squares slope of log(median) against log(L) over kFitFrom..kFitTo.
+nlohmann::json fitted_slope(const std::vector<Timing>& rows, const std::string& layer,
+                            const std::string& mask) {
+  std::vector<std::pair<double, double>> pts;
+  for (const auto& r : rows)
+    if (r.layer == layer && r.mask == mask && r.L >= kFitFrom && r.L <= kFitTo)
+      pts.emplace_back(std::log(double(r.L)), std::log(r.median));
+  if (pts.size() < 2) return nullptr;
+  double mx = 0, my = 0;
+  for (auto [x, y] : pts) mx += x / pts.size(), my += y / pts.size();
+  double sxy = 0, sxx = 0;
+  for (auto [x, y] : pts) sxy += (x - mx) * (y - my), sxx += (x - mx) * (x - mx);
+  return sxy / sxx;
+}
+
+/// Where the agglomerative layer overtakes the exact one for good: the last
+/// measured length at which it is not faster and the next (faster) one, with
+/// the crossing interpolated linearly in log-log between them.
+nlohmann::json crossover(const std::vector<Timing>& rows, const FigureConfig& c, const std::string& mask) {
+  std::vector<std::tuple<int64_t, double>> ratio;  // (L, agglomerative / multihead)
+  for (int64_t L : c.lengths) {
+    const Timing* a = find(rows, "agglomerative", mask, L);
+    const Timing* m = find(rows, "multihead", mask, L);
+    if (a && m) ratio.emplace_back(L, a->median / m->median);
+  }
+  if (ratio.empty()) return nullptr;
+  std::sort(ratio.begin(), ratio.end());
+  nlohmann::json j;
+  int64_t last_slower = -1;
+  for (size_t k = 0; k < ratio.size(); ++k)
+    if (std::get<1>(ratio[k]) >= 1) last_slower = static_cast<int64_t>(k);
+  if (last_slower < 0) {
+    j["note"] = "agglomerative faster at every measured length, from " +
+                std::to_string(std::get<0>(ratio[0]));
+    j["length"] = nullptr;
+  } else if (last_slower + 1 == static_cast<int64_t>(ratio.size())) {
+    j["note"] = "agglomerative not faster at the longest measured length";
+    j["length"] = nullptr;
+  } else {
+    auto [La, ra] = ratio[last_slower];
+    auto [Lb, rb] = ratio[last_slower + 1];
+    const double la = std::log(double(La)), lb = std::log(double(Lb));
+    const double f = std::log(ra) / (std::log(ra) - std::log(rb));
+    j["length"] = std::exp(la + f * (lb - la));
+    j["between"] = {La, Lb};
+  }
+  auto [Lmax, rmax] = ratio.back();
+  j["speedup_at_longest"] = {{"L", Lmax}, {"speedup", 1.0 / rmax}};
+  return j;
+}
+
+nlohmann::json summary(const std::vector<Timing>& rows, const FigureConfig& c) {
+  nlohmann::json s;
+  for (const auto& mask : c.masks) {
+    nlohmann::json m;
+    for (const auto& layer : c.layers)
+      m["slope_" + layer] = fitted_slope(rows, layer, mask);
+    m["crossover"] = crossover(rows, c, mask);
+    s[mask] = m;
+  }
+  s["fit_range"] = {kFitFrom, kFitTo};
+  return s;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string s;
+  for (const auto& x : items) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+/// The command line that reproduces this run.
+std::string command_line(const FigureConfig& c) {
+  std::ostringstream o;
+  o << "attnkit figure-agglomerative --lengths ";
+  for (size_t k = 0; k < c.lengths.size(); ++k) o << (k ? "," : "") << c.lengths[k];
+  o << " --masks " << joined(c.masks) << " --layers " << joined(c.layers) << " --part " << c.part
+    << " --clock " << c.clock << " --batch " << c.batch
+    << " --d-model " << c.d_model << " --heads " << c.heads << " --threads " << c.threads
+    << " --repeats " << c.repeats;
+  if (!c.json.empty()) o << " --json " << c.json;
+  if (!c.csv.empty()) o << " --csv " << c.csv;
+  return o.str();
+}
+
+void write_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << text;
+    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw std::runtime_error("cannot rename " + tmp + " to " + path);
+}
+
+void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
+  if (!c.json.empty()) {
+    nlohmann::json doc;
+    doc["command"] = command_line(c);
+    doc["machine"] = {{"cpu", cpu_name()}, {"threads", num_threads()}};
+    doc["config"] = {{"part", c.part}, {"clock", c.clock}, {"batch", c.batch}, {"d_model", c.d_model}, {"heads", c.heads},
+                     {"repeats", c.repeats}, {"pass", "forward, no autograd"}};
+    doc["rows"] = nlohmann::json::array();
+    for (const auto& r : rows)
+      doc["rows"].push_back({{"layer", r.layer}, {"mask", r.mask}, {"L", r.L},
+                             {"wall_ms", r.wall_ms}, {"cpu_ms", r.cpu_ms}, {"median_ms", r.median},
+                             {"mean_ms", r.mean}, {"sem_ms", r.sem}, {"load_1min", r.load}});
+    doc["summary"] = summary(rows, c);
+    write_atomically(c.json, doc.dump(2) + "\n");
+  }
+  if (!c.csv.empty()) {
+    std::ostringstream o;
+    o << "# " << command_line(c) << "\n";
+    o << "layer,mask,L,median_ms,mean_ms,sem_ms,repeats,load_1min,clock\n";
+    for (const auto& r : rows)
+      o << r.layer << "," << r.mask << "," << r.L << "," << r.median << "," << r.mean << "," << r.sem
+        << "," << r.wall_ms.size() << "," << r.load << "," << c.clock << "\n";
+    write_atomically(c.csv, o.str());
+  }
+}
+
+std::string cell(const Timing* t) {
+  if (!t) return "-";
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(2) << t->median << " +- " << std::setprecision(2) << t->sem;
+  return o.str();
+}
+
+/// What one timed call runs: a whole layer, or the attention of a layer on
+/// the inputs the layer would give it.
+class Subjects {
+ public:
+  explicit Subjects(const FigureConfig& c)
+      : c_(c),
+        agglomerative_(nn::AgglomerativeAttentionOptions(c.d_model, c.heads)),
+        multihead_(nn::MultiheadAttentionOptions(c.d_model, c.heads)) {
+    agglomerative_->eval();
+    multihead_->eval();
+  }
+
+  /// New random inputs of length L.
+  void prepare(int64_t L) {
+    const int64_t N = c_.batch, H = c_.heads, w = c_.d_model / c_.heads;
+    x_ = torch::randn({N, L, c_.d_model});
+    if (c_.part == "layer") return;
+    // The layers' layouts: classes / heads interleaved within each row.
+    auto classes = [&] { return torch::softmax(torch::randn({N, L, H}), -1).transpose(1, 2); };
+    auto heads = [&] { return torch::randn({N, L, H, w}).transpose(1, 2); };
+    cq_ = classes();
+    cr_ = classes();
+    q_ = heads();
+    k_ = heads();
+    v_ = heads();
+  }
+
+  void run(const std::string& layer, bool causal) {
+    if (c_.part == "layer") {
+      if (layer == "agglomerative")
+        agglomerative_->forward(x_, {}, causal);
+      else
+        multihead_->forward(x_, x_, x_, {}, causal);
+    } else if (layer == "agglomerative") {
+      agglomerative_attention(cq_, cr_, v_, AgglomerativeOptions().causal(causal));
+    } else {
+      nn::attend(multihead_->options.mechanism(), q_, k_, v_, causal);
+    }
+  }
+
+ private:
+  const FigureConfig& c_;
+  nn::AgglomerativeAttention agglomerative_;
+  nn::MultiheadAttention multihead_;
+  torch::Tensor x_, cq_, cr_, q_, k_, v_;
+};
+
+void run_figure(const FigureConfig& c) {
+  set_num_threads(c.threads);
+  at::set_num_threads(num_threads());  // the layers' projections get the same threads
+  torch::NoGradGuard no_grad;          // the seed times the layer output alone
+  torch::manual_seed(0);
+  Subjects subjects(c);
+
+  std::cout << command_line(c) << "\n"
+            << "cpu: " << cpu_name() << ", threads: " << num_threads() << ", load: " << load_average()
+            << "\nforward " << c.clock << " ms of the " << c.part << " (median +- standard error of "
+            << c.repeats << " repeats)\n\n"
+            << std::left << std::setw(8) << "mask" << std::right << std::setw(7) << "L" << std::setw(22)
+            << "agglomerative" << std::setw(22) << "multihead (full)" << std::setw(10) << "speed-up"
+            << std::setw(7) << "load" << std::endl;
+  std::vector<Timing> rows;
+  for (int64_t L : c.lengths) {
+    subjects.prepare(L);
+    for (const auto& mask : c.masks) {
+      const bool causal = mask == "masked";
+      for (const auto& layer : c.layers) {
+        Timing t = time_calls([&] { subjects.run(layer, causal); }, c.repeats, c.clock);
+        t.layer = layer;
+        t.mask = mask;
+        t.L = L;
+        rows.push_back(t);
+        write_outputs(c, rows);
+      }
+      const Timing* a = find(rows, "agglomerative", mask, L);
+      const Timing* m = find(rows, "multihead", mask, L);
+      std::ostringstream speedup;
+      if (a && m) speedup << std::fixed << std::setprecision(2) << m->median / a->median << "x";
+      std::cout << std::left << std::setw(8) << mask << std::right << std::setw(7) << L << std::setw(22)
+                << cell(a) << std::setw(22) << cell(m) << std::setw(10) << (a && m ? speedup.str() : "-")
+                << std::setw(7) << std::setprecision(2) << std::fixed << rows.back().load << std::endl;
+    }
+  }
+  std::cout << "\nsummary (slopes of log time vs log L over " << kFitFrom << ".." << kFitTo
+            << "):\n" << summary(rows, c).dump(2) << "\n";
+  if (!c.json.empty()) std::cout << "wrote " << c.json << "\n";
+  if (!c.csv.empty()) std::cout << "wrote " << c.csv << "\n";
+}
+
+}  // namespace
+
+void add_agglomerative_figure_command(CLI::App& app) {
+  auto c = std::make_shared<FigureConfig>();
+  auto* cmd = app.add_subcommand(
+      "figure-agglomerative",
+      "Seed 000 Figure 1: whole-layer forward time of agglomerative vs exact multi-head "
+      "attention over sequence lengths");
+  cmd->add_option("--lengths", c->lengths, "Comma list of sequence lengths")
+      ->delimiter(',')->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--masks", c->masks, "Comma list of full, masked (causal)")
+      ->delimiter(',')->check(CLI::IsMember({"full", "masked"}))->capture_default_str();
+  cmd->add_option("--layers", c->layers, "Comma list of agglomerative, multihead")
+      ->delimiter(',')->check(CLI::IsMember({"agglomerative", "multihead"}))->capture_default_str();
+  cmd->add_option("--part", c->part,
+                  "What to time: the whole layer, or its attention alone on the layer's inputs")
+      ->check(CLI::IsMember({"layer", "attention"}))->capture_default_str();
+  cmd->add_option("--clock", c->clock,
+                  "Time to report: cpu (process CPU time: waiting for a core that other jobs hold "
+                  "does not count; for one thread on an idle machine it equals wall) or wall")
+      ->check(CLI::IsMember({"cpu", "wall"}))->capture_default_str();
+  cmd->add_option("--batch", c->batch, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--d-model", c->d_model, "Model width d")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--heads", c->heads, "Heads of the exact layer = classes of the agglomerative one")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--threads", c->threads, "Threads (the seed: one CPU core)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--repeats", c->repeats, "Timed repeats after one warm-up")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--json", c->json, "Write the results and summary to this JSON file");
+  cmd->add_option("--csv", c->csv, "Write one line per (layer, mask, length) to this CSV file");
+  cmd->callback([c] {
+    if (c->d_model % c->heads != 0)
+      throw CLI::ValidationError("--d-model",
+                                 "must be a multiple of --heads (" + std::to_string(c->heads) + ")");
+    run_figure(*c);
+  });
+}
+
+}  // namespace attnkit::cli

@@ -1,0 +1,105 @@
+// Agglomerative attention layer and its streaming step (SPECS section 4).
+#include <attnkit/nn/agglomerative.h>
+
+#include <cmath>
+
+#include "ops/checks.h"
+
+namespace attnkit::nn {
+
+namespace {
+
+constexpr const char* kModule = "AgglomerativeAttention";
+
+/// Glorot (Xavier) uniform: U(-b, b) with b = sqrt(6 / (fan_in + fan_out)).
+torch::Tensor glorot_uniform(int64_t fan_in, int64_t fan_out) {
+  const double bound = std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
+  return torch::empty({fan_in, fan_out}).uniform_(-bound, bound);
+}
+
+}  // namespace
+
+AgglomerativeAttentionImpl::AgglomerativeAttentionImpl(const AgglomerativeAttentionOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void AgglomerativeAttentionImpl::reset() {
+  const int64_t d = options.d_model(), m = options.classes();
+  TORCH_CHECK(d > 0 && m > 0 && d % m == 0, kModule, ": d_model (", d,
+              ") must be a positive multiple of classes (", m, ")");
+  TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, kModule,
+              ": option 'dropout' must be in [0, 1), got ", options.dropout());
+  W_q = register_parameter("W_q", glorot_uniform(d, m));
+  b_q = register_parameter("b_q", torch::zeros({m}));
+  W_r = register_parameter("W_r", glorot_uniform(d, m));
+  b_r = register_parameter("b_r", torch::zeros({m}));
+  P = register_parameter("P", glorot_uniform(d, d));
+  Q = register_parameter("Q", glorot_uniform(d, d));
+}
+
+torch::Tensor AgglomerativeAttentionImpl::dropout(const torch::Tensor& p) {
+  const double rate = options.dropout();
+  if (!is_training() || rate == 0) return p;
+  auto keep = torch::empty_like(p).bernoulli_(1 - rate, options.generator());
+  return p * keep.div_(1 - rate);
+}
+
+torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
+                                                  const torch::Tensor& x_ref, bool causal) {
+  const int64_t d = options.d_model(), m = options.classes();
+  auto check_input = [&](const char* name, const torch::Tensor& x) {
+    detail::check_float_tensor(kModule, name, x, 3);
+    detail::check_dim(kModule, name, x, 2, d, "feature size d_model");
+    TORCH_CHECK(x.scalar_type() == P.scalar_type(), kModule, ": argument '", name, "' has dtype ",
+                x.scalar_type(), " but the parameters have dtype ", P.scalar_type());
+  };
+  check_input("x_query", x_query);
+  if (x_ref.defined()) {
+    check_input("x_ref", x_ref);
+    detail::check_dim(kModule, "x_ref", x_ref, 0, x_query.size(0), "batch size N");
+  }
+  const torch::Tensor& x = x_ref.defined() ? x_ref : x_query;
+  const int64_t N = x_query.size(0), L = x_query.size(1), S = x.size(1);
+
+  auto cq = torch::softmax(torch::matmul(x_query, W_q) + b_q, -1);        // (N, L, m)
+  auto cr = torch::softmax(torch::matmul(x, W_r) + b_r, -1);              // (N, S, m)
+  auto v = torch::matmul(x, P).view({N, S, m, d / m}).transpose(1, 2);  // (N, m, S, d/m), a view
+  auto a = agglomerative_attention(cq.transpose(1, 2), cr.transpose(1, 2), v,
+                                   AgglomerativeOptions().causal(causal));  // (N, m, L, d/m)
+  // The op lays its output out like v, (N, L, m, d/m) in memory: the class
+  // concatenation is a view.
+  auto p = a.transpose(1, 2).reshape({N, L, d});
+  return torch::matmul(dropout(p), Q);
+}
+
+torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, AgglomerativeState& state) {
+  const int64_t d = options.d_model(), m = options.classes();
+  detail::check_float_tensor(kModule, "x_t", x_t, 2);
+  detail::check_dim(kModule, "x_t", x_t, 1, d, "feature size d_model");
+  TORCH_CHECK(x_t.scalar_type() == P.scalar_type(), kModule, ": argument 'x_t' has dtype ",
+              x_t.scalar_type(), " but the parameters have dtype ", P.scalar_type());
+  const int64_t N = x_t.size(0);
+  if (!state.sums.defined()) {
+    state.sums = torch::zeros({N, m, d / m}, x_t.options());
+    state.counts = torch::zeros({N, m}, x_t.options());
+  }
+  TORCH_CHECK(state.sums.sizes() == torch::IntArrayRef({N, m, d / m}) &&
+                  state.counts.sizes() == torch::IntArrayRef({N, m}),
+              kModule, ": the state has sums ", detail::shape_str(state.sums), " and counts ",
+              detail::shape_str(state.counts), ", expected (", N, ", ", m, ", ", d / m, ") and (", N,
+              ", ", m, ") for x_t of batch size ", N);
+
+  auto cq = torch::softmax(torch::matmul(x_t, W_q) + b_q, -1);  // (N, m)
+  auto cr = torch::softmax(torch::matmul(x_t, W_r) + b_r, -1);  // (N, m)
+  // Out of place, so that a graph through earlier steps stays valid.
+  state.sums = state.sums + cr.unsqueeze(-1) * torch::matmul(x_t, P).view({N, m, d / m});
+  state.counts = state.counts + cr;
+  // clamp_min passes no gradient where it is active, like the op's clip.
+  const double clip = AgglomerativeOptions().clip();
+  auto a = state.sums / torch::clamp_min(state.counts, clip).unsqueeze(-1);  // (N, m, d/m)
+  auto p = (cq.unsqueeze(-1) * a).reshape({N, d});
+  return torch::matmul(dropout(p), Q);
+}
+
+}  // namespace attnkit::nn
