@@ -62,8 +62,10 @@ struct Result {
 
 const std::vector<std::string>& known_attention() {
   static const std::vector<std::string> names = [] {
+    // The registry's names plus the two bench-only ones, each once.
     std::vector<std::string> n{"gated-linear", "agglomerative"};
-    for (const auto& m : nn::mechanism_names()) n.push_back(m);
+    for (const auto& m : nn::mechanism_names())
+      if (std::find(n.begin(), n.end(), m) == n.end()) n.push_back(m);
     return n;
   }();
   return names;

@@ -18,4 +18,7 @@ void add_figure_clustered_command(CLI::App& app);
 /// `attnkit approx`: clustered and improved-clustered attention vs exact.
 void add_approx_command(CLI::App& app);
 
+/// `attnkit bench-lookup`: softmax lookups over stored states vs DocumentMemory lookups.
+void add_bench_lookup_command(CLI::App& app);
+
 }  // namespace attnkit::cli

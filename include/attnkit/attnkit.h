@@ -3,7 +3,9 @@
 
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
+#include <attnkit/document_memory.h>
 #include <attnkit/nn/zoo.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/clustered.h>
 #include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/linear.h>

@@ -1,8 +1,164 @@
-// Op boundaries of linear and gated linear attention.
+// Op boundaries of linear and gated linear attention: validation, then float32
+// through the kernels of src/kernels/linear_attention (as autograd Functions,
+// so C++ and Python callers get the kernels' backward), other dtypes through
+// the reference.
+#include "kernels/linear_attention.h"
+
 #include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <size_t D>
+void copy_strides(const torch::Tensor& t, int64_t (&stride)[D]) {
+  for (size_t d = 0; d < D; ++d) stride[d] = t.stride(static_cast<int64_t>(d));
+}
+
+kernels::FeatureMapKind kernel_feature_map(FeatureMap map) {
+  return map == FeatureMap::elu ? kernels::FeatureMapKind::elu : kernels::FeatureMapKind::identity;
+}
+
+/// Kernel parameters over q, k, v, out and den (undefined unless normalize).
+kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, const torch::Tensor& k,
+                                                     const torch::Tensor& v, torch::Tensor& out,
+                                                     torch::Tensor& den,
+                                                     const LinearAttentionOptions& o) {
+  kernels::LinearAttentionBackwardParams p;
+  p.q = q.data_ptr<float>();
+  copy_strides(q, p.q_stride);
+  p.k = k.data_ptr<float>();
+  copy_strides(k, p.k_stride);
+  p.v = v.data_ptr<float>();
+  copy_strides(v, p.v_stride);
+  p.out = out.data_ptr<float>();
+  copy_strides(out, p.out_stride);
+  p.den = den.defined() ? den.data_ptr<float>() : nullptr;
+  p.N = q.size(0);
+  p.H = q.size(1);
+  p.L = q.size(2);
+  p.S = k.size(2);
+  p.E = q.size(3);
+  p.M = v.size(3);
+  p.feature_map = kernel_feature_map(o.feature_map());
+  p.normalize = o.normalize();
+  p.causal = o.causal();
+  p.eps = static_cast<float>(o.eps());
+  return p;
+}
+
+LinearAttentionOptions options_from(const AutogradContext* ctx) {
+  const auto& d = ctx->saved_data;
+  return LinearAttentionOptions()
+      .feature_map(d.at("elu").toBool() ? FeatureMap::elu : FeatureMap::identity)
+      .normalize(d.at("normalize").toBool())
+      .causal(d.at("causal").toBool())
+      .eps(d.at("eps").toDouble());
+}
+
+class LinearAttentionFunction : public torch::autograd::Function<LinearAttentionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const LinearAttentionOptions& o) {
+    auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+    auto den = o.normalize() ? torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())
+                             : torch::Tensor();
+    kernels::linear_attention_forward(linear_params(q, k, v, out, den, o));
+    ctx->save_for_backward({q, k, v, out, den});
+    ctx->saved_data["elu"] = o.feature_map() == FeatureMap::elu;
+    ctx->saved_data["normalize"] = o.normalize();
+    ctx->saved_data["causal"] = o.causal();
+    ctx->saved_data["eps"] = o.eps();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
+    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    auto p = linear_params(q, k, v, out, den, options_from(ctx));
+    const torch::Tensor& dout = grads[0];
+    p.dout = dout.data_ptr<float>();
+    copy_strides(dout, p.dout_stride);
+    p.dq = dq.data_ptr<float>();
+    copy_strides(dq, p.dq_stride);
+    p.dk = dk.data_ptr<float>();
+    copy_strides(dk, p.dk_stride);
+    p.dv = dv.data_ptr<float>();
+    copy_strides(dv, p.dv_stride);
+    kernels::linear_attention_backward(p);
+    return {dq, dk, dv, torch::Tensor()};
+  }
+};
+
+kernels::GatedLinearAttentionBackwardParams gated_params(const torch::Tensor& f,
+                                                         const torch::Tensor& q,
+                                                         const torch::Tensor& alpha,
+                                                         const torch::Tensor& beta, bool causal) {
+  kernels::GatedLinearAttentionBackwardParams p;
+  p.f = f.data_ptr<float>();
+  copy_strides(f, p.f_stride);
+  p.q = q.data_ptr<float>();
+  copy_strides(q, p.q_stride);
+  p.alpha = alpha.data_ptr<float>();
+  copy_strides(alpha, p.alpha_stride);
+  p.beta = beta.data_ptr<float>();
+  copy_strides(beta, p.beta_stride);
+  p.N = f.size(0);
+  p.H = f.size(1);
+  p.L = f.size(2);
+  p.E = f.size(3);
+  p.causal = causal;
+  return p;
+}
+
+class GatedLinearAttentionFunction
+    : public torch::autograd::Function<GatedLinearAttentionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& f, const torch::Tensor& q,
+                               const torch::Tensor& alpha, const torch::Tensor& beta, bool causal) {
+    auto out = torch::empty(f.sizes(), f.options());
+    auto p = gated_params(f, q, alpha, beta, causal);
+    p.out = out.data_ptr<float>();
+    copy_strides(out, p.out_stride);
+    kernels::gated_linear_attention_forward(p);
+    ctx->save_for_backward({f, q, alpha, beta});
+    ctx->saved_data["causal"] = causal;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
+    auto p = gated_params(f, q, alpha, beta, ctx->saved_data["causal"].toBool());
+    const torch::Tensor& dout = grads[0];
+    auto df = torch::empty(f.sizes(), f.options());
+    auto dq = torch::empty(q.sizes(), q.options());
+    // The gates' gradients cost an extra O(chunk^2) per chunk: only when asked.
+    auto dalpha =
+        ctx->needs_input_grad(2) ? torch::empty(alpha.sizes(), alpha.options()) : torch::Tensor();
+    auto dbeta =
+        ctx->needs_input_grad(3) ? torch::empty(beta.sizes(), beta.options()) : torch::Tensor();
+    p.dout = dout.data_ptr<float>();
+    copy_strides(dout, p.dout_stride);
+    p.df = df.data_ptr<float>();
+    copy_strides(df, p.df_stride);
+    p.dq = dq.data_ptr<float>();
+    copy_strides(dq, p.dq_stride);
+    p.dalpha = dalpha.defined() ? dalpha.data_ptr<float>() : nullptr;
+    p.dbeta = dbeta.defined() ? dbeta.data_ptr<float>() : nullptr;
+    kernels::gated_linear_attention_backward(p);
+    return {df, dq, dalpha, dbeta, torch::Tensor()};
+  }
+};
+
+}  // namespace
 
 FeatureMap feature_map_from_string(const std::string& name) {
   if (name == "identity") return FeatureMap::identity;
@@ -19,7 +175,8 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   detail::check_qkv(op, q, k, v);
   detail::check_finite(op, "eps", options.eps());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  return reference::linear_attention(q, k, v, options);
+  if (q.scalar_type() != torch::kFloat) return reference::linear_attention(q, k, v, options);
+  return LinearAttentionFunction::apply(q, k, v, options);
 }
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
@@ -36,11 +193,15 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
   TORCH_CHECK(q.sizes() == f.sizes(), op, ": argument 'q' must have the shape of 'f' ",
               detail::shape_str(f), ", got ", detail::shape_str(q));
   const auto nhl = f.sizes().slice(0, 3);
-  TORCH_CHECK(alpha.sizes() == nhl, op, ": argument 'alpha' must have shape (N, H, L) = ",
-              detail::shape_str(f.select(3, 0)), ", got ", detail::shape_str(alpha));
-  TORCH_CHECK(beta.sizes() == nhl, op, ": argument 'beta' must have shape (N, H, L) = ",
-              detail::shape_str(f.select(3, 0)), ", got ", detail::shape_str(beta));
-  return reference::gated_linear_attention(f, q, alpha, beta, options);
+  TORCH_CHECK(alpha.sizes() == nhl, op,
+              ": argument 'alpha' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
+              ", got ", detail::shape_str(alpha));
+  TORCH_CHECK(beta.sizes() == nhl, op,
+              ": argument 'beta' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
+              ", got ", detail::shape_str(beta));
+  if (f.scalar_type() != torch::kFloat)
+    return reference::gated_linear_attention(f, q, alpha, beta, options);
+  return GatedLinearAttentionFunction::apply(f, q, alpha, beta, options.causal());
 }
 
 }  // namespace attnkit

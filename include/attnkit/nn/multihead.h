@@ -15,8 +15,9 @@ namespace attnkit::nn {
 
 /// A mechanism and its settings; each mechanism reads only its own fields.
 struct MechanismOptions {
-  /// One of mechanism_names(): "full", "linear", "causal-linear", "clustered",
-  /// "improved-clustered", or "sparse-<pattern>" with a pattern of edges::by_name.
+  /// One of mechanism_names(): "full", "linear", "causal-linear", "gated-linear",
+  /// "clustered", "improved-clustered", or "sparse-<pattern>" with a pattern of
+  /// edges::by_name.
   TORCH_ARG(std::string, name) = "full";
   // linear, causal-linear (defaults: the normalised elu form of Katharopoulos et al.)
   TORCH_ARG(FeatureMap, feature_map) = FeatureMap::elu;

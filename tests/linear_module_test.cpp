@@ -1,0 +1,212 @@
+// The linear attention modules: the streaming decoding state against the
+// causal op token by token, LinearAttention, GatedLinearAttention against the
+// seed's recurrence (the general op) and a DocumentMemory, and the
+// "gated-linear" mechanism of MultiheadAttention.
+#include <attnkit/document_memory.h>
+#include <attnkit/nn/linear.h>
+#include <attnkit/nn/multihead.h>
+#include <attnkit/ops.h>
+
+#include "test_util.h"
+
+namespace attnkit::nn {
+namespace {
+
+using testing::expect_error;
+using testing::f32;
+using testing::f64;
+using testing::rel_err;
+
+// Two float64 evaluations of the same sums in different orders.
+constexpr double kSameMathTol64 = 1e-12;
+// Float32 runs of the same math in different orders (sums of <= 64 terms):
+// 64 * 2^-24 = 4e-6 of the terms' scale, with room for the normaliser's division.
+constexpr double kSameMathTol32 = 1e-5;
+
+/// Token-by-token outputs of a fresh state over (N, H, L, .) inputs, as (N, H, L, M).
+torch::Tensor stream(LinearAttentionState state, const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v) {
+  std::vector<torch::Tensor> outs;
+  for (int64_t t = 0; t < q.size(2); ++t)
+    outs.push_back(state.step(q.select(2, t), k.select(2, t), v.select(2, t)));
+  return torch::stack(outs, 2);
+}
+
+TEST(LinearState, StepsEqualTheCausalOpTokenByToken) {
+  torch::manual_seed(1);
+  const int64_t N = 2, H = 3, L = 41, E = 4, M = 6;
+  for (auto dtype : {torch::kDouble, torch::kFloat})
+    for (auto [map, normalize] : {std::pair{FeatureMap::identity, false},
+                                  {FeatureMap::elu, false},
+                                  {FeatureMap::elu, true}}) {
+      SCOPED_TRACE(to_string(map) + (normalize ? " normalize " : " ") + c10::toString(dtype));
+      const auto opts = torch::TensorOptions().dtype(dtype);
+      auto q = torch::randn({N, H, L, E}, opts), k = torch::randn({N, H, L, E}, opts);
+      auto v = torch::randn({N, H, L, M}, opts);
+      LinearAttention module(
+          LinearAttentionOptions().feature_map(map).normalize(normalize).causal(true));
+      auto whole = module(q, k, v);  // float32: the chunked kernels; float64: the reference
+      auto steps = stream(module->state(), q, k, v);
+      EXPECT_LT(rel_err(steps, whole), dtype == torch::kDouble ? kSameMathTol64 : kSameMathTol32);
+    }
+}
+
+TEST(LinearState, StepsAreDifferentiableLikeTheOp) {
+  torch::manual_seed(2);
+  const int64_t L = 9, E = 3, M = 2;
+  auto q = torch::randn({1, 2, L, E}, f64()), k = torch::randn({1, 2, L, E}, f64());
+  auto v = torch::randn({1, 2, L, M}, f64());
+  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  testing::expect_gradients_match(
+      [&](const std::vector<torch::Tensor>& x) {
+        return stream(LinearAttention(o)->state(), x[0], x[1], x[2]);
+      },
+      {q, k, v});
+}
+
+TEST(LinearState, ShapeChangesNeedAReset) {
+  LinearAttentionState state;
+  EXPECT_EQ(state.steps(), 0);
+  state.step(torch::randn({2, 3, 4}), torch::randn({2, 3, 4}), torch::randn({2, 3, 5}));
+  EXPECT_EQ(state.steps(), 1);
+  EXPECT_EQ(state.sum_kv().sizes(), (std::vector<int64_t>{2, 3, 4, 5}));
+  expect_error(
+      [&] {
+        state.step(torch::randn({2, 3, 4}), torch::randn({2, 3, 4}), torch::randn({2, 3, 6}));
+      },
+      {"LinearAttentionState::step", "(2, 3, 4, 5)", "reset()"});
+  expect_error(
+      [&] {
+        state.step(torch::randn({2, 3, 4}), torch::randn({2, 3, 5}), torch::randn({2, 3, 5}));
+      },
+      {"LinearAttentionState::step", "'k'", "feature size E"});
+  state.reset();
+  EXPECT_EQ(state.steps(), 0);
+  EXPECT_FALSE(state.sum_kv().defined());
+  auto out = state.step(torch::randn({1, 1, 2}), torch::randn({1, 1, 2}), torch::randn({1, 1, 7}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 1, 7}));
+  expect_error([] { LinearAttentionState(LinearAttentionStateOptions().eps(-1)); },
+               {"LinearAttentionState", "eps"});
+}
+
+TEST(LinearModule, IsTheOpWithItsOptions) {
+  torch::manual_seed(3);
+  auto q = torch::randn({2, 2, 5, 3}), k = torch::randn({2, 2, 7, 3}),
+       v = torch::randn({2, 2, 7, 4});
+  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true);
+  LinearAttention module(o);
+  EXPECT_TRUE(torch::equal(module(q, k, v), linear_attention(q, k, v, o)));
+  EXPECT_TRUE(module->parameters().empty());
+}
+
+// --- GatedLinearAttention -------------------------------------------------------------
+
+/// The module's parameters in float64 (for exact comparisons).
+GatedLinearAttention gated_module(int64_t dim) {
+  auto m = GatedLinearAttention(GatedLinearAttentionOptions(dim));
+  m->to(torch::kDouble);
+  return m;
+}
+
+TEST(LinearGatedModule, IsTheSeedsGatedRecurrence) {
+  // f_t = sigmoid(W h_t + b) * h_t, C_t = C_{t-1} + f_t f_t^T, out = C q: the
+  // general op with alpha = beta = 1.
+  torch::manual_seed(4);
+  const int64_t N = 2, n = 23, dim = 5;
+  auto m = gated_module(dim);
+  auto h = torch::randn({N, n, dim}, f64()), q = torch::randn({N, n, dim}, f64());
+  auto f = torch::sigmoid(torch::matmul(h, m->gate->weight.t()) + m->gate->bias) * h;
+  EXPECT_LT(rel_err(m->features(h), f), kSameMathTol64);
+  auto ones = torch::ones({N, 1, n}, f64());
+  for (bool causal : {false, true}) {
+    auto want = gated_linear_attention(f.unsqueeze(1), q.unsqueeze(1), ones, ones,
+                                       attnkit::GatedLinearAttentionOptions().causal(causal));
+    EXPECT_LT(rel_err(m->forward(h, q, causal), want.squeeze(1)), kSameMathTol64);
+  }
+}
+
+TEST(LinearGatedModule, AnyNumberOfQueriesReadTheDocument) {
+  // The seed's question answering: m queries (here fewer and more than the
+  // n states) against one document matrix C = F^T F.
+  torch::manual_seed(5);
+  const int64_t n = 30, dim = 6;
+  auto m = gated_module(dim);
+  auto h = torch::randn({1, n, dim}, f64());
+  auto F = m->features(h)[0];
+  for (int64_t queries : {1, 4, 45}) {
+    auto q = torch::randn({1, queries, dim}, f64());
+    EXPECT_LT(rel_err(m->forward(h, q)[0], torch::matmul(q[0], torch::matmul(F.t(), F))),
+              kSameMathTol64);
+  }
+}
+
+TEST(LinearGatedModule, GradientsMatchFiniteDifferences) {
+  torch::manual_seed(6);
+  const int64_t dim = 3;
+  auto m = gated_module(dim);
+  for (bool causal : {false, true})
+    testing::expect_gradients_match(
+        [&](const std::vector<torch::Tensor>& x) {
+          m->gate->weight = x[2];
+          m->gate->bias = x[3];
+          return m->forward(x[0], x[1], causal);
+        },
+        {torch::randn({2, 6, dim}, f64()), torch::randn({2, 6, dim}, f64()),
+         m->gate->weight.detach(), m->gate->bias.detach()});
+}
+
+TEST(LinearGatedModule, FeaturesFeedADocumentMemory) {
+  // Float32: the module's non-causal output is a DocumentMemory lookup of its features.
+  torch::manual_seed(7);
+  const int64_t n = 200, dim = 16;
+  auto m = GatedLinearAttention(GatedLinearAttentionOptions(dim));
+  torch::NoGradGuard no_grad;
+  auto h = torch::randn({1, n, dim}, f32()), q = torch::randn({1, 9, dim}, f32());
+  DocumentMemory memory(dim);
+  memory.append(m->features(h)[0]);
+  // Both sum n = 200 float32 products per entry, in different orders.
+  constexpr double kTwoFloat32Sums = 2 * 200 * 6e-8;
+  EXPECT_LT(rel_err(memory.lookup(q[0]), m->forward(h, q)[0]), kTwoFloat32Sums);
+}
+
+TEST(LinearGatedModule, RejectsBadInput) {
+  GatedLinearAttention m(GatedLinearAttentionOptions(4));
+  expect_error(
+      [&] {
+        m->forward(torch::randn({1, 3, 5}), torch::randn({1, 3, 4}));
+      },
+      {"GatedLinearAttention", "hidden", "feature size dim"});
+  expect_error(
+      [&] {
+        m->forward(torch::randn({1, 3, 4}), torch::randn({2, 3, 4}));
+      },
+      {"GatedLinearAttention", "queries", "batch size N"});
+  expect_error([] { GatedLinearAttention(GatedLinearAttentionOptions(0)); },
+               {"GatedLinearAttention", "dim", "positive"});
+}
+
+// --- MultiheadAttention's "gated-linear" ----------------------------------------------------
+
+TEST(LinearMultihead, GatedLinearGatesTheValueProjectionWithTheKeyProjection) {
+  torch::manual_seed(8);
+  const int64_t N = 2, L = 11, D = 8, H = 2, dh = D / H;
+  MultiheadAttention mha(
+      MultiheadAttentionOptions(D, H).mechanism(MechanismOptions().name("gated-linear")));
+  mha->to(torch::kDouble);
+  auto x = torch::randn({N, L, D}, f64());
+  auto heads = [&](const torch::Tensor& t) { return t.view({N, L, H, dh}).transpose(1, 2); };
+  auto q = heads(mha->q_proj(x)), k = heads(mha->k_proj(x)), v = heads(mha->v_proj(x));
+  auto f = torch::sigmoid(k) * v;
+  auto ones = torch::ones({N, H, L}, f64());
+  for (bool causal : {false, true}) {
+    auto per_head = gated_linear_attention(f, q, ones, ones,
+                                           attnkit::GatedLinearAttentionOptions().causal(causal));
+    auto want = mha->out_proj(per_head.transpose(1, 2).reshape({N, L, D}));
+    EXPECT_LT(rel_err(mha->forward(x, x, x, {}, causal), want), kSameMathTol64);
+  }
+  expect_error([&] { mha->forward(x, x, x, torch::full({N}, L, torch::kLong)); },
+               {"gated-linear", "key_lengths"});
+}
+
+}  // namespace
+}  // namespace attnkit::nn
