@@ -7,6 +7,7 @@
 
 #include "kernels/gemm.h"
 #include "kernels/memory.h"
+#include "kernels/parallel.h"
 #include "kernels/threading.h"
 #include "kernels/vec.h"
 
@@ -14,7 +15,6 @@ namespace attnkit::kernels {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------
 // Matrices, scratch and threads
@@ -73,24 +73,6 @@ void axpy(float* y, const float* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-/// Slices one thread's scratch out of a buffer allocated before the parallel
-/// region (so an allocation failure throws to the caller instead of terminating
-/// inside OpenMP). With a null base it only counts, to size that buffer.
-class Slicer {
- public:
-  explicit Slicer(float* base) : base_(base) {}
-  float* take(int64_t count) {
-    float* slice = base_ ? base_ + used_ : nullptr;
-    used_ += ceil_div(count, 16) * 16;  // keeps every slice 64-byte aligned
-    return slice;
-  }
-  int64_t used() const { return used_; }
-
- private:
-  float* base_;
-  int64_t used_ = 0;
-};
-
 /// Runs head(nh, scratch) for nh in [0, heads) on num_threads() OpenMP threads,
 /// each thread with its own scratch (make_scratch(slicer)) carved out of one
 /// counted buffer.
@@ -98,19 +80,12 @@ template <typename MakeScratch, typename Head>
 void parallel_heads(int64_t heads, MakeScratch make_scratch, Head head) {
   Slicer sizer(nullptr);
   make_scratch(sizer);
-  const int threads = num_threads();
-  Buffer<float> scratch(static_cast<std::size_t>(threads * sizer.used()));
-#pragma omp parallel num_threads(threads)
-  {
-    // oneDNN, called inside, must run on this thread alone. In a team of one
-    // omp_in_parallel() is false and oneDNN would fork its own threads, making
-    // the rounding depend on the thread count; this setting lasts for the region.
-    omp_set_num_threads(1);
-    Slicer slicer(scratch.data() + omp_get_thread_num() * sizer.used());
+  parallel_with_scratch(sizer.used(), [&](float* base) {
+    Slicer slicer(base);
     const auto w = make_scratch(slicer);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < heads; ++nh) head(nh, w);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include "kernels/gemm.h"
 #include "kernels/memory.h"
+#include "kernels/parallel.h"
 #include "kernels/threading.h"
 #include "kernels/vec.h"
 
@@ -40,8 +41,6 @@ constexpr int64_t kForwardBlockK = 256;
 constexpr int64_t kForwardGroup = 4;
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// A row-major matrix as sgemm takes it: element (r, c) at data[r * ld + c].
 struct Rows {
@@ -105,40 +104,6 @@ void mask_block(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0,
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t from = std::clamp<int64_t>(visible(i0 + r) - j0, 0, cols);
     std::fill(s + r * lds + from, s + r * lds + cols, -kInf);
-  }
-}
-
-/// Slices one thread's scratch out of a buffer allocated before the parallel
-/// region (so an allocation failure throws to the caller instead of terminating
-/// inside OpenMP). With a null base it only counts, to size that buffer.
-class Slicer {
- public:
-  explicit Slicer(float* base) : base_(base) {}
-  float* take(int64_t count) {
-    float* slice = base_ ? base_ + used_ : nullptr;
-    used_ += ceil_div(count, 16) * 16;  // keeps every slice 64-byte aligned
-    return slice;
-  }
-  int64_t used() const { return used_; }
-
- private:
-  float* base_;
-  int64_t used_ = 0;
-};
-
-/// Runs body(scratch) on num_threads() OpenMP threads, each with its own slice
-/// of `floats_per_thread` floats.
-template <typename Body>
-void parallel_with_scratch(int64_t floats_per_thread, Body body) {
-  const int threads = num_threads();
-  Buffer<float> scratch(static_cast<std::size_t>(threads * floats_per_thread));
-#pragma omp parallel num_threads(threads)
-  {
-    // oneDNN, called inside, must run on this thread alone. In a team of one
-    // omp_in_parallel() is false and oneDNN would fork its own threads, making
-    // the rounding depend on the thread count; this setting lasts for the region.
-    omp_set_num_threads(1);
-    body(scratch.data() + omp_get_thread_num() * floats_per_thread);
   }
 }
 
