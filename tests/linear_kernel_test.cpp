@@ -9,6 +9,7 @@
 
 #include <iostream>
 
+#include "ops/binding.h"
 #include "kernels/linear_attention.h"
 #include "reference/reference.h"
 #include "test_util.h"
@@ -35,10 +36,6 @@ constexpr double kVsFloat32Factor = 4.0;
 
 torch::Tensor empty_like_f32(at::IntArrayRef sizes) { return torch::empty(sizes, f32()); }
 
-template <size_t D>
-void copy_strides(const torch::Tensor& t, int64_t (&stride)[D]) {
-  for (size_t d = 0; d < D; ++d) stride[d] = t.stride(static_cast<int64_t>(d));
-}
 
 struct Grads {
   torch::Tensor out, dq, dk, dv;
@@ -53,14 +50,10 @@ Grads linear_kernels(const torch::Tensor& q, const torch::Tensor& k, const torch
           empty_like_f32({N, H, S, M})};
   auto den = empty_like_f32({N, H, L});
   kernels::LinearAttentionBackwardParams p;
-  p.q = q.data_ptr<float>();
-  copy_strides(q, p.q_stride);
-  p.k = k.data_ptr<float>();
-  copy_strides(k, p.k_stride);
-  p.v = v.data_ptr<float>();
-  copy_strides(v, p.v_stride);
-  p.out = g.out.data_ptr<float>();
-  copy_strides(g.out, p.out_stride);
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.k, p.k_stride, k);
+  detail::bind(p.v, p.v_stride, v);
+  detail::bind(p.out, p.out_stride, g.out);
   p.den = den.data_ptr<float>();
   p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M;
   p.feature_map = o.feature_map() == FeatureMap::elu ? kernels::FeatureMapKind::elu
@@ -70,14 +63,10 @@ Grads linear_kernels(const torch::Tensor& q, const torch::Tensor& k, const torch
   p.eps = static_cast<float>(o.eps());
   p.chunk = chunk;
   kernels::linear_attention_forward(p);
-  p.dout = dout.data_ptr<float>();
-  copy_strides(dout, p.dout_stride);
-  p.dq = g.dq.data_ptr<float>();
-  copy_strides(g.dq, p.dq_stride);
-  p.dk = g.dk.data_ptr<float>();
-  copy_strides(g.dk, p.dk_stride);
-  p.dv = g.dv.data_ptr<float>();
-  copy_strides(g.dv, p.dv_stride);
+  detail::bind(p.dout, p.dout_stride, dout);
+  detail::bind(p.dq, p.dq_stride, g.dq);
+  detail::bind(p.dk, p.dk_stride, g.dk);
+  detail::bind(p.dv, p.dv_stride, g.dv);
   kernels::linear_attention_backward(p);
   return g;
 }
@@ -278,26 +267,18 @@ GatedGrads gated_kernels(const torch::Tensor& f, const torch::Tensor& q, const t
   GatedGrads g{empty_like_f32(sizes), empty_like_f32(sizes), empty_like_f32(sizes),
                empty_like_f32(alpha.sizes()), empty_like_f32(beta.sizes())};
   kernels::GatedLinearAttentionBackwardParams p;
-  p.f = f.data_ptr<float>();
-  copy_strides(f, p.f_stride);
-  p.q = q.data_ptr<float>();
-  copy_strides(q, p.q_stride);
-  p.alpha = alpha.data_ptr<float>();
-  copy_strides(alpha, p.alpha_stride);
-  p.beta = beta.data_ptr<float>();
-  copy_strides(beta, p.beta_stride);
-  p.out = g.out.data_ptr<float>();
-  copy_strides(g.out, p.out_stride);
+  detail::bind(p.f, p.f_stride, f);
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.alpha, p.alpha_stride, alpha);
+  detail::bind(p.beta, p.beta_stride, beta);
+  detail::bind(p.out, p.out_stride, g.out);
   p.N = f.size(0), p.H = f.size(1), p.L = f.size(2), p.E = f.size(3);
   p.causal = causal;
   p.chunk = chunk;
   kernels::gated_linear_attention_forward(p);
-  p.dout = dout.data_ptr<float>();
-  copy_strides(dout, p.dout_stride);
-  p.df = g.df.data_ptr<float>();
-  copy_strides(g.df, p.df_stride);
-  p.dq = g.dq.data_ptr<float>();
-  copy_strides(g.dq, p.dq_stride);
+  detail::bind(p.dout, p.dout_stride, dout);
+  detail::bind(p.df, p.df_stride, g.df);
+  detail::bind(p.dq, p.dq_stride, g.dq);
   p.dalpha = g.dalpha.data_ptr<float>();
   p.dbeta = g.dbeta.data_ptr<float>();
   p.method = method;

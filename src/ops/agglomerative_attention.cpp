@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kernels/agglomerative.h"
+#include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
@@ -13,10 +14,6 @@ namespace attnkit {
 
 namespace {
 
-template <size_t R>
-void copy_strides(const torch::Tensor& t, int64_t (&strides)[R]) {
-  for (size_t d = 0; d < R; ++d) strides[d] = t.stride(static_cast<int64_t>(d));
-}
 
 /// An (N, H, L, M) output laid out like v: when v's classes are interleaved
 /// within each row ((N, S, H, M) storage, as a view of x P is), so are the
@@ -30,12 +27,9 @@ torch::Tensor empty_output_like(const torch::Tensor& v, int64_t L) {
 /// Fills the inputs, sizes and options shared by the forward and backward params.
 void fill_inputs(kernels::AgglomerativeParams& p, const torch::Tensor& cq, const torch::Tensor& cr,
                  const torch::Tensor& v, bool causal, double clip) {
-  p.cq = cq.data_ptr<float>();
-  copy_strides(cq, p.cq_stride);
-  p.cr = cr.data_ptr<float>();
-  copy_strides(cr, p.cr_stride);
-  p.v = v.data_ptr<float>();
-  copy_strides(v, p.v_stride);
+  detail::bind(p.cq, p.cq_stride, cq);
+  detail::bind(p.cr, p.cr_stride, cr);
+  detail::bind(p.v, p.v_stride, v);
   p.N = cq.size(0);
   p.H = cq.size(1);
   p.L = cq.size(2);
@@ -52,8 +46,7 @@ kernels::AgglomerativeParams forward_params(const torch::Tensor& cq, const torch
   *out = empty_output_like(v, cq.size(2));
   kernels::AgglomerativeParams p;
   fill_inputs(p, cq, cr, v, causal, clip);
-  p.out = out->data_ptr<float>();
-  copy_strides(*out, p.out_stride);
+  detail::bind(p.out, p.out_stride, *out);
   return p;
 }
 
@@ -98,14 +91,10 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
     fill_inputs(p, cq, cr, v, ctx->saved_data["causal"].toBool(), ctx->saved_data["clip"].toDouble());
     p.avg = avg.data_ptr<float>();
     p.den = den.data_ptr<float>();
-    p.dout = dout.data_ptr<float>();
-    copy_strides(dout, p.dout_stride);
-    p.dcq = dcq.data_ptr<float>();
-    copy_strides(dcq, p.dcq_stride);
-    p.dcr = dcr.data_ptr<float>();
-    copy_strides(dcr, p.dcr_stride);
-    p.dv = dv.data_ptr<float>();
-    copy_strides(dv, p.dv_stride);
+    detail::bind(p.dout, p.dout_stride, dout);
+    detail::bind(p.dcq, p.dcq_stride, dcq);
+    detail::bind(p.dcr, p.dcr_stride, dcr);
+    detail::bind(p.dv, p.dv_stride, dv);
     kernels::agglomerative_backward(p);
     return {dcq, dcr, dv, torch::Tensor(), torch::Tensor()};
   }

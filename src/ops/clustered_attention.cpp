@@ -3,6 +3,7 @@
 // as an autograd Function with the labels as constants); other dtypes use the
 // reference.
 #include "kernels/clustered_attention.h"
+#include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
@@ -15,9 +16,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-void strides_of(const torch::Tensor& t, int64_t* stride) {
-  for (int64_t d = 0; d < 4; ++d) stride[d] = t.stride(d);
-}
 
 const int64_t* data_or_null(const torch::Tensor& t) {
   return t.defined() ? t.data_ptr<int64_t>() : nullptr;
@@ -29,8 +27,7 @@ torch::Tensor cluster_labels(const torch::Tensor& q, const ClusteredAttentionOpt
                              const torch::Tensor& query_lengths) {
   auto labels = torch::empty({q.size(0), q.size(1), q.size(2)}, torch::kLong);
   kernels::ClusterParams p;
-  p.q = q.data_ptr<float>();
-  strides_of(q, p.q_stride);
+  detail::bind(p.q, p.q_stride, q);
   p.query_lengths = data_or_null(query_lengths);
   p.labels = labels.data_ptr<int64_t>();
   p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.E = q.size(3);
@@ -59,8 +56,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
     auto query_lse = torch::empty({N, H, topk > 0 ? L : 0}, f32);
     kernels::ClusteredAttentionParams p;
     fill(p, q, k, v, labels, key_lengths, clusters, topk, scale);
-    p.out = out.data_ptr<float>();
-    strides_of(out, p.out_stride);
+    detail::bind(p.out, p.out_stride, out);
     p.centroid_lse = centroid_lse.data_ptr<float>();
     p.background = background.data_ptr<float>();
     p.top = top.data_ptr<int64_t>();
@@ -94,14 +90,10 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
       p.top = saved[7].data_ptr<int64_t>();
       p.mass = saved[8].data_ptr<float>();
       p.query_lse = saved[9].data_ptr<float>();
-      p.dout = dout.data_ptr<float>();
-      strides_of(dout, p.dout_stride);
-      p.dq = dq.data_ptr<float>();
-      strides_of(dq, p.dq_stride);
-      p.dk = dk.data_ptr<float>();
-      strides_of(dk, p.dk_stride);
-      p.dv = dv.data_ptr<float>();
-      strides_of(dv, p.dv_stride);
+      detail::bind(p.dout, p.dout_stride, dout);
+      detail::bind(p.dq, p.dq_stride, dq);
+      detail::bind(p.dk, p.dk_stride, dk);
+      detail::bind(p.dv, p.dv_stride, dv);
       kernels::clustered_attention_backward(p);
     }
     return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
@@ -112,12 +104,9 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
   static void fill(kernels::ClusteredAttentionParams& p, const torch::Tensor& q,
                    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& labels,
                    const torch::Tensor& key_lengths, int64_t clusters, int64_t topk, double scale) {
-    p.q = q.data_ptr<float>();
-    strides_of(q, p.q_stride);
-    p.k = k.data_ptr<float>();
-    strides_of(k, p.k_stride);
-    p.v = v.data_ptr<float>();
-    strides_of(v, p.v_stride);
+    detail::bind(p.q, p.q_stride, q);
+    detail::bind(p.k, p.k_stride, k);
+    detail::bind(p.v, p.v_stride, v);
     p.labels = labels.data_ptr<int64_t>();
     p.key_lengths = data_or_null(key_lengths);
     p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2);

@@ -4,6 +4,7 @@
 // the reference.
 #include "kernels/linear_attention.h"
 
+#include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
@@ -14,10 +15,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-template <size_t D>
-void copy_strides(const torch::Tensor& t, int64_t (&stride)[D]) {
-  for (size_t d = 0; d < D; ++d) stride[d] = t.stride(static_cast<int64_t>(d));
-}
 
 kernels::FeatureMapKind kernel_feature_map(FeatureMap map) {
   return map == FeatureMap::elu ? kernels::FeatureMapKind::elu : kernels::FeatureMapKind::identity;
@@ -29,14 +26,10 @@ kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, con
                                                      torch::Tensor& den,
                                                      const LinearAttentionOptions& o) {
   kernels::LinearAttentionBackwardParams p;
-  p.q = q.data_ptr<float>();
-  copy_strides(q, p.q_stride);
-  p.k = k.data_ptr<float>();
-  copy_strides(k, p.k_stride);
-  p.v = v.data_ptr<float>();
-  copy_strides(v, p.v_stride);
-  p.out = out.data_ptr<float>();
-  copy_strides(out, p.out_stride);
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.k, p.k_stride, k);
+  detail::bind(p.v, p.v_stride, v);
+  detail::bind(p.out, p.out_stride, out);
   p.den = den.defined() ? den.data_ptr<float>() : nullptr;
   p.N = q.size(0);
   p.H = q.size(1);
@@ -84,14 +77,10 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
     auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
     auto p = linear_params(q, k, v, out, den, options_from(ctx));
     const torch::Tensor& dout = grads[0];
-    p.dout = dout.data_ptr<float>();
-    copy_strides(dout, p.dout_stride);
-    p.dq = dq.data_ptr<float>();
-    copy_strides(dq, p.dq_stride);
-    p.dk = dk.data_ptr<float>();
-    copy_strides(dk, p.dk_stride);
-    p.dv = dv.data_ptr<float>();
-    copy_strides(dv, p.dv_stride);
+    detail::bind(p.dout, p.dout_stride, dout);
+    detail::bind(p.dq, p.dq_stride, dq);
+    detail::bind(p.dk, p.dk_stride, dk);
+    detail::bind(p.dv, p.dv_stride, dv);
     kernels::linear_attention_backward(p);
     return {dq, dk, dv, torch::Tensor()};
   }
@@ -102,14 +91,10 @@ kernels::GatedLinearAttentionBackwardParams gated_params(const torch::Tensor& f,
                                                          const torch::Tensor& alpha,
                                                          const torch::Tensor& beta, bool causal) {
   kernels::GatedLinearAttentionBackwardParams p;
-  p.f = f.data_ptr<float>();
-  copy_strides(f, p.f_stride);
-  p.q = q.data_ptr<float>();
-  copy_strides(q, p.q_stride);
-  p.alpha = alpha.data_ptr<float>();
-  copy_strides(alpha, p.alpha_stride);
-  p.beta = beta.data_ptr<float>();
-  copy_strides(beta, p.beta_stride);
+  detail::bind(p.f, p.f_stride, f);
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.alpha, p.alpha_stride, alpha);
+  detail::bind(p.beta, p.beta_stride, beta);
   p.N = f.size(0);
   p.H = f.size(1);
   p.L = f.size(2);
@@ -125,8 +110,7 @@ class GatedLinearAttentionFunction
                                const torch::Tensor& alpha, const torch::Tensor& beta, bool causal) {
     auto out = torch::empty(f.sizes(), f.options());
     auto p = gated_params(f, q, alpha, beta, causal);
-    p.out = out.data_ptr<float>();
-    copy_strides(out, p.out_stride);
+    detail::bind(p.out, p.out_stride, out);
     kernels::gated_linear_attention_forward(p);
     ctx->save_for_backward({f, q, alpha, beta});
     ctx->saved_data["causal"] = causal;
@@ -145,12 +129,9 @@ class GatedLinearAttentionFunction
         ctx->needs_input_grad(2) ? torch::empty(alpha.sizes(), alpha.options()) : torch::Tensor();
     auto dbeta =
         ctx->needs_input_grad(3) ? torch::empty(beta.sizes(), beta.options()) : torch::Tensor();
-    p.dout = dout.data_ptr<float>();
-    copy_strides(dout, p.dout_stride);
-    p.df = df.data_ptr<float>();
-    copy_strides(df, p.df_stride);
-    p.dq = dq.data_ptr<float>();
-    copy_strides(dq, p.dq_stride);
+    detail::bind(p.dout, p.dout_stride, dout);
+    detail::bind(p.df, p.df_stride, df);
+    detail::bind(p.dq, p.dq_stride, dq);
     p.dalpha = dalpha.defined() ? dalpha.data_ptr<float>() : nullptr;
     p.dbeta = dbeta.defined() ? dbeta.data_ptr<float>() : nullptr;
     kernels::gated_linear_attention_backward(p);

@@ -4,6 +4,7 @@
 
 #include <torch/autograd.h>
 
+#include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
@@ -31,12 +32,6 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
-/// Pointer and the four strides of a (possibly broadcast) 4-D float tensor.
-template <typename Ptr>
-void bind(Ptr& ptr, int64_t (&stride)[4], const torch::Tensor& t) {
-  ptr = t.data_ptr<float>();
-  for (int d = 0; d < 4; ++d) stride[d] = t.stride(d);
-}
 
 /// What the kernel needs besides q, k and v: constants of the autograd graph.
 /// (Passed as one struct because Function::apply records the device of every
@@ -53,16 +48,16 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
                                             const torch::Tensor& v, const Constants& c,
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
-  bind(p.q, p.q_stride, q);
-  bind(p.k, p.k_stride, k);
-  bind(p.v, p.v_stride, v);
-  bind(p.out, p.out_stride, out);
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.k, p.k_stride, k);
+  detail::bind(p.v, p.v_stride, v);
+  detail::bind(p.out, p.out_stride, out);
   p.lse = lse.data_ptr<float>();
   p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
   p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;
-  if (c.bias.defined()) bind(p.bias, p.bias_stride, c.bias);
+  if (c.bias.defined()) detail::bind(p.bias, p.bias_stride, c.bias);
   return p;
 }
 
@@ -98,10 +93,10 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
     auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
     auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    bind(p.dout, p.dout_stride, dout);
-    bind(p.dq, p.dq_stride, dq);
-    bind(p.dk, p.dk_stride, dk);
-    bind(p.dv, p.dv_stride, dv);
+    detail::bind(p.dout, p.dout_stride, dout);
+    detail::bind(p.dq, p.dq_stride, dq);
+    detail::bind(p.dk, p.dk_stride, dk);
+    detail::bind(p.dv, p.dv_stride, dv);
     kernels::softmax_attention_backward(p);
     return {dq, dk, dv, torch::Tensor()};
   }

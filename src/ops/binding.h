@@ -1,0 +1,26 @@
+// Binding tensors to kernel Params: a float pointer plus one stride (in
+// elements) per dimension. Kernels read strides, so views bind without a copy.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace attnkit::detail {
+
+template <std::size_t R>
+void bind_strides(const torch::Tensor& t, int64_t (&stride)[R]) {
+  TORCH_INTERNAL_ASSERT(t.dim() == static_cast<int64_t>(R), "binding a rank-", t.dim(),
+                        " tensor to ", R, " strides");
+  for (std::size_t d = 0; d < R; ++d) stride[d] = t.stride(static_cast<int64_t>(d));
+}
+
+/// ptr = t's float32 data, stride = t's strides.
+template <typename Ptr, std::size_t R>
+void bind(Ptr& ptr, int64_t (&stride)[R], const torch::Tensor& t) {
+  ptr = t.data_ptr<float>();
+  bind_strides(t, stride);
+}
+
+}  // namespace attnkit::detail
