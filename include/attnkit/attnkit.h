@@ -1,6 +1,7 @@
 // Umbrella header: everything a C++ user of attnkit needs.
 #pragma once
 
+#include <attnkit/dispatch.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 #include <attnkit/document_memory.h>

@@ -12,6 +12,7 @@
 // semantics; see docs/API.md for shapes, errors and complexity.
 #pragma once
 
+#include <attnkit/dispatch.h>
 #include <torch/arg.h>
 #include <torch/types.h>
 
