@@ -44,7 +44,7 @@ torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, c
   torch::NoGradGuard no_grad;
   const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
   const int64_t D = m->options.embed_dim(), H = m->options.heads(), dh = D / H;
-  auto proj = [](torch::nn::Linear& lin, const torch::Tensor& x) {
+  auto proj = [](Linear& lin, const torch::Tensor& x) {
     auto y = torch::matmul(x, lin->weight.t());
     return lin->bias.defined() ? y + lin->bias : y;
   };
@@ -169,7 +169,7 @@ TEST(MultiheadTest, EveryMechanismRunsAndTrains) {
 TEST(MultiheadTest, FullGradientsMatchFiniteDifferences) {
   torch::manual_seed(35);
   auto m = make_mha(4, 2);
-  std::vector<torch::nn::Linear*> lins{&m->q_proj, &m->k_proj, &m->v_proj, &m->out_proj};
+  std::vector<Linear*> lins{&m->q_proj, &m->k_proj, &m->v_proj, &m->out_proj};
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "non-causal");
     std::vector<torch::Tensor> inputs{torch::randn({2, 2, 4}, f64()), torch::randn({2, 3, 4}, f64()),

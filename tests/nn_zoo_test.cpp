@@ -394,7 +394,7 @@ torch::Tensor shaw_loop(RelativePositionAttention& m, const torch::Tensor& x,
   torch::NoGradGuard no_grad;
   const int64_t N = x.size(0), L = x.size(1), d = m->options.d_model(), H = m->options.heads();
   const int64_t K = m->options.max_relative(), dz = d / H;
-  auto proj = [&](torch::nn::Linear& lin) { return torch::matmul(x, lin->weight.t()) + lin->bias; };
+  auto proj = [&](Linear& lin) { return torch::matmul(x, lin->weight.t()) + lin->bias; };
   auto q = proj(m->q_proj), k = proj(m->k_proj), v = proj(m->v_proj);
   auto qa = q.accessor<double, 3>(), ka = k.accessor<double, 3>(), va = v.accessor<double, 3>();
   auto wK = m->wK.detach().contiguous(), wV = m->wV.detach().contiguous();
@@ -546,7 +546,7 @@ TEST(NnZooTest, RelativePositionGradients) {
     SCOPED_TRACE(causal ? "causal" : "full");
     auto len = lengths_tensor({4, 3});
     std::vector<torch::Tensor> inputs{torch::randn({2, 4, 4}, f64())};
-    std::vector<torch::nn::Linear*> lins{&m->q_proj, &m->k_proj, &m->v_proj, &m->out_proj};
+    std::vector<Linear*> lins{&m->q_proj, &m->k_proj, &m->v_proj, &m->out_proj};
     for (auto* lin : lins) {
       inputs.push_back((*lin)->weight.detach());
       inputs.push_back((*lin)->bias.detach());

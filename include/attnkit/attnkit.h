@@ -9,4 +9,5 @@
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/clustered.h>
 #include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/dense.h>
 #include <attnkit/nn/linear.h>

@@ -176,4 +176,15 @@ EdgeList strided(int64_t n, int64_t stride);
 EdgeList by_name(const std::string& name, int64_t n, int64_t param);
 }  // namespace edges
 
+// ----------------------------------------------------------------------------
+// Dense layer, the semantics of torch::nn::functional::linear:
+//   y = x weight^T + bias,  x (..., in), weight (out, in), bias (out) -> (..., out).
+// Any number of leading dimensions (at least one dimension in all); float32 runs
+// oneDNN's sgemm, other dtypes the composite. Gradients for x, weight and bias.
+// ----------------------------------------------------------------------------
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& bias = {});
+Dispatch linear_dispatch(const torch::Tensor& x, const torch::Tensor& weight,
+                         const torch::Tensor& bias = {});
+
 }  // namespace attnkit

@@ -18,7 +18,7 @@ import torch
 __all__ = [
     "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
-    "edge_pattern", "library_path",
+    "edge_pattern", "linear", "library_path",
 ]
 
 
@@ -52,3 +52,4 @@ agglomerative_attention = torch.ops.attnkit.agglomerative_attention
 clustered_attention = torch.ops.attnkit.clustered_attention
 sparse_attention = torch.ops.attnkit.sparse_attention
 edge_pattern = torch.ops.attnkit.edge_pattern
+linear = torch.ops.attnkit.linear

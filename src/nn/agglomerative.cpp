@@ -1,6 +1,8 @@
 // Agglomerative attention layer and its streaming step (SPECS section 4).
 #include <attnkit/nn/agglomerative.h>
 
+#include <attnkit/ops.h>
+
 #include <cmath>
 
 #include "ops/checks.h"
@@ -15,6 +17,13 @@ constexpr const char* kModule = "AgglomerativeAttention";
 torch::Tensor glorot_uniform(int64_t fan_in, int64_t fan_out) {
   const double bound = std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
   return torch::empty({fan_in, fan_out}).uniform_(-bound, bound);
+}
+
+/// x W + b for a parameter W stored (in, out), as the paper writes it, through
+/// attnkit::linear (our GEMM, not libtorch's matmul).
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& W,
+                      const torch::Tensor& b = {}) {
+  return attnkit::linear(x, W.t(), b);
 }
 
 }  // namespace
@@ -62,15 +71,15 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
   const torch::Tensor& x = x_ref.defined() ? x_ref : x_query;
   const int64_t N = x_query.size(0), L = x_query.size(1), S = x.size(1);
 
-  auto cq = torch::softmax(torch::matmul(x_query, W_q) + b_q, -1);        // (N, L, m)
-  auto cr = torch::softmax(torch::matmul(x, W_r) + b_r, -1);              // (N, S, m)
-  auto v = torch::matmul(x, P).view({N, S, m, d / m}).transpose(1, 2);  // (N, m, S, d/m), a view
+  auto cq = torch::softmax(project(x_query, W_q, b_q), -1);  // (N, L, m)
+  auto cr = torch::softmax(project(x, W_r, b_r), -1);        // (N, S, m)
+  auto v = project(x, P).view({N, S, m, d / m}).transpose(1, 2);  // (N, m, S, d/m), a view
   auto a = agglomerative_attention(cq.transpose(1, 2), cr.transpose(1, 2), v,
                                    AgglomerativeOptions().causal(causal));  // (N, m, L, d/m)
   // The op lays its output out like v, (N, L, m, d/m) in memory: the class
   // concatenation is a view.
   auto p = a.transpose(1, 2).reshape({N, L, d});
-  return torch::matmul(dropout(p), Q);
+  return project(dropout(p), Q);
 }
 
 torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, AgglomerativeState& state) {
@@ -90,16 +99,16 @@ torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, Agglome
               detail::shape_str(state.counts), ", expected (", N, ", ", m, ", ", d / m, ") and (", N,
               ", ", m, ") for x_t of batch size ", N);
 
-  auto cq = torch::softmax(torch::matmul(x_t, W_q) + b_q, -1);  // (N, m)
-  auto cr = torch::softmax(torch::matmul(x_t, W_r) + b_r, -1);  // (N, m)
+  auto cq = torch::softmax(project(x_t, W_q, b_q), -1);  // (N, m)
+  auto cr = torch::softmax(project(x_t, W_r, b_r), -1);  // (N, m)
   // Out of place, so that a graph through earlier steps stays valid.
-  state.sums = state.sums + cr.unsqueeze(-1) * torch::matmul(x_t, P).view({N, m, d / m});
+  state.sums = state.sums + cr.unsqueeze(-1) * project(x_t, P).view({N, m, d / m});
   state.counts = state.counts + cr;
   // clamp_min passes no gradient where it is active, like the op's clip.
   const double clip = AgglomerativeOptions().clip();
   auto a = state.sums / torch::clamp_min(state.counts, clip).unsqueeze(-1);  // (N, m, d/m)
   auto p = (cq.unsqueeze(-1) * a).reshape({N, d});
-  return torch::matmul(dropout(p), Q);
+  return project(dropout(p), Q);
 }
 
 }  // namespace attnkit::nn

@@ -93,7 +93,7 @@ GatedLinearAttentionImpl::GatedLinearAttentionImpl(const GatedLinearAttentionOpt
 void GatedLinearAttentionImpl::reset() {
   TORCH_CHECK(options.dim() > 0, "GatedLinearAttention: option 'dim' must be positive, got ",
               options.dim());
-  gate = register_module("gate", torch::nn::Linear(options.dim(), options.dim()));
+  gate = register_module("gate", Linear(options.dim(), options.dim()));
 }
 
 torch::Tensor GatedLinearAttentionImpl::features(const torch::Tensor& hidden) {

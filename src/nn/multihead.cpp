@@ -102,7 +102,7 @@ void MultiheadAttentionImpl::reset() {
   const int64_t d = options.embed_dim(), h = options.heads();
   TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "MultiheadAttention: embed_dim (", d,
               ") must be a positive multiple of heads (", h, ")");
-  auto linear = [&] { return torch::nn::Linear(torch::nn::LinearOptions(d, d).bias(options.bias())); };
+  auto linear = [&] { return Linear(torch::nn::LinearOptions(d, d).bias(options.bias())); };
   q_proj = register_module("q_proj", linear());
   k_proj = register_module("k_proj", linear());
   v_proj = register_module("v_proj", linear());

@@ -1,5 +1,6 @@
 // The classic attention zoo (seed 003, SPECS section 2).
 #include <attnkit/nn/zoo.h>
+#include <attnkit/ops.h>
 
 #include <cmath>
 
@@ -47,9 +48,9 @@ AdditiveAttentionImpl::AdditiveAttentionImpl(const AdditiveAttentionOptions& opt
 void AdditiveAttentionImpl::reset() {
   TORCH_CHECK(options.query_dim() > 0 && options.key_dim() > 0 && options.hidden_dim() > 0,
               "AdditiveAttention: query_dim, key_dim and hidden_dim must be positive");
-  W = register_module("W", torch::nn::Linear(options.query_dim(), options.hidden_dim()));
+  W = register_module("W", Linear(options.query_dim(), options.hidden_dim()));
   U = register_module(
-      "U", torch::nn::Linear(torch::nn::LinearOptions(options.key_dim(), options.hidden_dim()).bias(false)));
+      "U", Linear(torch::nn::LinearOptions(options.key_dim(), options.hidden_dim()).bias(false)));
   v = register_parameter("v", torch::empty({options.hidden_dim()}).uniform_(
                                   -1.0 / std::sqrt(double(options.hidden_dim())),
                                   1.0 / std::sqrt(double(options.hidden_dim()))));
@@ -82,7 +83,7 @@ void GeneralAttentionImpl::reset() {
 }
 
 torch::Tensor GeneralAttentionImpl::scores(const torch::Tensor& s, const torch::Tensor& h) {
-  return torch::matmul(torch::matmul(s, W), h.transpose(1, 2));
+  return torch::matmul(attnkit::linear(s, W.t()), h.transpose(1, 2));  // (s W) h^T
 }
 
 AttentionOutput GeneralAttentionImpl::forward(const torch::Tensor& s, const torch::Tensor& h,
@@ -118,7 +119,7 @@ LocationAttentionImpl::LocationAttentionImpl(const LocationAttentionOptions& opt
 void LocationAttentionImpl::reset() {
   TORCH_CHECK(options.query_dim() > 0 && options.max_source_length() > 0,
               "LocationAttention: query_dim and max_source_length must be positive");
-  W = register_module("W", torch::nn::Linear(options.query_dim(), options.max_source_length()));
+  W = register_module("W", Linear(options.query_dim(), options.max_source_length()));
 }
 
 AttentionOutput LocationAttentionImpl::forward(const torch::Tensor& s, const torch::Tensor& values,
@@ -180,10 +181,10 @@ void RelativePositionAttentionImpl::reset() {
   TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "RelativePositionAttention: d_model (", d,
               ") must be a positive multiple of heads (", h, ")");
   TORCH_CHECK(K >= 0, "RelativePositionAttention: max_relative must be >= 0, got ", K);
-  q_proj = register_module("q_proj", torch::nn::Linear(d, d));
-  k_proj = register_module("k_proj", torch::nn::Linear(d, d));
-  v_proj = register_module("v_proj", torch::nn::Linear(d, d));
-  out_proj = register_module("out_proj", torch::nn::Linear(d, d));
+  q_proj = register_module("q_proj", Linear(d, d));
+  k_proj = register_module("k_proj", Linear(d, d));
+  v_proj = register_module("v_proj", Linear(d, d));
+  out_proj = register_module("out_proj", Linear(d, d));
   const int64_t dz = d / h;
   const double bound = 1.0 / std::sqrt(double(dz));
   wK = register_parameter("wK", torch::empty({2 * K + 1, dz}).uniform_(-bound, bound));

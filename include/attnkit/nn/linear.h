@@ -11,7 +11,7 @@
 #include <attnkit/ops.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
+#include <attnkit/nn/dense.h>
 #include <torch/nn/pimpl.h>
 
 namespace attnkit::nn {
@@ -92,7 +92,7 @@ class GatedLinearAttentionImpl : public torch::nn::Cloneable<GatedLinearAttentio
                         bool causal = false);
 
   GatedLinearAttentionOptions options;
-  torch::nn::Linear gate{nullptr};  // W, b
+  Linear gate{nullptr};  // W, b
 };
 TORCH_MODULE(GatedLinearAttention);
 

@@ -5,7 +5,7 @@
 #include <attnkit/ops.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
+#include <attnkit/nn/dense.h>
 #include <torch/nn/pimpl.h>
 
 #include <string>
@@ -68,7 +68,7 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
                         bool causal = false);
 
   MultiheadAttentionOptions options;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
 };
 TORCH_MODULE(MultiheadAttention);
 

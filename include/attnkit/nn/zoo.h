@@ -9,7 +9,7 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
-#include <torch/nn/modules/linear.h>
+#include <attnkit/nn/dense.h>
 #include <torch/nn/pimpl.h>
 
 namespace attnkit::nn {
@@ -38,8 +38,8 @@ class AdditiveAttentionImpl : public torch::nn::Cloneable<AdditiveAttentionImpl>
                           const torch::Tensor& values, const torch::Tensor& key_lengths = {});
 
   AdditiveAttentionOptions options;
-  torch::nn::Linear W{nullptr};  // query side, with bias
-  torch::nn::Linear U{nullptr};  // key side, no bias
+  Linear W{nullptr};  // query side, with bias
+  Linear U{nullptr};  // key side, no bias
   torch::Tensor v;               // (hidden_dim)
 };
 TORCH_MODULE(AdditiveAttention);
@@ -101,7 +101,7 @@ class LocationAttentionImpl : public torch::nn::Cloneable<LocationAttentionImpl>
                           const torch::Tensor& key_lengths = {});
 
   LocationAttentionOptions options;
-  torch::nn::Linear W{nullptr};
+  Linear W{nullptr};
 };
 TORCH_MODULE(LocationAttention);
 
@@ -150,7 +150,7 @@ class RelativePositionAttentionImpl
                         bool causal = false);
 
   RelativePositionAttentionOptions options;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
   torch::Tensor wK, wV;  // (2K+1, dz)
 };
 TORCH_MODULE(RelativePositionAttention);

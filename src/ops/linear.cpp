@@ -1,0 +1,140 @@
+// Op boundary of the dense layer: validation, dispatch, autograd, registration.
+// float32 runs kernels/linear (oneDNN sgemm); other dtypes run at::linear.
+#include "kernels/linear.h"
+
+#include <attnkit/ops.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/autograd_util.h"
+#include "ops/checks.h"
+
+namespace attnkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+constexpr const char* kOp = "linear";
+
+void check_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  TORCH_CHECK(x.defined(), kOp, ": argument 'x' is undefined");
+  TORCH_CHECK(x.dim() >= 1, kOp, ": argument 'x' must have at least 1 dimension (..., in), "
+              "got a 0-dimensional tensor");
+  detail::check_float_tensor(kOp, "x", x, x.dim());
+  detail::check_float_tensor(kOp, "weight", weight, 2);
+  detail::check_same_dtype(kOp, "weight", weight, x);
+  TORCH_CHECK(weight.size(1) == x.size(-1), kOp, ": argument 'weight' has shape ",
+              detail::shape_str(weight), " (out, in), so x must end in in = ", weight.size(1),
+              ", got x of shape ", detail::shape_str(x));
+  if (!bias.defined()) return;
+  detail::check_float_tensor(kOp, "bias", bias, 1);
+  detail::check_same_dtype(kOp, "bias", bias, x);
+  TORCH_CHECK(bias.size(0) == weight.size(0), kOp, ": argument 'bias' must have shape (",
+              weight.size(0), ") like weight's out, got ", detail::shape_str(bias));
+}
+
+/// A 2-D view the kernel can read: unit column stride, row stride >= columns.
+torch::Tensor as_rows(const torch::Tensor& t, int64_t columns) {
+  auto m = t.reshape({-1, columns});  // a view when the layout allows it
+  const bool readable = m.stride(1) == 1 && (m.size(0) <= 1 || m.stride(0) >= columns);
+  return readable ? m : m.contiguous();
+}
+
+kernels::LinearParams make_params(const torch::Tensor& x2, const torch::Tensor& w2,
+                                  const torch::Tensor& bias) {
+  kernels::LinearParams p;
+  p.x = x2.data_ptr<float>();
+  p.x_row_stride = x2.size(0) <= 1 ? std::max<int64_t>(x2.size(1), 1) : x2.stride(0);
+  p.weight = w2.data_ptr<float>();
+  p.weight_row_stride = w2.size(0) <= 1 ? std::max<int64_t>(w2.size(1), 1) : w2.stride(0);
+  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.rows = x2.size(0), p.in = x2.size(1), p.out = w2.size(0);
+  return p;
+}
+
+/// Stands for an absent bias in LinearFunction::apply, which cannot take an
+/// undefined tensor (it records every tensor argument's device).
+struct NoBias {};
+
+/// y = x W^T + b by kernels/linear; the backward computes only the gradients
+/// autograd asks for.
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, NoBias) {
+    return forward(ctx, x, weight, torch::Tensor());
+  }
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const auto x2 = as_rows(x, in);
+    const auto w2 = as_rows(weight, in);
+    const auto b = bias.defined() ? bias.contiguous() : bias;
+    auto y = torch::empty({x2.size(0), out}, x.options());
+    kernels::linear_forward(make_params(x2, w2, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
+    ctx->save_for_backward({x2, w2});
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["x_sizes"] = x.sizes();
+    auto sizes = x.sizes().vec();
+    sizes.back() = out;
+    return y.view(sizes);
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    detail::check_no_double_backward(kOp);
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &w2 = saved[1];
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const int64_t rows = x2.size(0), in = x2.size(1), out = w2.size(0);
+    // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
+    const auto dy = as_rows(grads[0], out);
+    torch::Tensor dx, dw, db;
+    kernels::LinearGradients g;
+    if (ctx->needs_input_grad(0)) {
+      dx = torch::empty({rows, in}, x2.options());
+      g.dx = dx.data_ptr<float>();
+    }
+    if (ctx->needs_input_grad(1)) {
+      dw = torch::empty({out, in}, x2.options());
+      g.dweight = dw.data_ptr<float>();
+    }
+    if (has_bias && ctx->needs_input_grad(2)) {
+      db = torch::empty({out}, x2.options());
+      g.dbias = db.data_ptr<float>();
+    }
+    const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
+    kernels::linear_backward(make_params(x2, w2, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
+    if (dx.defined()) dx = dx.view(ctx->saved_data["x_sizes"].toIntVector());
+    return {dx, dw, db};
+  }
+};
+
+torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& weight,
+                        const c10::optional<torch::Tensor>& bias) {
+  return linear(x, weight, bias.value_or(torch::Tensor()));
+}
+
+}  // namespace
+
+Dispatch linear_dispatch(const torch::Tensor& x, const torch::Tensor& weight,
+                         const torch::Tensor& bias) {
+  check_linear(x, weight, bias);
+  if (x.scalar_type() != torch::kFloat)
+    return Dispatch::composite(std::string("x is ") + c10::toString(x.scalar_type()) +
+                               "; the kernel is float32 only");
+  return Dispatch::kernel();
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  if (!linear_dispatch(x, weight, bias).uses_kernel()) return at::linear(x, weight, bias);
+  return bias.defined() ? LinearFunction::apply(x, weight, bias)
+                        : LinearFunction::apply(x, weight, NoBias{});
+}
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &linear_op);
+}
+
+}  // namespace attnkit
