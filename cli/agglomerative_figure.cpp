@@ -1,8 +1,9 @@
-// `attnkit figure-agglomerative`: seed 000's Figure 1 with our layers. Times
+// `attnkit figure-agglomerative`: Figure 1 of the agglomerative-attention paper
+// with our layers. Times
 // the forward pass of one whole self-attention layer, projections included,
 // for nn::AgglomerativeAttention and nn::MultiheadAttention (mechanism "full",
 // the exact kernel), without and with the causal mask, over doubling lengths,
-// by default as in the seed: batch 32, d = 512, 8 heads / classes, one thread.
+// by default as in the paper: batch 32, d = 512, 8 heads / classes, one thread.
 //
 // `--part attention` times the attention alone instead, on the inputs the
 // layers give it (agglomerative_attention against the "full" mechanism), which
@@ -302,7 +303,7 @@ class Subjects {
 void run_figure(const FigureConfig& c) {
   set_num_threads(c.threads);
   at::set_num_threads(num_threads());  // the layers' projections get the same threads
-  torch::NoGradGuard no_grad;          // the seed times the layer output alone
+  torch::NoGradGuard no_grad;          // the paper times the layer output alone
   torch::manual_seed(0);
   Subjects subjects(c);
 
@@ -347,8 +348,8 @@ void add_agglomerative_figure_command(CLI::App& app) {
   auto c = std::make_shared<FigureConfig>();
   auto* cmd = app.add_subcommand(
       "figure-agglomerative",
-      "Seed 000 Figure 1: whole-layer forward time of agglomerative vs exact multi-head "
-      "attention over sequence lengths");
+      "The agglomerative-attention paper, Figure 1: whole-layer forward time of "
+      "agglomerative vs exact multi-head attention over sequence lengths");
   cmd->add_option("--lengths", c->lengths, "Comma list of sequence lengths")
       ->delimiter(',')->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--masks", c->masks, "Comma list of full, masked (causal)")
@@ -367,7 +368,7 @@ void add_agglomerative_figure_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", c->heads, "Heads of the exact layer = classes of the agglomerative one")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--threads", c->threads, "Threads (the seed: one CPU core)")
+  cmd->add_option("--threads", c->threads, "Threads (the paper: one CPU core)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--repeats", c->repeats, "Timed repeats after one warm-up")
       ->check(CLI::PositiveNumber)->capture_default_str();

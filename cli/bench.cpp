@@ -89,7 +89,8 @@ Inputs make_inputs(const BenchConfig& c, const std::string& attention, int64_t L
     in.cr = torch::softmax(torch::randn({N, S, H}), -1).permute({0, 2, 1});
     in.v = torch::randn({N, H, S, E});
   } else if (attention == "gated-linear") {
-    // The seed's form: alpha = beta = 1, f = sigmoid(gate) * h, read out by q.
+    // The cheap-linear-attention paper's form: alpha = beta = 1,
+    // f = sigmoid(gate) * h, read out by q.
     in.k = torch::sigmoid(torch::randn({N, H, L, E})) * torch::randn({N, H, L, E}) / std::sqrt(double(E));
     in.q = torch::randn({N, H, L, E}) / std::sqrt(double(E));
     in.alpha = torch::ones({N, H, L});

@@ -1,8 +1,8 @@
-// `attnkit bench-lookup`: the seed's (004) promise, measured. A document of n
+// `attnkit bench-lookup`: the cheap-linear-attention paper's promise, measured. A document of n
 // hidden states of size k is queried m times:
 //   softmax lookups over the stored H (n x k):  R = softmax(Q H^T) H,  4 m n k FLOPs
 //   DocumentMemory lookups over C = H^T H:      R = Q C^T,             2 m k^2 FLOPs
-// The seed predicts a speed-up of n k m / (m k^2) = n / k (7.5 for its n = 750,
+// The paper predicts a speed-up of n k m / (m k^2) = n / k (7.5 for its n = 750,
 // k = 100); counting both products of the softmax form the FLOP ratio is 2 n / k.
 //
 // The softmax side is the library's exact attention (softmax_attention with
@@ -32,7 +32,7 @@ namespace attnkit::cli {
 namespace {
 
 struct LookupConfig {
-  int64_t n = 750, k = 100;  // the seed's CNN setup
+  int64_t n = 750, k = 100;  // the paper's CNN setup
   std::vector<int64_t> queries{4, 64, 256, 1024, 4096};
   int threads = 0;
   int repeats = 21;
@@ -149,7 +149,7 @@ void run_lookup_bench(const LookupConfig& c) {
             << "document: n = " << c.n << " states of size k = " << c.k
             << "; encoding C = H^T H: " << fmt(encode.median_ms, 3) << " ms ("
             << fmt(encode_flops / encode.median_ms / 1e6, 1) << " GFLOP/s)\n"
-            << "seed's predicted speed-up n/k = " << fmt(predicted, 2)
+            << "the cheap-linear-attention paper's predicted speed-up n/k = " << fmt(predicted, 2)
             << " (FLOP ratio 2n/k = " << fmt(flop_ratio, 2) << ")\n"
             << "times (" << (c.cpu_clock ? "thread CPU" : "wall") << " clock): median / best of "
             << c.repeats << "; GFLOP/s and %peak from the median\n\n"

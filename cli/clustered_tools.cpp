@@ -1,5 +1,5 @@
-// Clustered attention tools (seed 002):
-//   `attnkit figure-clustered`  Figure 4 of the seed on the CPU: forward+backward
+// Clustered attention tools (the clustered-attention paper):
+//   `attnkit figure-clustered`  Figure 4 of the paper on the CPU: forward+backward
 //                               time and memory per sequence element vs length
 //                               for exact, clustered and improved-clustered.
 //   `attnkit approx`            how far clustered and improved-clustered are
@@ -202,7 +202,8 @@ void run_figure(const FigureConfig& c) {
   memory::install_counting_allocator();
   set_num_threads(c.threads);
   at::set_num_threads(num_threads());
-  std::cout << "seed 002 Figure 4 on the CPU: N = 1, H = " << c.heads << ", E = M = " << c.dim
+  std::cout << "the clustered-attention paper, Figure 4, on the CPU: N = 1, H = " << c.heads
+            << ", E = M = " << c.dim
             << ", clustered C = " << c.clusters << ", B = " << c.bits << ", " << c.iterations
             << " iterations, improved k = " << c.topk << "\n"
             << "threads " << num_threads() << ", load average " << fmt(load_average(), 2)
@@ -389,8 +390,8 @@ void add_figure_clustered_command(CLI::App& app) {
   auto lengths = std::make_shared<std::string>();
   auto* cmd = app.add_subcommand(
       "figure-clustered",
-      "Seed 002 Figure 4 on the CPU: forward+backward time and memory per element vs length "
-      "for exact, clustered and improved-clustered attention");
+      "The clustered-attention paper, Figure 4, on the CPU: forward+backward time and "
+      "memory per element vs length for exact, clustered and improved-clustered attention");
   cmd->add_option("--lengths", *lengths, "Comma list of lengths L = S (default: 1024,...,32768)");
   cmd->add_option("--heads", c->heads, "Heads H")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dim", c->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();

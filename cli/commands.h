@@ -9,10 +9,12 @@ namespace attnkit::cli {
 /// `attnkit bench`: times mechanisms over lengths, prints a table, writes JSON.
 void add_bench_command(CLI::App& app);
 
-/// `attnkit figure-agglomerative`: seed 000 Figure 1 (layer time vs length).
+/// `attnkit figure-agglomerative`: the agglomerative-attention paper, Figure 1
+/// (layer time vs length).
 void add_agglomerative_figure_command(CLI::App& app);
 
-/// `attnkit figure-clustered`: seed 002 Figure 4 (time, memory per element vs L).
+/// `attnkit figure-clustered`: the clustered-attention paper, Figure 4 (time,
+/// memory per element vs L).
 void add_figure_clustered_command(CLI::App& app);
 
 /// `attnkit approx`: clustered and improved-clustered attention vs exact.

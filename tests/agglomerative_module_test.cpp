@@ -1,6 +1,7 @@
-// nn::AgglomerativeAttention: the layer of SPECS section 4 written out class by
-// class, float32 (fast kernels) against float64 (reference) in values and every
-// gradient, the one-class identity, streaming decoding, dropout and errors.
+// nn::AgglomerativeAttention: the layer of docs/MATH.md, "Agglomerative
+// attention", written out class by class, float32 (fast kernels) against float64
+// (reference) in values and every gradient, the one-class identity, streaming
+// decoding, dropout and errors.
 #include <ATen/CPUGeneratorImpl.h>
 #include <attnkit/nn/agglomerative.h>
 
@@ -42,7 +43,8 @@ AgglomerativeAttention make_layer(int64_t d, int64_t m, torch::Dtype dtype, uint
   return layer;
 }
 
-/// SPECS section 4 class by class, independent of the op and its reference.
+/// The layer of docs/MATH.md, "Agglomerative attention", class by class,
+/// independent of the op and its reference.
 torch::Tensor spec_layer(AgglomerativeAttention& layer, const torch::Tensor& xq,
                          const torch::Tensor& xr, bool causal) {
   const int64_t d = layer->options.d_model(), m = layer->options.classes(), w = d / m;

@@ -1,6 +1,6 @@
 // The clustered_attention op on its float32 fast path and the
 // nn::ClusteredAttention module: values and gradients against the float64
-// reference, identities with exact attention, Proposition 2 of seed 002, and
+// reference, identities with exact attention, Proposition 2 of the clustered-attention paper, and
 // reproducibility across thread counts.
 //
 // The float64 reference hashes in float64, so a query near one of its 63

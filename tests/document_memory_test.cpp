@@ -81,7 +81,7 @@ DocumentMemory encoded(const torch::Tensor& hidden) {
 
 TEST(DocumentMemory, EncodingInChunksEqualsEncodingAtOnce) {
   torch::manual_seed(1);
-  const int64_t n = 750, k = 100;  // the seed's setup
+  const int64_t n = 750, k = 100;  // the cheap-linear-attention paper's setup
   auto h = torch::randn({n, k}, f32());
   const auto exact = torch::matmul(h.to(torch::kDouble).t(), h.to(torch::kDouble));
   DocumentMemory once = encoded(h);

@@ -185,7 +185,8 @@ TEST(Identities, LinearAttentionIsHTransposeHTimesQ) {
 }
 
 TEST(Identities, ImprovedClusteredIsCloserToExactThanClustered) {
-  // SPECS 3, Proposition 2: ||At_i - A_i||_1 <= ||Ac_c - A_i||_1 for every query.
+  // Proposition 2 of the clustered-attention paper (docs/MATH.md, "Improved
+  // clustered attention"): ||At_i - A_i||_1 <= ||Ac_c - A_i||_1 for every query.
   // The slack only absorbs float64 rounding of sums of S terms.
   constexpr double kSlack = 1e-12;
   torch::manual_seed(7);

@@ -2,8 +2,8 @@
 // float64 reference, in values and gradients: every feature map / normaliser /
 // causal combination, S != L, E != M, chunk sizes that do and do not divide L,
 // strided inputs, rows that see no key, thread counts; the gated recurrence
-// with both backward methods, and the drift of the seed's reverse
-// recomputation over 10^4 steps. Also the float32 op path through autograd.
+// with both backward methods, and the drift of the cheap-linear-attention
+// paper's reverse recomputation over 10^4 steps. Also the float32 op path through autograd.
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
@@ -359,7 +359,7 @@ TEST(LinearGated, OpUsesTheKernelsAndComputesGateGradientsOnlyWhenAsked) {
         },
         to_f32({f, q, alpha, beta}), dout);
     expect_matches(got, want, f32_ref, causal ? "op causal" : "op");
-    // Fixed gates (the seed's alpha = beta = 1): no gradient for them, same others.
+    // Fixed gates (the paper's alpha = beta = 1): no gradient for them, same others.
     auto f32 = f.to(torch::kFloat).requires_grad_(true);
     auto out = gated_linear_attention(f32, q.to(torch::kFloat), torch::ones({N, H, L}),
                                       torch::ones({N, H, L}),
@@ -445,7 +445,7 @@ TEST(LinearGated, StoredStateOracleMatchesTheReference) {
 }
 
 TEST(LinearGated, ReverseRecomputationDriftsFromCheckpointsOver10kSteps) {
-  // The seed's backward inverts C_t = alpha_t C_{t-1} + beta_t f_t f_t^T from
+  // The paper's backward inverts C_t = alpha_t C_{t-1} + beta_t f_t f_t^T from
   // C_{L-1}: every step subtracts a rank-one term from a large C and divides by
   // alpha_t, so rounding accumulates, and grows like prod 1/alpha for alpha < 1.
   // The chunk checkpoints recompute C forwards instead. Over 10^4 steps both are
@@ -465,7 +465,7 @@ TEST(LinearGated, ReverseRecomputationDriftsFromCheckpointsOver10kSteps) {
     const char* name;
     torch::Tensor alpha;
   };
-  for (const Case& c : {Case{"alpha=1 (the seed's gated form)", torch::ones({1, 1, L}, f64())},
+  for (const Case& c : {Case{"alpha=1 (the paper's gated form)", torch::ones({1, 1, L}, f64())},
                         Case{"alpha in [0.999, 1]", 1.0 - torch::rand({1, 1, L}, f64()) * 1e-3},
                         Case{"alpha in [0.99, 1]", 1.0 - torch::rand({1, 1, L}, f64()) * 1e-2}}) {
     const std::vector<torch::Tensor> in{f, q, c.alpha, beta};

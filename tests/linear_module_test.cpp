@@ -1,6 +1,6 @@
 // The linear attention modules: the streaming decoding state against the
 // causal op token by token, LinearAttention, GatedLinearAttention against the
-// seed's recurrence (the general op) and a DocumentMemory, and the
+// paper's recurrence (the general op) and a DocumentMemory, and the
 // "gated-linear" mechanism of MultiheadAttention.
 #include <attnkit/document_memory.h>
 #include <attnkit/nn/linear.h>
@@ -126,7 +126,7 @@ TEST(LinearGatedModule, IsTheSeedsGatedRecurrence) {
 }
 
 TEST(LinearGatedModule, AnyNumberOfQueriesReadTheDocument) {
-  // The seed's question answering: m queries (here fewer and more than the
+  // The cheap-linear-attention paper's question answering: m queries (here fewer and more than the
   // n states) against one document matrix C = F^T F.
   torch::manual_seed(5);
   const int64_t n = 30, dim = 6;

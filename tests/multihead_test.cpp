@@ -268,8 +268,9 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
                    linear_attention(q, k, v, LinearAttentionOptions(lin).causal(true))));
   EXPECT_TRUE(same(attend(MechanismOptions().name("linear").feature_map(FeatureMap::identity).normalize(false), q, k, v),
                    linear_attention(q, k, v)));
-  // gated-linear: seed 004's gate f = sigmoid(k) * v, alpha = beta = 1, i.e. identity-map
-  // linear attention with keys = values = f (E == M needed).
+  // gated-linear: the cheap-linear-attention paper's gate f = sigmoid(k) * v,
+  // alpha = beta = 1, i.e. identity-map linear attention with keys = values = f
+  // (E == M needed).
   auto v3 = torch::randn({N, H, L, E}, f64());
   auto f = torch::sigmoid(k) * v3;
   EXPECT_TRUE(same(attend(MechanismOptions().name("gated-linear"), q, k, v3), linear_attention(q, f, f)));

@@ -1,4 +1,5 @@
-// The classic zoo modules (include/attnkit/nn/zoo.h, SPECS section 2): shapes,
+// The classic zoo modules (include/attnkit/nn/zoo.h; docs/MATH.md, "The classic
+// zoo"): shapes,
 // small cases against the formulas written out here with explicit loops (and a
 // few literal numbers), key_lengths masking, the sinusoidal table, Shaw's
 // relative-position attention against a direct O(L^2 dz) loop, float64

@@ -220,7 +220,7 @@ Outputs run_kernel(const Case& c, const Inputs& in, int threads) {
 }
 
 // ---------------------------------------------------------------------------
-// The float64 reference, straight from SPECS section 1
+// The float64 reference, straight from docs/MATH.md, "Exact softmax attention"
 // ---------------------------------------------------------------------------
 
 /// Each result with the scale of its float32 rounding error. `mag` holds, per

@@ -1,4 +1,5 @@
-// A fixed-size representation of a document (seed 004, sections 3.1-3.2): the
+// A fixed-size representation of a document (the cheap-linear-attention paper,
+// its sections 3.1-3.2; docs/MATH.md, "Linear attention"): the
 // k x k matrix C = H^T H = sum_t h_t h_t^T of its hidden states h_t. It is built
 // from a stream without holding the states, answers a query in O(k^2) whatever
 // the document's length (R = C q), merges by addition, and is saved to a
@@ -24,7 +25,7 @@ namespace attnkit {
 
 class DocumentMemory {
  public:
-  /// An empty memory (C = 0) for hidden states of size `dim` (the seed's k).
+  /// An empty memory (C = 0) for hidden states of size `dim` (the paper's k).
   explicit DocumentMemory(int64_t dim);
 
   /// Encodes the next hidden states of the stream, float32 (n, k): C += H^T H.

@@ -9,7 +9,8 @@
 // A query that sees no key outputs zeros and receives zero gradients.
 //
 // Each function is also registered as torch.ops.attnkit.<name> with the same
-// semantics; see docs/API.md for shapes, errors and complexity.
+// semantics; see docs/API.md for shapes, errors and complexity, and
+// docs/MATH.md for every mechanism's equations, gradients and edge cases.
 #pragma once
 
 #include <attnkit/dispatch.h>
@@ -40,10 +41,11 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const SoftmaxAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
-// Linear attention (seed 004 and its feature-map generalisation):
+// Linear attention (the cheap-linear-attention paper and its feature-map
+// generalisation; docs/MATH.md, "Linear attention"):
 //   out_l = phi(q_l)^T S / (phi(q_l) . z + eps)   (the division when normalize)
 //   S = sum_s phi(k_s) v_s^T,  z = sum_s phi(k_s)  (over visible s when causal).
-// feature_map = identity, normalize = false, k = v = H is the seed's C q.
+// feature_map = identity, normalize = false, k = v = H is the paper's C q.
 // ----------------------------------------------------------------------------
 enum class FeatureMap { identity, elu };  // elu means elu(x) + 1
 
@@ -62,12 +64,12 @@ FeatureMap feature_map_from_string(const std::string& name);
 std::string to_string(FeatureMap map);
 
 // ----------------------------------------------------------------------------
-// Gated linear attention (seed 004, section 4): the recurrence
+// Gated linear attention (docs/MATH.md, "Gated linear attention"): the recurrence
 //   C_t = alpha_t C_{t-1} + beta_t f_t f_t^T,   C_0 = 0,
 // read out by q:  causal: out_t = C_t q_t;  otherwise out_t = C_L q_t.
 // f (N, H, L, E), q (N, H, L, E), alpha and beta (N, H, L) -> (N, H, L, E).
-// The seed's gated form is alpha = beta = 1, f_t = sigmoid(W h_t + b) * h_t
-// (nn::GatedLinearAttention builds it).
+// The cheap-linear-attention paper's gated form is alpha = beta = 1,
+// f_t = sigmoid(W h_t + b) * h_t (nn::GatedLinearAttention builds it).
 // ----------------------------------------------------------------------------
 struct GatedLinearAttentionOptions {
   TORCH_ARG(bool, causal) = false;
@@ -77,7 +79,8 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
                                      const GatedLinearAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
-// Agglomerative attention (seed 000), one head per class:
+// Agglomerative attention (docs/MATH.md, "Agglomerative attention"), one head
+// per class:
 //   a_h = sum_t cr_th v_t / max(sum_t cr_th, clip),  out_ih = cq_ih * a_h
 // causal: the sums run over t <= i + (S - L).
 // cq (N, H, L), cr (N, H, S), v (N, H, S, M) -> (N, H, L, M).
@@ -92,10 +95,12 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
                                       const AgglomerativeOptions& options = {});
 
 // ----------------------------------------------------------------------------
-// Clustered (topk = 0) and improved-clustered (topk > 0) attention (seed 002).
+// Clustered (topk = 0) and improved-clustered (topk > 0) attention (the
+// clustered-attention paper).
 // Queries are hashed with `bits` random hyperplanes drawn from `seed`, grouped
 // by Hamming K-means into `clusters` groups, and each group attends through its
-// centroid. See SPECS.md section 3 and docs/API.md for the exact rules.
+// centroid. See docs/MATH.md, "Clustered attention" and "Improved clustered
+// attention", and docs/API.md for the exact rules.
 // ----------------------------------------------------------------------------
 struct ClusteredAttentionOptions {
   TORCH_ARG(int64_t, clusters) = 100;
@@ -116,7 +121,8 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
                                   const ClusteredAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
-// Sparse attention over neighbour lists (SAC, seed 001):
+// Sparse attention over neighbour lists (the SAC paper; docs/MATH.md, "Sparse
+// attention"):
 //   out_i = sum_{j in N(i)} softmax_{j in N(i)}(scale q_i . k_j) v_j.
 // ----------------------------------------------------------------------------
 /// Compressed sparse rows of a bipartite graph from L queries to S keys.

@@ -1,4 +1,5 @@
-// Agglomerative attention layer and its streaming step (SPECS section 4).
+// Agglomerative attention layer and its streaming step (docs/MATH.md,
+// "Agglomerative attention").
 #include <attnkit/nn/agglomerative.h>
 
 #include <attnkit/ops.h>

@@ -1,4 +1,4 @@
-// Clustered attention module (seed 002).
+// Clustered attention module (docs/MATH.md, "Clustered attention").
 #include <attnkit/nn/clustered.h>
 
 #include <ostream>

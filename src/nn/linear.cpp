@@ -1,4 +1,5 @@
-// Linear attention modules and the decoding state (SPECS section 5).
+// Linear attention modules and the decoding state (docs/MATH.md, "Linear
+// attention" and "Gated linear attention").
 #include <attnkit/nn/linear.h>
 
 #include "ops/checks.h"

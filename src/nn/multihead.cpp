@@ -57,9 +57,10 @@ torch::Tensor attend(const MechanismOptions& m, const torch::Tensor& q, const to
     reject(key_lengths.defined(), name, "key_lengths (padding)");
     TORCH_CHECK(k.size(3) == v.size(3), "attend: mechanism 'gated-linear' gates the values with "
                 "the keys and needs E == M, got E = ", k.size(3), ", M = ", v.size(3));
-    // The seed's f = sigmoid(W h + b) * h with the key projection as W h + b and
-    // the value projection as h. Its alpha = beta = 1 make the recurrence linear
-    // attention with keys = values = f (nn/linear.h).
+    // The cheap-linear-attention paper's f = sigmoid(W h + b) * h with the key
+    // projection as W h + b and the value projection as h. Its alpha = beta = 1
+    // make the recurrence linear attention with keys = values = f (nn/linear.h;
+    // docs/MATH.md, "Gated linear attention").
     const auto f = torch::sigmoid(k) * v;
     return linear_attention(q, f, f, LinearAttentionOptions().causal(causal));
   }

@@ -1,4 +1,4 @@
-// The classic attention zoo (seed 003, SPECS section 2).
+// The classic attention zoo (docs/MATH.md, "The classic zoo").
 #include <attnkit/nn/zoo.h>
 #include <attnkit/ops.h>
 

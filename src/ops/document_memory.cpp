@@ -1,5 +1,6 @@
-// DocumentMemory: the seed's C = H^T H as a streaming, mergeable, persistent
-// document representation. Products go through the kernels' sgemm.
+// DocumentMemory: C = H^T H of the cheap-linear-attention paper (docs/MATH.md,
+// "Linear attention") as a streaming, mergeable, persistent document
+// representation. Products go through the kernels' sgemm.
 #include <attnkit/document_memory.h>
 #include <fcntl.h>
 #include <unistd.h>

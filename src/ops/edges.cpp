@@ -1,5 +1,6 @@
 // Edge-pattern builders: the attention patterns of earlier models as CSR edge
-// lists for one sparse kernel (SAC's special cases, seed 001).
+// lists for one sparse kernel (the special cases of the SAC paper; docs/MATH.md,
+// "Sparse attention").
 #include <attnkit/ops.h>
 
 #include <algorithm>

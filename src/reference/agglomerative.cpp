@@ -1,4 +1,5 @@
-// Reference agglomerative attention on class weights (SPECS section 4).
+// Reference agglomerative attention on class weights (docs/MATH.md,
+// "Agglomerative attention").
 #include "reference/reference.h"
 
 namespace attnkit::reference {

@@ -1,5 +1,6 @@
-// Reference clustered and improved-clustered attention (SPECS section 3),
-// step by step: planes, hash bits, Hamming K-means, attention given the labels.
+// Reference clustered and improved-clustered attention (docs/MATH.md,
+// "Clustered attention" and "Improved clustered attention"), step by step:
+// planes, hash bits, Hamming K-means, attention given the labels.
 #include "kernels/random.h"
 #include "reference/reference.h"
 

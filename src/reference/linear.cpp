@@ -1,4 +1,5 @@
-// Reference linear and gated linear attention (SPECS section 5).
+// Reference linear and gated linear attention (docs/MATH.md, "Linear attention"
+// and "Gated linear attention").
 #include "reference/reference.h"
 
 namespace attnkit::reference {

@@ -1,7 +1,8 @@
 // Reference implementations: composite libtorch code, dtype-generic, written to
-// be read next to SPECS.md. Tests run them in float64 as the oracle for the fast
-// kernels; benchmarks and the approximation tool use them too. Production code
-// (ops with a fast kernel, modules, models) never calls them.
+// be read next to docs/MATH.md (its sections are named below). Tests run them in
+// float64 as the oracle for the fast kernels; benchmarks and the approximation
+// tool use them too. Production code (ops with a fast kernel, modules, models)
+// never calls them.
 //
 // Inputs are assumed valid (the ops validate); shapes follow include/attnkit/ops.h.
 #pragma once
@@ -16,25 +17,25 @@ namespace attnkit::reference {
 using detail::masked_softmax;
 using detail::visibility;
 
-/// SPECS 1. Also the attention matrix when `weights` is non-null.
+/// "Exact softmax attention". Also the attention matrix when `weights` is non-null.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionOptions& o,
                                 torch::Tensor* weights = nullptr);
 
-/// SPECS 5: quadratic masked form when causal (obviously correct, O(L S)).
+/// "Linear attention": quadratic masked form when causal (obviously correct, O(L S)).
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const LinearAttentionOptions& o);
 
-/// SPECS 5: the recurrence step by step, C_t kept only for the current t.
+/// "Gated linear attention": the recurrence step by step, C_t kept only for the current t.
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
                                      const GatedLinearAttentionOptions& o);
 
-/// SPECS 4 on class weights: cq (N,H,L), cr (N,H,S), v (N,H,S,M).
+/// "Agglomerative attention" on class weights: cq (N,H,L), cr (N,H,S), v (N,H,S,M).
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
                                       const torch::Tensor& v, const AgglomerativeOptions& o);
 
-// --- Clustered attention, SPECS 3, in its separate steps -----------------------
+// --- "Clustered attention" and its improved form, in separate steps --------------
 
 /// Planes (B, E+1) of i.i.d. N(0,1) values drawn from `seed`, float64. The same
 /// seed gives the same planes everywhere (see kernels/random.h).
@@ -68,7 +69,7 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
                                   const torch::Tensor& v, const ClusteredAttentionOptions& o,
                                   torch::Tensor* weights = nullptr);
 
-// --- Sparse attention, SPECS 6 --------------------------------------------------
+// --- "Sparse attention" -----------------------------------------------------------
 
 /// Dense boolean visibility (1 or H, L, S) of an edge list.
 torch::Tensor edge_mask(const EdgeList& edges, int64_t H, int64_t L, int64_t S);

@@ -1,4 +1,4 @@
-// Reference exact softmax attention (SPECS section 1).
+// Reference exact softmax attention (docs/MATH.md, "Exact softmax attention").
 #include "reference/reference.h"
 
 namespace attnkit::reference {

@@ -1,5 +1,6 @@
-// Reference sparse attention over CSR edge lists (SPECS section 6): the edge
-// list becomes a dense mask and the attention a masked softmax.
+// Reference sparse attention over CSR edge lists (docs/MATH.md, "Sparse
+// attention"): the edge list becomes a dense mask and the attention a masked
+// softmax.
 #include "reference/reference.h"
 
 namespace attnkit::reference {

@@ -1,5 +1,5 @@
-// Agglomerative attention layer (seed 000, SPECS section 4) and its streaming
-// state for causal decoding.
+// Agglomerative attention layer (the agglomerative-attention paper; docs/MATH.md,
+// "Agglomerative attention") and its streaming state for causal decoding.
 //
 // m classes over a model width d (d divisible by m). No query/key/value
 // projections: the inputs feed two classifiers and the value projection P.
@@ -25,7 +25,7 @@ struct AgglomerativeAttentionOptions {
       : d_model_(d_model), classes_(classes) {}
   /// Model width d; a multiple of `classes`.
   TORCH_ARG(int64_t, d_model);
-  /// Class count m (the seed uses 8).
+  /// Class count m (the paper uses 8).
   TORCH_ARG(int64_t, classes);
   /// Attention dropout: in training, each element of p is zeroed with this
   /// probability and the rest are scaled by 1 / (1 - dropout).
@@ -45,13 +45,13 @@ struct AgglomerativeState {
 class AgglomerativeAttentionImpl : public torch::nn::Cloneable<AgglomerativeAttentionImpl> {
  public:
   explicit AgglomerativeAttentionImpl(const AgglomerativeAttentionOptions& options);
-  /// Glorot-uniform W^q, W^r, P and Q (the Keras default of the seed's code),
+  /// Glorot-uniform W^q, W^r, P and Q (the Keras default of the authors' code),
   /// zero biases.
   void reset() override;
 
   /// x_query (N, L, d) and x_ref (N, S, d) -> (N, L, d). An undefined x_ref
   /// means self-attention (x_ref = x_query). `causal`: query i averages the
-  /// reference rows t <= i + S - L (the masked form of the seed).
+  /// reference rows t <= i + S - L (the paper's masked form).
   torch::Tensor forward(const torch::Tensor& x_query, const torch::Tensor& x_ref = {},
                         bool causal = false);
 

@@ -1,5 +1,6 @@
-// Clustered and improved-clustered attention (seed 002) as a module, so that it
-// can be swapped into a model in place of exact attention.
+// Clustered and improved-clustered attention (the clustered-attention paper;
+// docs/MATH.md, "Clustered attention") as a module, so that it can be swapped
+// into a model in place of exact attention.
 //
 // The module has no parameters: it maps q (N, H, L, E), k (N, H, S, E) and
 // v (N, H, S, M) to (N, H, L, M) with attnkit::clustered_attention. It adapts

@@ -1,5 +1,6 @@
-// Linear attention as modules (seed 004 and its feature-map generalisation),
-// and the recurrent state that decodes causal linear attention token by token.
+// Linear attention as modules (the cheap-linear-attention paper and its
+// feature-map generalisation; docs/MATH.md, "Linear attention" and "Gated
+// linear attention"), and the recurrent state that decodes causal linear attention token by token.
 //
 // In MultiheadAttention the same mechanisms are picked by name: "linear" and
 // "causal-linear" (MechanismOptions' feature_map and normalize) are
@@ -68,19 +69,19 @@ TORCH_MODULE(LinearAttention);
 
 struct GatedLinearAttentionOptions {
   explicit GatedLinearAttentionOptions(int64_t dim) : dim_(dim) {}
-  /// The seed's k: size of the hidden states and of the queries.
+  /// The paper's k: size of the hidden states and of the queries.
   TORCH_ARG(int64_t, dim);
 };
 
-/// The seed's gated linear attention (section 4): the document's hidden states
-/// h_t are gated, f_t = sigmoid(W h_t + b) * h_t, and summed into C = sum_t
-/// f_t f_t^T (all t, or t <= i + n - m for query i when causal); query q reads
-/// C q. With the seed's alpha = beta = 1 the recurrence C_t = C_{t-1} + f_t f_t^T
-/// is linear attention with keys = values = f (identity map, no normaliser),
-/// computed so here; that also lets the number of queries m differ from the
-/// document length n. General gates alpha_t, beta_t: gated_linear_attention.
-/// For a persistent document representation append features(h) to a
-/// DocumentMemory.
+/// The gated linear attention of the cheap-linear-attention paper: the
+/// document's hidden states h_t are gated, f_t = sigmoid(W h_t + b) * h_t, and
+/// summed into C = sum_t f_t f_t^T (all t, or t <= i + n - m for query i when
+/// causal); query q reads C q. With the paper's alpha = beta = 1 the recurrence
+/// C_t = C_{t-1} + f_t f_t^T is linear attention with keys = values = f
+/// (identity map, no normaliser), computed so here; that also lets the number of
+/// queries m differ from the document length n. General gates alpha_t, beta_t:
+/// gated_linear_attention. For a persistent document representation append
+/// features(h) to a DocumentMemory.
 class GatedLinearAttentionImpl : public torch::nn::Cloneable<GatedLinearAttentionImpl> {
  public:
   explicit GatedLinearAttentionImpl(const GatedLinearAttentionOptions& options);

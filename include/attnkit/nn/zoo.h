@@ -1,4 +1,4 @@
-// The classic attention zoo (seed 003) as torch::nn modules.
+// The classic attention zoo (docs/MATH.md, "The classic zoo") as torch::nn modules.
 //
 // Every scoring module maps queries s (N, L, Dq), keys h (N, S, Dk) and values
 // (N, S, Dv) to an AttentionOutput: the context (N, L, Dv) and the attention
