@@ -289,7 +289,7 @@ class Subjects {
     } else if (layer == "agglomerative") {
       agglomerative_attention(cq_, cr_, v_, AgglomerativeOptions().causal(causal));
     } else {
-      nn::attend(multihead_->options.mechanism(), q_, k_, v_, causal);
+      multihead_->attention->forward(q_, k_, v_, nn::AttendArgs{causal, {}});
     }
   }
 

@@ -1,26 +1,24 @@
-// `attnkit bench`: time any set of mechanisms and implementations over a list of
-// lengths; print a table and optionally write the results as JSON.
+// `attnkit bench`: time mechanisms of the registry over a list of lengths;
+// print a table and optionally write the results as JSON.
 //
-// Implementations: `fast` is the attnkit op a user calls; `reference` is the
-// float-generic composite of src/reference; `torch` is the plain libtorch
-// matmul-softmax-matmul a user would write (exact attention only).
-#include <attnkit/nn/multihead.h>
+// What runs: `fast` is the attnkit op a user calls (the table's impl column
+// says which backend it took: kernel or composite); `reference` is the
+// mechanism's composite definition from src/reference, in float32; `torch`
+// is the plain libtorch matmul-softmax-matmul a user would write (exact
+// attention only), on whatever BLAS libtorch loaded (named in the header).
+#include <attnkit/nn/registry.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
-#include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "bench_util.h"
 #include "commands.h"
-#include "kernels/gemm.h"
 #include "reference/reference.h"
 
 namespace attnkit::cli {
@@ -28,8 +26,9 @@ namespace attnkit::cli {
 namespace {
 
 struct BenchConfig {
-  std::vector<std::string> attention{"full", "linear", "causal-linear", "agglomerative",
-                                     "clustered", "improved-clustered", "sparse-local"};
+  std::vector<std::string> attention{"full",      "linear",             "causal-linear",
+                                     "agglomerative", "clustered", "improved-clustered",
+                                     "sparse-local"};
   std::vector<std::string> impl{"fast", "torch"};
   std::vector<std::string> pass{"forward"};
   std::vector<int64_t> lengths{256, 1024};
@@ -37,75 +36,27 @@ struct BenchConfig {
   bool causal = false;
   int threads = 0;
   int repeats = 3;
-  int64_t clusters = 100, bits = 63, topk = 32, pattern_param = 32;
-  int64_t exact_check_limit = int64_t{1} << 25;  // N*H*L*S up to which rel_err is computed
+  // N*H*L*S up to which the float64 checks (err, approx_err) run.
+  int64_t check_limit = int64_t{1} << 25;
   std::string json;
 };
 
-struct Inputs {
-  torch::Tensor q, k, v;          // (N,H,L,E), (N,H,S,E), (N,H,S,M)
-  torch::Tensor cq, cr;           // agglomerative class weights (N,H,L), (N,H,S)
-  torch::Tensor alpha, beta;      // gated-linear (N,H,L)
-};
-
 struct Result {
-  std::string attention, impl, pass;
+  std::string attention, run, impl, pass;  // run: fast | reference | torch; impl: what ran
+  std::string dispatch_reason;
   int64_t N, H, L, S, E, M;
   bool causal;
   int threads;
   double ms = 0;
   c10::optional<double> gflops;
   int64_t peak_bytes = 0;
-  c10::optional<double> rel_err;
-  std::string note;  // non-empty: the run did not happen (why)
+  c10::optional<double> err, approx_err;
+  std::string note;  // non-empty: the row did not run (why)
 };
 
-const std::vector<std::string>& known_attention() {
-  static const std::vector<std::string> names = [] {
-    // The registry's names plus the two bench-only ones, each once.
-    std::vector<std::string> n{"gated-linear", "agglomerative"};
-    for (const auto& m : nn::mechanism_names())
-      if (std::find(n.begin(), n.end(), m) == n.end()) n.push_back(m);
-    return n;
-  }();
-  return names;
-}
-
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-bool uses_qkv(const std::string& a) { return a != "agglomerative" && a != "gated-linear"; }
-
-Inputs make_inputs(const BenchConfig& c, const std::string& attention, int64_t L) {
-  torch::manual_seed(0);
-  const int64_t N = c.batch, H = c.heads, E = c.dim, S = L;
-  Inputs in;
-  if (attention == "agglomerative") {
-    in.cq = torch::softmax(torch::randn({N, L, H}), -1).permute({0, 2, 1});
-    in.cr = torch::softmax(torch::randn({N, S, H}), -1).permute({0, 2, 1});
-    in.v = torch::randn({N, H, S, E});
-  } else if (attention == "gated-linear") {
-    // The cheap-linear-attention paper's form: alpha = beta = 1,
-    // f = sigmoid(gate) * h, read out by q.
-    in.k = torch::sigmoid(torch::randn({N, H, L, E})) * torch::randn({N, H, L, E}) / std::sqrt(double(E));
-    in.q = torch::randn({N, H, L, E}) / std::sqrt(double(E));
-    in.alpha = torch::ones({N, H, L});
-    in.beta = torch::ones({N, H, L});
-  } else {
-    in.q = torch::randn({N, H, L, E});
-    in.k = torch::randn({N, H, S, E});
-    in.v = torch::randn({N, H, S, E});
-  }
-  return in;
-}
-
 /// The plain libtorch composite a user would write for exact attention.
-torch::Tensor torch_composite(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, bool causal) {
+torch::Tensor torch_composite(const nn::MechanismInputs& x, bool causal) {
+  const auto &q = x[0], &k = x[1], &v = x[2];
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(q.size(-1)));
   if (causal) {
     const int64_t L = q.size(2), S = k.size(2);
@@ -115,133 +66,225 @@ torch::Tensor torch_composite(const torch::Tensor& q, const torch::Tensor& k,
   return torch::matmul(torch::softmax(scores, -1), v);
 }
 
-/// Runs one mechanism with one implementation; undefined tensor if unsupported.
-torch::Tensor run(const BenchConfig& c, const std::string& a, const std::string& impl,
-                  const Inputs& in, std::string* why_not) {
-  const bool causal = c.causal;
-  if (impl == "torch") {
-    if (a == "full") return torch_composite(in.q, in.k, in.v, causal);
-    *why_not = "torch composite exists for full only";
-    return {};
-  }
-  const bool ref = impl == "reference";
-  if (a == "agglomerative") {
-    auto o = AgglomerativeOptions().causal(causal);
-    return ref ? reference::agglomerative_attention(in.cq, in.cr, in.v, o)
-               : agglomerative_attention(in.cq, in.cr, in.v, o);
-  }
-  if (a == "gated-linear") {
-    auto o = GatedLinearAttentionOptions().causal(causal);
-    return ref ? reference::gated_linear_attention(in.k, in.q, in.alpha, in.beta, o)
-               : gated_linear_attention(in.k, in.q, in.alpha, in.beta, o);
-  }
-  if ((a == "clustered" || a == "improved-clustered") && causal) {
-    *why_not = "no causal form";
-    return {};
-  }
-  if (a.rfind("sparse-", 0) == 0 && causal) {
-    *why_not = "causal flag not applicable (choose a causal pattern)";
-    return {};
-  }
-  auto m = nn::MechanismOptions()
-               .name(a)
-               .clusters(c.clusters)
-               .bits(c.bits)
-               .topk(c.topk)
-               .pattern_param(c.pattern_param)
-               .feature_map(FeatureMap::elu)
-               .normalize(true);
-  if (!ref) return nn::attend(m, in.q, in.k, in.v, causal);
-  // The reference of each registry mechanism, with the settings attend() uses.
-  const int64_t L = in.q.size(2), S = in.k.size(2);
-  if (a == "full")
-    return reference::softmax_attention(in.q, in.k, in.v, SoftmaxAttentionOptions().causal(causal));
-  if (a == "linear" || a == "causal-linear")
-    return reference::linear_attention(
-        in.q, in.k, in.v,
-        LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(causal || a == "causal-linear"));
-  if (a == "clustered" || a == "improved-clustered")
-    return reference::clustered_attention(
-        in.q, in.k, in.v,
-        ClusteredAttentionOptions().clusters(std::min(c.clusters, L)).bits(c.bits)
-            .topk(a == "clustered" ? 0 : std::min(c.topk, S)));
-  return reference::sparse_attention(in.q, in.k, in.v, nn::pattern_edges(a.substr(7), L, c.pattern_param),
-                                     SparseAttentionOptions());
+/// max |a - b| / max |b| (0 when both are empty or zero).
+double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
+  if (b.numel() == 0) return 0;
+  auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+  const double scale = b64.abs().max().item<double>();
+  const double diff = (a64 - b64).abs().max().item<double>();
+  return scale > 0 ? diff / scale : diff;
 }
 
-c10::optional<double> flops(const std::string& a, const std::string& pass, int64_t N, int64_t H,
-                            int64_t L, int64_t S, int64_t E, int64_t M, bool causal) {
-  double f;
-  if (a == "full") {
-    f = 2.0 * N * H * L * S * (E + M) * (causal ? 0.5 : 1.0);  // 4 L S E per head when E = M
-  } else if (a == "linear" || a == "causal-linear") {
-    f = 2.0 * N * H * (S * E * M + L * E * M);
-  } else {
-    return c10::nullopt;
-  }
-  return pass == "forward" ? f : 3.5 * f;  // backward counted as 2.5x forward
-}
+/// The inputs of a row with gradients of the output for forward_backward.
+struct Problem {
+  nn::MechanismInputs inputs;
+  torch::Tensor grad_out;
+};
 
-double median(std::vector<double> x) {
-  std::sort(x.begin(), x.end());
-  return x[x.size() / 2];
-}
-
-Result measure(const BenchConfig& c, const std::string& a, const std::string& impl,
-               const std::string& pass, int64_t L) {
-  Result r{a, impl, pass, c.batch, c.heads, L, L, c.dim, c.dim, c.causal, num_threads()};
-  Inputs in = make_inputs(c, a, L);
+Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
+               const std::string& run, const std::string& pass, int64_t L) {
+  const nn::AttentionShape shape{c.batch, c.heads, L, L, c.dim, c.dim};
+  Result r{spec.str(), run, "", pass, "", shape.N, shape.H, L, L, shape.E, shape.M, c.causal,
+           num_threads()};
   const bool backward = pass == "forward_backward";
-  auto prepare = [&](torch::Tensor& t) {
-    if (t.defined()) t = t.detach().requires_grad_(backward);
-  };
-  for (auto* t : {&in.q, &in.k, &in.v, &in.cq, &in.cr}) prepare(*t);
+  const nn::AttendArgs args{c.causal, {}};
+  if (c.causal && !info.supports.causal) {
+    r.note = info.name.rfind("sparse-", 0) == 0 ? "no causal flag (choose a causal pattern)"
+                                                : "no causal form";
+    return r;
+  }
+  if (run == "torch" && info.name != "full") {
+    r.note = "no torch composite";
+    return r;
+  }
 
-  std::vector<double> times;
+  torch::manual_seed(0);
+  Problem p{info.sample(shape, torch::kFloat), {}};
+  for (auto& t : p.inputs) t = t.detach().requires_grad_(backward);
+
+  // What the row runs, and which backend that is.
+  std::function<torch::Tensor()> call;
+  if (run == "torch") {
+    r.impl = "torch";
+    call = [&] { return torch_composite(p.inputs, c.causal); };
+  } else if (run == "reference") {
+    r.impl = "composite";
+    r.dispatch_reason = "--impl reference";
+    call = [&] { return info.reference(p.inputs, args, spec); };
+  } else {
+    const Dispatch d = info.dispatch ? info.dispatch(p.inputs, args, spec) : Dispatch::kernel();
+    r.impl = to_string(d.backend);
+    r.dispatch_reason = d.reason;
+    call = [&] { return info.run(p.inputs, args, spec); };
+  }
+
   torch::Tensor out;
   const int64_t held_before = memory::current_bytes();
   int64_t peak = 0;
+  auto body = [&] {
+    memory::reset_peak();
+    torch::AutoGradMode grad_mode(backward);
+    out = call();
+    if (backward) out.backward(torch::ones_like(out));
+    peak = std::max(peak, memory::peak_bytes() - held_before);
+  };
+  auto clear = [&] {
+    for (auto& t : p.inputs)
+      if (t.grad().defined()) t.mutable_grad().reset();
+  };
   try {
-    for (int rep = 0; rep <= c.repeats; ++rep) {  // rep 0 warms up
-      memory::reset_peak();
-      const auto t0 = std::chrono::steady_clock::now();
-      std::string why_not;
-      {
-        torch::AutoGradMode grad_mode(backward);
-        out = run(c, a, impl, in, &why_not);
-        if (!out.defined()) {
-          r.note = why_not;
-          return r;
-        }
-        if (backward) out.backward(torch::ones_like(out));
-      }
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      peak = std::max(peak, memory::peak_bytes() - held_before);
-      if (rep > 0) times.push_back(ms);
-      for (auto* t : {&in.q, &in.k, &in.v, &in.cq, &in.cr})
-        if (t->defined() && t->grad().defined()) t->mutable_grad().reset();
-      if (rep < c.repeats) out.reset();
-    }
+    r.ms = median(time_ms(body, c.repeats, clear));
   } catch (const std::bad_alloc&) {
     r.note = "out of memory";
     return r;
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    r.note = msg.find("alloc") != std::string::npos ? "out of memory" : "error: " + msg.substr(0, 120);
+    r.note = msg.find("alloc") != std::string::npos ? "out of memory" : "error: " + msg.substr(0, 160);
     return r;
   }
-  r.ms = median(times);
   r.peak_bytes = peak;
-  if (auto f = flops(a, pass, r.N, r.H, r.L, r.S, r.E, r.M, r.causal)) r.gflops = *f / (r.ms * 1e6);
-  // Relative error of the output against exact attention in float64 on the same inputs.
-  if (uses_qkv(a) && r.N * r.H * r.L * r.S <= c.exact_check_limit) {
+  if (info.flops)
+    if (auto f = info.flops(shape, c.causal, spec)) r.gflops = (backward ? 3.5 : 1.0) * *f / (r.ms * 1e6);
+
+  if (shape.N * shape.H * shape.L * shape.S > c.check_limit) return r;
+  // err: this row's output (and input gradients) against the mechanism's own
+  // float64 definition on the same inputs.
+  nn::MechanismInputs x64;
+  for (const auto& t : p.inputs) x64.push_back(t.detach().to(torch::kDouble).requires_grad_(backward));
+  torch::Tensor ref;
+  {
+    torch::AutoGradMode grad_mode(backward);
+    ref = info.reference(x64, args, spec);
+    if (backward) ref.backward(torch::ones_like(ref));
+  }
+  {
+    torch::AutoGradMode grad_mode(backward);
+    out = call();  // a fresh forward (and backward) for the gradients
+    if (backward) out.backward(torch::ones_like(out));
+  }
+  double err = relative_max_error(out, ref);
+  if (backward)
+    for (size_t i = 0; i < x64.size(); ++i)
+      if (p.inputs[i].grad().defined() && x64[i].grad().defined())
+        err = std::max(err, relative_max_error(p.inputs[i].grad(), x64[i].grad()));
+  r.err = err;
+  // approx_err: distance to exact softmax attention, for approximations of it.
+  if (info.approximates_exact) {
     torch::NoGradGuard no_grad;
-    auto exact = reference::softmax_attention(in.q.detach().to(torch::kDouble), in.k.detach().to(torch::kDouble),
-                                              in.v.detach().to(torch::kDouble),
+    auto exact = reference::softmax_attention(x64[0].detach(), x64[1].detach(), x64[2].detach(),
                                               SoftmaxAttentionOptions().causal(c.causal));
-    r.rel_err = ((out.detach().to(torch::kDouble) - exact).norm() / exact.norm()).item<double>();
+    r.approx_err = relative_max_error(out, exact);
   }
   return r;
+}
+
+void print_header(const MachineRecord& machine) {
+  std::cout << machine.header() << "\n"
+            << std::left << std::setw(22) << "attention" << std::setw(11) << "impl" << std::setw(17)
+            << "pass" << std::right << std::setw(7) << "L" << std::setw(11) << "ms" << std::setw(10)
+            << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(10) << "peak MiB" << std::setw(10)
+            << "err" << std::setw(11) << "approx_err" << "\n";
+}
+
+std::string opt(const c10::optional<double>& x, int precision, bool scientific = false) {
+  if (!x) return "-";
+  if (!scientific) return fmt(*x, precision);
+  std::ostringstream o;
+  o << std::scientific << std::setprecision(precision) << *x;
+  return o.str();
+}
+
+void print_row(const Result& r, double peak) {
+  std::cout << std::left << std::setw(22) << r.attention << std::setw(11)
+            << (r.impl.empty() ? r.run : r.impl) << std::setw(17) << r.pass << std::right
+            << std::setw(7) << r.L;
+  if (!r.note.empty()) {
+    std::cout << "   skipped: " << r.note << "\n";
+    return;
+  }
+  c10::optional<double> pct;
+  if (r.gflops) pct = 100.0 * *r.gflops / peak;
+  std::cout << std::setw(11) << fmt(r.ms, 2) << std::setw(10) << opt(r.gflops, 1) << std::setw(7)
+            << opt(pct, 0) << std::setw(10) << fmt(r.peak_bytes / 1048576.0, 1) << std::setw(10)
+            << opt(r.err, 1, true) << std::setw(11) << opt(r.approx_err, 3) << "\n";
+}
+
+void print_legend() {
+  std::cout
+      << "\nimpl        what ran: kernel (attnkit's float32 kernel), composite (libtorch ops,\n"
+      << "            src/reference), torch (plain libtorch matmul-softmax-matmul)\n"
+      << "ms          median wall time of --repeats calls after an untimed warm-up\n"
+      << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
+      << "%peak       GFLOP/s over the best sgemm peak measured in this run (header)\n"
+      << "peak MiB    most memory held during a call beyond the inputs (tensors + scratch)\n"
+      << "err         max |x - ref| / max |ref| against the mechanism's own float64 definition,\n"
+      << "            worst of the output and (forward_backward) the input gradients\n"
+      << "approx_err  max |out - exact| / max |exact| against exact softmax attention in float64,\n"
+      << "            for mechanisms that approximate it\n";
+}
+
+nlohmann::json to_json(const Result& r, double peak) {
+  auto opt_json = [](const c10::optional<double>& x) {
+    return x ? nlohmann::json(*x) : nlohmann::json(nullptr);
+  };
+  return {{"attention", r.attention},
+          {"run", r.run},
+          {"impl", r.impl},
+          {"dispatch_reason", r.dispatch_reason},
+          {"pass", r.pass},
+          {"N", r.N}, {"H", r.H}, {"L", r.L}, {"S", r.S}, {"E", r.E}, {"M", r.M},
+          {"causal", r.causal},
+          {"threads", r.threads},
+          {"ms", r.ms},
+          {"gflops", opt_json(r.gflops)},
+          {"fraction_of_peak", r.gflops ? nlohmann::json(*r.gflops / peak) : nlohmann::json(nullptr)},
+          {"peak_bytes", r.peak_bytes},
+          {"err", opt_json(r.err)},
+          {"approx_err", opt_json(r.approx_err)}};
+}
+
+void run_bench(const BenchConfig& c) {
+  memory::install_counting_allocator();
+  set_num_threads(c.threads);
+  at::set_num_threads(num_threads());  // the torch composite gets the same threads
+  std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> mechanisms;
+  for (const auto& text : c.attention) mechanisms.push_back(nn::resolve_mechanism(text));
+
+  MachineRecord machine = MachineRecord::measure();
+  print_header(machine);
+  nlohmann::json doc;
+  doc["results"] = nlohmann::json::array();
+  for (int64_t L : c.lengths) {
+    for (const auto& [info, spec] : mechanisms)
+      for (const auto& run : c.impl)
+        for (const auto& pass : c.pass) {
+          if (run == "torch" && info->name != "full") continue;  // nothing to compare
+          Result r = measure(c, *info, spec, run, pass, L);
+          print_row(r, machine.sgemm_gflops);
+          if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
+          doc["machine"] = machine.to_json();
+          if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
+        }
+    machine.remeasure_peak();  // a busy moment lowers one measurement, not the best
+  }
+  print_legend();
+  std::cout << "best sgemm peak over the run: " << fmt(machine.sgemm_gflops, 1) << " GFLOP/s\n";
+  if (!c.json.empty()) std::cout << "wrote " << c.json << "\n";
+}
+
+/// Splits a comma list of specs, keeping "name:k=v,k2=v2" together: a piece
+/// with '=' but no ':' continues the previous spec.
+std::vector<std::string> split_specs(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.empty()) continue;
+    if (!out.empty() && item.find('=') != std::string::npos && item.find(':') == std::string::npos)
+      out.back() += "," + item;
+    else
+      out.push_back(item);
+  }
+  return out;
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -262,79 +305,6 @@ void check_choices(const char* option, const std::vector<std::string>& got,
   }
 }
 
-std::string fmt(double x, int precision) {
-  std::ostringstream o;
-  o << std::fixed << std::setprecision(precision) << x;
-  return o.str();
-}
-
-void print_header(double peak) {
-  std::cout << "sgemm peak (this process, " << num_threads() << " thread(s)): " << fmt(peak, 1)
-            << " GFLOP/s\n\n"
-            << std::left << std::setw(20) << "attention" << std::setw(10) << "impl" << std::setw(18)
-            << "pass" << std::right << std::setw(7) << "L" << std::setw(11) << "ms" << std::setw(10)
-            << "GFLOP/s" << std::setw(8) << "%peak" << std::setw(11) << "peak MiB" << std::setw(11)
-            << "rel_err" << "\n";
-}
-
-void print_row(const Result& r, double peak) {
-  std::cout << std::left << std::setw(20) << r.attention << std::setw(10) << r.impl << std::setw(18)
-            << r.pass << std::right << std::setw(7) << r.L;
-  if (!r.note.empty()) {
-    std::cout << "   skipped: " << r.note << "\n";
-    return;
-  }
-  std::cout << std::setw(11) << fmt(r.ms, 2) << std::setw(10) << (r.gflops ? fmt(*r.gflops, 1) : "-")
-            << std::setw(8) << (r.gflops ? fmt(100.0 * *r.gflops / peak, 0) : "-") << std::setw(11)
-            << fmt(r.peak_bytes / 1048576.0, 1) << std::setw(11)
-            << (r.rel_err ? fmt(*r.rel_err, 6) : "-") << "\n";
-}
-
-nlohmann::json to_json(const Result& r) {
-  nlohmann::json j{{"attention", r.attention}, {"impl", r.impl}, {"pass", r.pass},
-                   {"N", r.N}, {"H", r.H}, {"L", r.L}, {"S", r.S}, {"E", r.E}, {"M", r.M},
-                   {"causal", r.causal}, {"threads", r.threads}, {"ms", r.ms},
-                   {"peak_bytes", r.peak_bytes}};
-  j["gflops"] = r.gflops ? nlohmann::json(*r.gflops) : nlohmann::json(nullptr);
-  j["rel_err_vs_exact"] = r.rel_err ? nlohmann::json(*r.rel_err) : nlohmann::json(nullptr);
-  return j;
-}
-
-void write_json_atomically(const std::string& path, const nlohmann::json& doc) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-    out << doc.dump(2) << "\n";
-    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot rename " + tmp + " to " + path);
-}
-
-void run_bench(const BenchConfig& c) {
-  memory::install_counting_allocator();
-  set_num_threads(c.threads);
-  at::set_num_threads(num_threads());  // the torch composite gets the same threads
-  const double peak = kernels::measure_sgemm_gflops();
-  print_header(peak);
-
-  nlohmann::json doc;
-  doc["machine"] = {{"cpu", cpu_name()}, {"threads", num_threads()}, {"sgemm_gflops", peak}};
-  doc["results"] = nlohmann::json::array();
-  for (int64_t L : c.lengths)
-    for (const auto& a : c.attention)
-      for (const auto& impl : c.impl)
-        for (const auto& pass : c.pass) {
-          if (impl == "torch" && a != "full") continue;  // nothing to compare
-          Result r = measure(c, a, impl, pass, L);
-          print_row(r, peak);
-          if (r.note.empty()) doc["results"].push_back(to_json(r));
-          if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
-        }
-  if (!c.json.empty()) std::cout << "\nwrote " << c.json << "\n";
-}
-
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -343,13 +313,16 @@ void add_bench_command(CLI::App& app) {
   auto impl = std::make_shared<std::string>();
   auto pass = std::make_shared<std::string>();
   auto lengths = std::make_shared<std::string>();
+  auto list = std::make_shared<bool>(false);
   auto* cmd = app.add_subcommand("bench", "Time attention mechanisms over sequence lengths");
-  std::string names;
-  for (const auto& n : known_attention()) names += (names.empty() ? "" : ", ") + n;
   cmd->add_option("--attention", *attention,
-                  "Comma list of mechanisms (default: full,linear,causal-linear,agglomerative,"
-                  "clustered,improved-clustered,sparse-local). Known: " + names);
-  cmd->add_option("--impl", *impl, "Comma list of fast, reference, torch (default: fast,torch)");
+                  "Comma list of mechanism specs NAME[:key=value,...] (default: full,linear,"
+                  "causal-linear,agglomerative,clustered,improved-clustered,sparse-local); "
+                  "--list prints them");
+  cmd->add_flag("--list", *list, "Print the mechanisms, their options and what they support");
+  cmd->add_option("--impl", *impl,
+                  "Comma list of fast (the attnkit op), reference (its composite definition), "
+                  "torch (plain libtorch, full only) (default: fast,torch)");
   cmd->add_option("--pass", *pass, "Comma list of forward, forward_backward (default: forward)");
   cmd->add_option("--lengths", *lengths, "Comma list of sequence lengths L = S (default: 256,1024)");
   cmd->add_option("--batch", config->batch, "Batch size N")->check(CLI::PositiveNumber)->capture_default_str();
@@ -357,16 +330,19 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--dim", config->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_flag("--causal", config->causal, "Causal masking");
   cmd->add_option("--threads", config->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--repeats", config->repeats, "Timed repeats after one warm-up (median reported)")
+  cmd->add_option("--repeats", config->repeats, "Timed repeats after the warm-up (median reported)")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--clusters", config->clusters, "Clusters for clustered mechanisms")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--topk", config->topk, "Top keys for improved-clustered")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--pattern-param", config->pattern_param, "Span / segment / stride of sparse patterns")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--check-limit", config->check_limit,
+                  "Largest N*H*L*S for which err and approx_err are computed (float64 references)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--json", config->json, "Also write the results to this JSON file");
   cmd->callback([=] {
+    if (*list) {
+      std::cout << nn::describe_mechanisms();
+      return;
+    }
     BenchConfig c = *config;
-    if (!attention->empty()) c.attention = split_list(*attention);
+    if (!attention->empty()) c.attention = split_specs(*attention);
     if (!impl->empty()) c.impl = split_list(*impl);
     if (!pass->empty()) c.pass = split_list(*pass);
     if (!lengths->empty()) {
@@ -383,11 +359,23 @@ void add_bench_command(CLI::App& app) {
         c.lengths.push_back(L);
       }
     }
-    check_choices("--attention", c.attention, known_attention());
+    for (const auto& spec : c.attention) {
+      try {
+        nn::resolve_mechanism(spec);
+      } catch (const c10::Error& e) {
+        throw CLI::ValidationError("--attention", e.what_without_backtrace());
+      }
+    }
     check_choices("--impl", c.impl, {"fast", "reference", "torch"});
     check_choices("--pass", c.pass, {"forward", "forward_backward"});
     run_bench(c);
   });
+}
+
+void add_mechanisms_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "mechanisms", "List the attention mechanisms: names, options with defaults, what each supports");
+  cmd->callback([] { std::cout << nn::describe_mechanisms(); });
 }
 
 }  // namespace attnkit::cli

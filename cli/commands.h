@@ -9,6 +9,12 @@ namespace attnkit::cli {
 /// `attnkit bench`: times mechanisms over lengths, prints a table, writes JSON.
 void add_bench_command(CLI::App& app);
 
+/// `attnkit mechanisms`: the registry's table.
+void add_mechanisms_command(CLI::App& app);
+
+/// `attnkit bench-dense`: the dense layer vs the sgemm peak and libtorch.
+void add_bench_dense_command(CLI::App& app);
+
 /// `attnkit figure-agglomerative`: the agglomerative-attention paper, Figure 1
 /// (layer time vs length).
 void add_agglomerative_figure_command(CLI::App& app);

@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "attnkit " + attnkit::version());
   app.require_subcommand(1);
   attnkit::cli::add_bench_command(app);
+  attnkit::cli::add_bench_dense_command(app);
+  attnkit::cli::add_mechanisms_command(app);
   attnkit::cli::add_agglomerative_figure_command(app);
   attnkit::cli::add_figure_clustered_command(app);
   attnkit::cli::add_approx_command(app);

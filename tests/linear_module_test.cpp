@@ -191,7 +191,7 @@ TEST(LinearMultihead, GatedLinearGatesTheValueProjectionWithTheKeyProjection) {
   torch::manual_seed(8);
   const int64_t N = 2, L = 11, D = 8, H = 2, dh = D / H;
   MultiheadAttention mha(
-      MultiheadAttentionOptions(D, H).mechanism(MechanismOptions().name("gated-linear")));
+      MultiheadAttentionOptions(D, H).attention("gated-linear"));
   mha->to(torch::kDouble);
   auto x = torch::randn({N, L, D}, f64());
   auto heads = [&](const torch::Tensor& t) { return t.view({N, L, H, dh}).transpose(1, 2); };

@@ -74,7 +74,7 @@ torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, c
 }
 
 MultiheadAttention make_mha(int64_t D, int64_t H, const std::string& mechanism = "full", bool bias = true) {
-  MultiheadAttention m(MultiheadAttentionOptions(D, H).bias(bias).mechanism(MechanismOptions().name(mechanism)));
+  MultiheadAttention m(MultiheadAttentionOptions(D, H).bias(bias).attention(mechanism));
   m->to(torch::kDouble);
   return m;
 }
@@ -126,11 +126,25 @@ TEST(MultiheadTest, NoBiasOption) {
 
 TEST(MultiheadTest, MechanismNamesAreTheDocumentedList) {
   EXPECT_EQ(mechanism_names(),
-            (std::vector<std::string>{"full", "linear", "causal-linear", "gated-linear", "clustered",
+            (std::vector<std::string>{"full", "linear", "causal-linear", "gated-linear",
+                                      "agglomerative", "clustered",
                                       "improved-clustered",
                                       "sparse-full", "sparse-causal", "sparse-local", "sparse-local-causal",
                                       "sparse-segments", "sparse-segments-causal", "sparse-bp-tree",
                                       "sparse-star", "sparse-strided"}));
+}
+
+/// `name` with small settings for every option it has (clusters, topk,
+/// iterations, and the pattern parameter of sparse patterns).
+std::string small_spec(const std::string& name) {
+  std::string spec = name;
+  for (const auto& o : find_mechanism(name).options) {
+    std::string value;
+    if (o.key == "clusters" || o.key == "topk" || o.key == "iterations") value = "3";
+    if (o.key == "span" || o.key == "segment" || o.key == "stride") value = "2";
+    if (!value.empty()) spec += (spec == name ? ":" : ",") + o.key + "=" + value;
+  }
+  return spec;
 }
 
 /// Mechanisms whose rows are softmax-normalised (a key bias cannot change them).
@@ -142,8 +156,8 @@ TEST(MultiheadTest, EveryMechanismRunsAndTrains) {
   for (const auto& name : mechanism_names()) {
     SCOPED_TRACE(name);
     torch::manual_seed(34);
-    MultiheadAttention m(MultiheadAttentionOptions(D, H).mechanism(
-        MechanismOptions().name(name).clusters(3).topk(3).iterations(3).pattern_param(2)));
+    if (!find_mechanism(name).make) continue;  // agglomerative: a layer of its own
+    MultiheadAttention m(MultiheadAttentionOptions(D, H).attention(small_spec(name)));
     m->to(torch::kDouble);
     auto x = torch::randn({N, L, D}, f64()).requires_grad_(true);
     auto out = m->forward(x, x, x);
@@ -194,12 +208,12 @@ TEST(MultiheadTest, FullGradientsMatchFiniteDifferences) {
 // --- Identities with exact attention ---------------------------------------------------------
 
 /// The same module (same parameters) under another mechanism.
-torch::Tensor run_as(MultiheadAttention& m, const MechanismOptions& mech, const torch::Tensor& x,
+torch::Tensor run_as(MultiheadAttention& m, const std::string& spec, const torch::Tensor& x,
                      const torch::Tensor& lengths = {}, bool causal = false) {
-  auto saved = m->options.mechanism();
-  m->options.mechanism(mech);
+  auto saved = m->attention;
+  m->attention = m->replace_module("attention", make_mechanism(spec));
   auto out = m->forward(x, x, x, lengths, causal);
-  m->options.mechanism(saved);
+  m->attention = m->replace_module("attention", saved);
   return out;
 }
 
@@ -207,12 +221,12 @@ TEST(MultiheadTest, SparseFullAndCausalEqualFull) {
   torch::manual_seed(36);
   auto m = make_mha(6, 3);
   auto x = torch::randn({2, 5, 6}, f64());
-  auto full = run_as(m, MechanismOptions().name("full"), x);
-  EXPECT_LT(rel_err(run_as(m, MechanismOptions().name("sparse-full"), x), full), kSameMathTol);
-  auto causal = run_as(m, MechanismOptions().name("full"), x, {}, true);
-  EXPECT_LT(rel_err(run_as(m, MechanismOptions().name("sparse-causal"), x), causal), kSameMathTol);
+  auto full = run_as(m, "full", x);
+  EXPECT_LT(rel_err(run_as(m, "sparse-full", x), full), kSameMathTol);
+  auto causal = run_as(m, "full", x, {}, true);
+  EXPECT_LT(rel_err(run_as(m, "sparse-causal", x), causal), kSameMathTol);
   // A local window at least as wide as the sequence is full attention too.
-  EXPECT_LT(rel_err(run_as(m, MechanismOptions().name("sparse-local").pattern_param(4), x), full), kSameMathTol);
+  EXPECT_LT(rel_err(run_as(m, "sparse-local:span=4", x), full), kSameMathTol);
   EXPECT_GT(rel_err(causal, full), 1e-3) << "the test inputs must tell causal from full";
 }
 
@@ -223,10 +237,10 @@ TEST(MultiheadTest, ImprovedClusteredWithAllKeysEqualsFull) {
   for (int64_t topk : {6, 100}) {  // 100 is clamped to S = 6
     SCOPED_TRACE("topk " + std::to_string(topk));
     for (int64_t clusters : {1, 2}) {
-      auto mech = MechanismOptions().name("improved-clustered").clusters(clusters).topk(topk);
-      EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, MechanismOptions(), x)), kSameMathTol);
+      auto mech = std::string("improved-clustered:clusters=" + std::to_string(clusters) + ",topk=" + std::to_string(topk));
+      EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, "full", x)), kSameMathTol);
       auto lens = lengths_tensor({4, 6});
-      EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, MechanismOptions(), x, lens)), kSameMathTol);
+      EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, "full", x, lens)), kSameMathTol);
     }
   }
 }
@@ -237,13 +251,13 @@ TEST(MultiheadTest, ClusteredWithOneQueryPerClusterEqualsFull) {
   auto x = torch::randn({2, 5, 6}, f64());  // distinct queries: distinct 63-bit hashes
   for (int64_t clusters : {5, 100}) {       // 100 is clamped to L = 5
     SCOPED_TRACE("clusters " + std::to_string(clusters));
-    auto mech = MechanismOptions().name("clustered").clusters(clusters);
-    EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, MechanismOptions(), x)), kSameMathTol);
+    auto mech = std::string("clustered:clusters=" + std::to_string(clusters));
+    EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, "full", x)), kSameMathTol);
     auto lens = lengths_tensor({2, 5});
-    EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, MechanismOptions(), x, lens)), kSameMathTol);
+    EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, "full", x, lens)), kSameMathTol);
   }
   // Fewer clusters than queries is an approximation: it must differ.
-  EXPECT_GT(rel_err(run_as(m, MechanismOptions().name("clustered").clusters(1), x), run_as(m, MechanismOptions(), x)),
+  EXPECT_GT(rel_err(run_as(m, "clustered:clusters=1", x), run_as(m, "full", x)),
             1e-3);
 }
 
@@ -257,47 +271,49 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
   auto lens = lengths_tensor({5, 7});
   auto same = [](const torch::Tensor& a, const torch::Tensor& b) { return rel_err(a, b) < kSameMathTol; };
 
-  EXPECT_TRUE(same(attend(MechanismOptions(), q, k, v, true, lens),
+  EXPECT_TRUE(same(attend("full", q, k, v, {true, lens}),
                    softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(true).key_lengths(lens))));
   // linear: elu feature map, normalised by default; causal-linear is causal regardless of the flag.
   auto lin = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true);
-  EXPECT_TRUE(same(attend(MechanismOptions().name("linear"), q, k, v), linear_attention(q, k, v, lin)));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("linear"), q, k, v, true),
+  EXPECT_TRUE(same(attend("linear", q, k, v), linear_attention(q, k, v, lin)));
+  EXPECT_TRUE(same(attend("linear", q, k, v, {true}),
                    linear_attention(q, k, v, LinearAttentionOptions(lin).causal(true))));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("causal-linear"), q, k, v),
+  EXPECT_TRUE(same(attend("causal-linear", q, k, v),
                    linear_attention(q, k, v, LinearAttentionOptions(lin).causal(true))));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("linear").feature_map(FeatureMap::identity).normalize(false), q, k, v),
+  EXPECT_TRUE(same(attend("linear:feature_map=identity,normalize=false", q, k, v),
                    linear_attention(q, k, v)));
   // gated-linear: the cheap-linear-attention paper's gate f = sigmoid(k) * v,
   // alpha = beta = 1, i.e. identity-map linear attention with keys = values = f
   // (E == M needed).
   auto v3 = torch::randn({N, H, L, E}, f64());
   auto f = torch::sigmoid(k) * v3;
-  EXPECT_TRUE(same(attend(MechanismOptions().name("gated-linear"), q, k, v3), linear_attention(q, f, f)));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("gated-linear"), q, k, v3, true),
+  EXPECT_TRUE(same(attend("gated-linear", q, k, v3), linear_attention(q, f, f)));
+  EXPECT_TRUE(same(attend("gated-linear", q, k, v3, {true}),
                    linear_attention(q, f, f, LinearAttentionOptions().causal(true))));
   // clustered: clusters clamped to L, the other options passed through.
   auto clus = ClusteredAttentionOptions().clusters(3).bits(16).iterations(2).seed(9).key_lengths(lens);
-  EXPECT_TRUE(same(attend(MechanismOptions().name("clustered").clusters(3).bits(16).iterations(2).seed(9), q, k, v,
-                          false, lens),
+  EXPECT_TRUE(same(attend("clustered:clusters=3,bits=16,iterations=2,seed=9", q, k, v,
+                          {false, lens}),
                    clustered_attention(q, k, v, clus)));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("improved-clustered").clusters(3).bits(16).iterations(2).seed(9)
-                              .topk(2), q, k, v, false, lens),
+  EXPECT_TRUE(same(attend("improved-clustered:clusters=3,bits=16,iterations=2,seed=9,topk=2", q,
+                          k, v, {false, lens}),
                    clustered_attention(q, k, v, ClusteredAttentionOptions(clus).topk(2))));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("clustered").clusters(50).topk(50), q, k, v),
+  EXPECT_TRUE(same(attend("clustered:clusters=50", q, k, v),
                    clustered_attention(q, k, v, ClusteredAttentionOptions().clusters(L))));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("improved-clustered").clusters(50).topk(50), q, k, v),
+  EXPECT_TRUE(same(attend("improved-clustered:clusters=50,topk=50", q, k, v),
                    clustered_attention(q, k, v, ClusteredAttentionOptions().clusters(L).topk(L))));
   // sparse-<pattern>: the pattern over L nodes with pattern_param; bp-tree over (L+1)/2
   // tokens and star over L-1 satellites, so that the node count is L.
   for (const std::string p : {"full", "causal", "local", "local-causal", "segments", "segments-causal", "strided"}) {
     SCOPED_TRACE(p);
-    EXPECT_TRUE(same(attend(MechanismOptions().name("sparse-" + p).pattern_param(3), q, k, v),
+    const auto& param = find_mechanism("sparse-" + p).options;
+    const std::string spec = "sparse-" + p + (param.empty() ? "" : ":" + param[0].key + "=3");
+    EXPECT_TRUE(same(attend(spec, q, k, v),
                      sparse_attention(q, k, v, edges::by_name(p, L, 3))));
   }
-  EXPECT_TRUE(same(attend(MechanismOptions().name("sparse-bp-tree"), q, k, v),
+  EXPECT_TRUE(same(attend("sparse-bp-tree", q, k, v),
                    sparse_attention(q, k, v, edges::bp_tree(4))));
-  EXPECT_TRUE(same(attend(MechanismOptions().name("sparse-star"), q, k, v),
+  EXPECT_TRUE(same(attend("sparse-star", q, k, v),
                    sparse_attention(q, k, v, edges::star(6))));
 }
 
@@ -305,12 +321,19 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
 
 TEST(MultiheadTest, UnknownMechanismListsKnownNames) {
   auto q = torch::zeros({1, 1, 3, 2});
-  std::vector<std::string> fragments{"attend", "unknown mechanism 'softmax'", "known:"};
+  std::vector<std::string> fragments{"unknown attention mechanism 'softmax'", "known:"};
   for (const auto& n : mechanism_names()) fragments.push_back(n);
-  expect_error([&] { attend(MechanismOptions().name("softmax"), q, q, q); }, fragments);
-  auto m = MultiheadAttention(MultiheadAttentionOptions(4, 2).mechanism(MechanismOptions().name("sparse-dilated")));
-  auto x = torch::zeros({1, 3, 4});
-  expect_error([&] { m->forward(x, x, x); }, {"edges::by_name", "unknown pattern 'dilated'"});
+  expect_error([&] { attend("softmax", q, q, q); }, fragments);
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("sparse-dilated")); },
+               {"unknown attention mechanism 'sparse-dilated'", "sparse-local"});
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("full:span=3")); },
+               {"mechanism 'full' has no option 'span'", "it takes none"});
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("clustered:topk=3")); },
+               {"'clustered' has no option 'topk'", "accepted: clusters, bits"});
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("clustered:clusters=x")); },
+               {"clusters", "must be an integer", "'x'"});
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("agglomerative")); },
+               {"agglomerative", "whole attention layer", "nn::AgglomerativeAttention"});
 }
 
 TEST(MultiheadTest, UnsupportedMasksRaiseClearErrors) {
@@ -318,29 +341,29 @@ TEST(MultiheadTest, UnsupportedMasksRaiseClearErrors) {
   auto x = torch::zeros({2, 5, D});
   auto lens = lengths_tensor({5, 3});
   auto with = [&](const std::string& name) {
-    return MultiheadAttention(MultiheadAttentionOptions(D, H).mechanism(MechanismOptions().name(name)));
+    return MultiheadAttention(MultiheadAttentionOptions(D, H).attention(name));
   };
   for (const std::string name : {"linear", "causal-linear", "gated-linear"})
     expect_error([&] { with(name)->forward(x, x, x, lens); },
-                 {"attend", "'" + name + "'", "does not support key_lengths"});
+                 {name + ": this mechanism does not support key_lengths"});
   for (const std::string name : {"clustered", "improved-clustered"})
-    expect_error([&] { with(name)->forward(x, x, x, {}, true); }, {"attend", "'" + name + "'", "causal"});
+    expect_error([&] { with(name)->forward(x, x, x, {}, true); }, {name + ":", "causal"});
   for (const std::string name : {"sparse-local", "sparse-full", "sparse-strided"}) {
-    expect_error([&] { with(name)->forward(x, x, x, lens); }, {"attend", "'" + name + "'", "key_lengths"});
+    expect_error([&] { with(name)->forward(x, x, x, lens); }, {name + ":", "key_lengths"});
     expect_error([&] { with(name)->forward(x, x, x, {}, true); },
-                 {"attend", "'" + name + "'", "causal", "causal pattern"});
+                 {name + ":", "causal", "causal pattern"});
     expect_error([&] { with(name)->forward(x, torch::zeros({2, 6, D}), torch::zeros({2, 6, D})); },
-                 {"attend", "'" + name + "'", "L == S", "L = 5, S = 6"});
+                 {name + ":", "L == S", "L = 5, S = 6"});
   }
-  expect_error([&] { attend(MechanismOptions().name("gated-linear"), torch::zeros({1, 2, 3, 4}),
+  expect_error([&] { attend("gated-linear", torch::zeros({1, 2, 3, 4}),
                             torch::zeros({1, 2, 3, 4}), torch::zeros({1, 2, 3, 5})); },
-               {"attend", "gated-linear", "E == M", "E = 4, M = 5"});
+               {"gated-linear", "M == E", "E = 4, M = 5"});
   expect_error([&] { with("sparse-bp-tree")->forward(torch::zeros({1, 4, D}), torch::zeros({1, 4, D}),
                                                      torch::zeros({1, 4, D})); },
-               {"attend", "sparse-bp-tree", "odd", "4"});
+               {"sparse-bp-tree", "odd", "4"});
   expect_error([&] { with("sparse-star")->forward(torch::zeros({1, 1, D}), torch::zeros({1, 1, D}),
                                                   torch::zeros({1, 1, D})); },
-               {"attend", "sparse-star", "at least 2"});
+               {"sparse-star", "at least 2"});
 }
 
 TEST(MultiheadTest, AttendRejectsWrongRankForEveryMechanism) {
@@ -349,8 +372,9 @@ TEST(MultiheadTest, AttendRejectsWrongRankForEveryMechanism) {
   auto q3 = torch::zeros({2, 5, 4}), q2 = torch::zeros({5, 4}), k = torch::zeros({1, 2, 5, 4});
   for (const auto& name : mechanism_names()) {
     SCOPED_TRACE(name);
-    expect_error([&] { attend(MechanismOptions().name(name), q2, k, k); }, {"'q'", "4 dimensions"});
-    expect_error([&] { attend(MechanismOptions().name(name), q3, k, k); }, {"'q'", "4 dimensions"});
+    if (!find_mechanism(name).make) continue;  // agglomerative takes class weights
+    expect_error([&] { attend(name, q2, k, k); }, {"'q'", "4 dimensions"});
+    expect_error([&] { attend(name, q3, k, k); }, {"'q'", "4 dimensions"});
   }
 }
 

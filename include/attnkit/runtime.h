@@ -15,6 +15,17 @@ std::string version();
 int num_threads();
 void set_num_threads(int threads);
 
+/// The best float32 GEMM throughput (GFLOP/s) this process reaches with
+/// num_threads() threads, measured now: the better of one size^3 sgemm
+/// threaded by oneDNN and one such sgemm per thread at once. Takes about
+/// 2 * repeats products; benchmarks call it several times and keep the best.
+double sgemm_peak_gflops(int64_t size = 1024, int repeats = 5);
+
+/// The BLAS library that libtorch's own matmul uses in this process (the
+/// shared object mapped as libblas.so.3, e.g. ".../openblas-openmp/libblas.so.3"),
+/// or "unknown".
+std::string torch_blas_library();
+
 namespace memory {
 /// Routes torch's CPU allocations through a counting wrapper so that
 /// peak_bytes() sees tensors as well as kernel scratch. Idempotent; call it

@@ -5,7 +5,10 @@
 #include <atomic>
 #include <mutex>
 
+#include <fstream>
+
 #include "kernels/memory.h"
+#include "kernels/peak.h"
 #include "kernels/threading.h"
 
 namespace attnkit {
@@ -13,6 +16,22 @@ namespace attnkit {
 std::string version() { return ATTNKIT_VERSION; }
 int num_threads() { return kernels::num_threads(); }
 void set_num_threads(int threads) { kernels::set_num_threads(threads); }
+double sgemm_peak_gflops(int64_t size, int repeats) { return kernels::sgemm_peak_gflops(size, repeats); }
+
+std::string torch_blas_library() {
+  // libtorch links libblas.so.3 (Debian's alternatives pick netlib, OpenBLAS,
+  // BLIS, ...): the mapped file's resolved path names the implementation.
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    if (path.find("libblas.so") != std::string::npos || path.find("libopenblas") != std::string::npos ||
+        path.find("libblis") != std::string::npos || path.find("libmkl") != std::string::npos)
+      return path;
+  }
+  return "unknown";
+}
 
 namespace memory {
 namespace {

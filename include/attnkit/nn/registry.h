@@ -1,0 +1,159 @@
+// The one table of attention mechanisms. Every front end (MultiheadAttention,
+// `attnkit bench`, `attnkit approx`, the figure commands, later the transformer
+// builder, the training commands and the Python package) names a mechanism by
+// a spec string and reads everything else about it from here:
+//
+//   "NAME[:key=value,...]"   e.g. "improved-clustered:clusters=25,topk=32",
+//                                 "linear:feature_map=elu", "sparse-local:span=64"
+//
+// An entry holds the mechanism's name, its options with their defaults, what it
+// supports, how to run it on per-head tensors, its float64 definition (the
+// composite in src/reference, which the tests and the bench's `err` column
+// compare against), a factory for its module, and its FLOP count.
+#pragma once
+
+#include <attnkit/dispatch.h>
+#include <attnkit/ops.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace attnkit::nn {
+
+/// A parsed spec string: NAME and its key=value pairs, in the order written.
+struct MechanismSpec {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> options;
+
+  /// Parses "NAME[:key=value,...]". Throws on empty names, pairs without '=',
+  /// empty keys and repeated keys. Does not check NAME or the keys against the
+  /// registry (find_mechanism and make_mechanism do).
+  static MechanismSpec parse(const std::string& text);
+  /// The canonical text, e.g. "clustered:clusters=25".
+  std::string str() const;
+
+  bool has(const std::string& key) const;
+  /// The value of `key` or `fallback`; errors name the spec, the key and the value.
+  std::string get(const std::string& key, const std::string& fallback) const;
+  int64_t get_int(const std::string& key, int64_t fallback) const;
+  double get_double(const std::string& key, double fallback) const;
+  bool get_bool(const std::string& key, bool fallback) const;
+};
+
+/// One option of a mechanism, as `attnkit mechanisms` lists it.
+struct MechanismOption {
+  std::string key;
+  std::string default_value;
+  std::string help;
+};
+
+/// What a mechanism can honour. A front end asks before it calls; a call that
+/// needs an unsupported feature is refused with an error naming it.
+struct MechanismSupports {
+  bool causal = false;          ///< the causal flag (query i sees keys j <= i + S - L)
+  bool key_lengths = false;     ///< padding: int64 (N) key lengths
+  bool cross = false;           ///< L != S (cross-attention)
+  bool value_dim = false;       ///< M != E (values of another width than keys)
+  bool decoding_state = false;  ///< incremental decoding with a state (models issue)
+};
+
+/// Sizes of one per-head call: q (N, H, L, E), k (N, H, S, E), v (N, H, S, M).
+struct AttentionShape {
+  int64_t N = 1, H = 1, L = 1, S = 1, E = 1, M = 1;
+};
+
+/// Call-time settings of a per-head call.
+struct AttendArgs {
+  bool causal = false;
+  torch::Tensor key_lengths;  ///< undefined, or int64 (N)
+};
+
+/// A mechanism as a module over per-head tensors: (q, k, v) of the shapes in
+/// AttentionShape -> (N, H, L, M). Stateful mechanisms (clustered attention's
+/// seed sequence) keep their state in buffers, so state_dict covers it.
+class MechanismImpl : public torch::nn::Module {
+ public:
+  using torch::nn::Module::Module;
+  virtual torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const AttendArgs& args = {}) = 0;
+};
+
+/// The tensors a mechanism consumes in its functional form: q, k, v for every
+/// mechanism but agglomerative attention, whose per-head inputs are class
+/// weights cq (N, H, L), cr (N, H, S) and values v (N, H, S, M).
+using MechanismInputs = std::vector<torch::Tensor>;
+
+struct MechanismInfo {
+  std::string name;
+  std::string summary;
+  std::vector<MechanismOption> options;
+  MechanismSupports supports;
+  /// True for mechanisms that approximate exact softmax attention (clustered,
+  /// improved-clustered); the bench reports their distance to it.
+  bool approximates_exact = false;
+  /// Names of the tensors of the functional form, e.g. {"q", "k", "v"}.
+  std::vector<std::string> inputs;
+
+  /// Random inputs of the functional form (standard normal, or the form the
+  /// mechanism expects) from torch's global generator.
+  std::function<MechanismInputs(const AttentionShape&, torch::Dtype)> sample;
+  /// The functional form: the attnkit op(s) with the spec's options.
+  std::function<torch::Tensor(const MechanismInputs&, const AttendArgs&, const MechanismSpec&)> run;
+  /// The same mechanism's float64-capable composite definition (src/reference).
+  std::function<torch::Tensor(const MechanismInputs&, const AttendArgs&, const MechanismSpec&)>
+      reference;
+  /// Which backend `run` takes on these inputs, and why.
+  std::function<Dispatch(const MechanismInputs&, const AttendArgs&, const MechanismSpec&)> dispatch;
+  /// Floating-point operations of one forward pass, when there is a closed form.
+  std::function<c10::optional<double>(const AttentionShape&, bool causal, const MechanismSpec&)>
+      flops;
+  /// The module over q, k, v; null for mechanisms that replace the whole layer
+  /// (agglomerative attention holds its own class projections:
+  /// nn::AgglomerativeAttention).
+  std::function<std::shared_ptr<MechanismImpl>(const MechanismSpec&)> make;
+};
+
+/// Every mechanism, in the order `attnkit mechanisms` prints them.
+const std::vector<MechanismInfo>& mechanisms();
+
+/// The entry named `name`; the error lists every known name.
+const MechanismInfo& find_mechanism(const std::string& name);
+
+/// Parses `spec_text`, finds its entry and checks every key against the
+/// entry's options (the error lists the accepted keys) and every value
+/// against the option's type.
+std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::string& spec_text);
+
+/// resolve_mechanism, then the entry's module; refuses layer-only mechanisms
+/// with an error that names the layer to use instead.
+std::shared_ptr<MechanismImpl> make_mechanism(const std::string& spec_text);
+
+/// Checks that `info` supports the call (causal, key_lengths, L != S, E != M);
+/// the error names the mechanism and the missing feature.
+void check_supports(const MechanismInfo& info, const torch::Tensor& q, const torch::Tensor& k,
+                    const torch::Tensor& v, const AttendArgs& args);
+
+/// The names of every entry, in registry order.
+std::vector<std::string> mechanism_names();
+
+/// One call of a per-head mechanism by spec, without a module: resolves the
+/// spec, validates q, k, v and the call against what the mechanism supports,
+/// and runs its functional form (clustered mechanisms with the spec's seed).
+torch::Tensor attend(const std::string& spec, const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v, const AttendArgs& args = {});
+
+/// A human-readable table of the registry: names, options with defaults,
+/// what each supports.
+std::string describe_mechanisms();
+
+/// The edges a "sparse-<pattern>" mechanism uses over a self-attention
+/// sequence of n nodes. bp-tree and star add nodes of their own: bp-tree over
+/// t tokens has n = 2t - 1 nodes and star over t satellites n = t + 1.
+EdgeList pattern_edges(const std::string& pattern, int64_t n, int64_t param);
+
+}  // namespace attnkit::nn

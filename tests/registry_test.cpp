@@ -1,0 +1,148 @@
+// The mechanism registry: spec strings, errors that list what is accepted, and
+// every entry's functional form against its own float64 definition.
+#include <attnkit/nn/multihead.h>
+#include <attnkit/nn/registry.h>
+
+#include "test_util.h"
+
+namespace attnkit::nn {
+namespace {
+
+using testing::expect_error;
+using testing::f64;
+
+TEST(MechanismSpec, ParsesNameAndOptionsInOrder) {
+  auto s = MechanismSpec::parse("improved-clustered:clusters=25, topk=32");
+  EXPECT_EQ(s.name, "improved-clustered");
+  ASSERT_EQ(s.options.size(), 2u);
+  EXPECT_EQ(s.get_int("clusters", 0), 25);
+  EXPECT_EQ(s.get_int("topk", 0), 32);
+  EXPECT_EQ(s.get_int("bits", 63), 63);
+  EXPECT_EQ(s.str(), "improved-clustered:clusters=25,topk=32");
+  EXPECT_EQ(MechanismSpec::parse("full").str(), "full");
+  EXPECT_TRUE(MechanismSpec::parse("linear:normalize=false").get_bool("normalize", true) == false);
+  EXPECT_DOUBLE_EQ(MechanismSpec::parse("linear:eps=1e-3").get_double("eps", 0), 1e-3);
+}
+
+TEST(MechanismSpec, MalformedSpecsAreRefused) {
+  expect_error([] { MechanismSpec::parse(""); }, {"NAME[:key=value,...]"});
+  expect_error([] { MechanismSpec::parse(":clusters=3"); }, {"NAME[:key=value,...]"});
+  expect_error([] { MechanismSpec::parse("clustered:clusters"); }, {"'clusters'", "key=value"});
+  expect_error([] { MechanismSpec::parse("clustered:clusters=3,clusters=4"); }, {"'clusters' given twice"});
+  expect_error([] { MechanismSpec::parse("linear:normalize=maybe").get_bool("normalize", true); },
+               {"'normalize'", "true or false", "'maybe'"});
+  expect_error([] { MechanismSpec::parse("linear:eps=inf").get_double("eps", 0); }, {"finite", "'inf'"});
+}
+
+TEST(Registry, UnknownNamesAndKeysListWhatIsAccepted) {
+  std::vector<std::string> fragments{"unknown attention mechanism 'softmax'"};
+  for (const auto& n : mechanism_names()) fragments.push_back(n);
+  expect_error([] { resolve_mechanism("softmax"); }, fragments);
+  expect_error([] { resolve_mechanism("improved-clustered:cluster=3"); },
+               {"no option 'cluster'", "accepted: clusters, bits, iterations, hash_bias, seed, advance_seed, topk"});
+  expect_error([] { resolve_mechanism("sparse-local:stride=3"); }, {"no option 'stride'", "accepted: span"});
+  expect_error([] { resolve_mechanism("clustered:clusters=0"); }, {"'clusters' must be >= 1"});
+  expect_error([] { resolve_mechanism("linear:feature_map=relu"); }, {"relu"});
+}
+
+TEST(Registry, EveryEntryIsCompleteAndListed) {
+  const std::string table = describe_mechanisms();
+  for (const auto& m : mechanisms()) {
+    SCOPED_TRACE(m.name);
+    EXPECT_TRUE(m.sample && m.run && m.reference);
+    EXPECT_FALSE(m.inputs.empty());
+    EXPECT_NE(table.find(m.name), std::string::npos);
+    for (const auto& o : m.options) EXPECT_NE(table.find(o.key + "=" + o.default_value), std::string::npos);
+    // Defaults written in the table are what the entry uses: resolving them is a no-op.
+    std::string spec = m.name;
+    for (const auto& o : m.options) spec += (spec == m.name ? ":" : ",") + o.key + "=" + o.default_value;
+    EXPECT_NO_THROW(resolve_mechanism(spec));
+  }
+}
+
+/// The functional form in float64 equals the entry's definition, for every
+/// mechanism, on the shapes each supports (L != S and M != E where allowed,
+/// causal where allowed). Clustered forms use the same seed on both sides.
+TEST(Registry, EveryMechanismMatchesItsFloat64Definition) {
+  for (const auto& m : mechanisms()) {
+    SCOPED_TRACE(m.name);
+    torch::manual_seed(5);
+    AttentionShape s{2, 2, 7, m.supports.cross ? 9 : 7, 4, m.supports.value_dim ? 3 : 4};
+    if (m.name == "sparse-bp-tree") s.L = s.S = 7;   // 2t - 1 nodes
+    const auto spec = resolve_mechanism(m.name).second;
+    const auto x = m.sample(s, torch::kDouble);
+    for (bool causal : {false, true}) {
+      if (causal && !m.supports.causal) continue;
+      const AttendArgs args{causal, {}};
+      EXPECT_LT(testing::rel_err(m.run(x, args, spec), m.reference(x, args, spec)), 1e-10)
+          << (causal ? "causal" : "non-causal");
+    }
+  }
+}
+
+TEST(Registry, ModulesHonourSupportsAndCarryClusteredState) {
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4});
+  expect_error([&] { make_mechanism("sparse-local")->forward(q, k, k); }, {"sparse-local", "L == S"});
+  expect_error([&] { make_mechanism("clustered")->forward(q, k, k, {true, {}}); }, {"clustered", "causal"});
+  expect_error([&] { make_mechanism("linear")->forward(q, k, k, {false, torch::tensor({3}, torch::kLong)}); },
+               {"linear", "key_lengths"});
+  // Clustered modules advance their seed per training-mode call (fresh LSH
+  // planes per step) and keep the count in their state_dict.
+  auto m = make_mechanism("clustered:clusters=2,bits=8");
+  m->train();
+  auto a = m->forward(q, q, q), b = m->forward(q, q, q);
+  auto buffers = m->named_buffers();
+  ASSERT_TRUE(buffers.contains("clustered.calls"));
+  EXPECT_EQ(buffers["clustered.calls"].item<int64_t>(), 2);
+  m->eval();
+  auto c = m->forward(q, q, q), d = m->forward(q, q, q);
+  EXPECT_TRUE(torch::equal(c, d)) << "eval calls use the fixed seed";
+  EXPECT_EQ(buffers["clustered.calls"].item<int64_t>(), 2);
+  // MultiheadAttention holds the mechanism as a submodule, so its state is saved.
+  MultiheadAttention mha(MultiheadAttentionOptions(8, 2).attention("clustered:clusters=2"));
+  EXPECT_TRUE(mha->named_buffers().contains("attention.clustered.calls"));
+}
+
+}  // namespace
+}  // namespace attnkit::nn
+
+namespace attnkit::nn {
+namespace {
+
+/// MultiheadAttention end to end on the float32 kernels (projections on
+/// attnkit::linear, attention on each mechanism's kernel) against the same
+/// module in float64 (composites): output and every parameter gradient.
+/// Clustered mechanisms are left out here: float32 and float64 hashing may
+/// put a query on different sides of a plane (tests/clustered_* cover them).
+TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
+  for (const auto& info : mechanisms()) {
+    if (!info.make || info.approximates_exact) continue;
+    SCOPED_TRACE(info.name);
+    torch::manual_seed(11);
+    const int64_t N = 2, L = info.name == "sparse-bp-tree" ? 15 : 13, D = 16, H = 2;
+    MultiheadAttention m32(MultiheadAttentionOptions(D, H).attention(info.name));
+    auto m64 = std::dynamic_pointer_cast<MultiheadAttentionImpl>(m32->clone());
+    m64->to(torch::kDouble);
+    auto x32 = torch::randn({N, L, D});
+    auto x64 = x32.to(torch::kDouble);
+    auto y32 = m32->forward(x32, x32, x32), y64 = m64->forward(x64, x64, x64);
+    EXPECT_LT(testing::rel_err(y32, y64), 1e-5);
+    auto cot = torch::randn(y32.sizes());
+    (y32 * cot).sum().backward();
+    (y64 * cot.to(torch::kDouble)).sum().backward();
+    // Errors relative to the largest gradient of the module: k_proj.bias has a
+    // zero gradient under softmax mechanisms (a shift of every key's score in a
+    // row), which float32 rounds to ~1e-8 and a per-tensor ratio would inflate.
+    auto p32 = m32->named_parameters(), p64 = m64->named_parameters();
+    double scale = 0;
+    for (const auto& p : p64) scale = std::max(scale, testing::max_abs(p.value().grad()));
+    for (const auto& p : p32) {
+      SCOPED_TRACE(p.key());
+      const double err = testing::max_abs(p.value().grad().to(torch::kDouble) - p64[p.key()].grad());
+      EXPECT_LT(err / scale, 1e-5);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnkit::nn
