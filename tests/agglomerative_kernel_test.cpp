@@ -247,6 +247,23 @@ TEST(AgglomerativeKernel, InferenceAndTrainingPathsAgree) {
   }
 }
 
+TEST(AgglomerativeKernel, DispatchNamesTheBackendThatRuns) {
+  const auto in = make_inputs(1, 3, 7, 5, 2, 12);
+  const auto o = AgglomerativeOptions().causal(true);
+  auto cq = in.cq.to(torch::kFloat).requires_grad_(), cr = in.cr.to(torch::kFloat),
+       v = in.v.to(torch::kFloat);
+  testing::expect_kernel(agglomerative_attention_dispatch(cq, cr, v, o));
+  EXPECT_NE(testing::grad_fn_name(agglomerative_attention(cq, cr, v, o))
+                .find("AgglomerativeFunction"),
+            std::string::npos);
+  testing::expect_composite(agglomerative_attention_dispatch(in.cq, in.cr, in.v, o),
+                            "cq is float64; the kernel is float32 only");
+  EXPECT_TRUE(torch::equal(agglomerative_attention(in.cq, in.cr, in.v, o),
+                           reference::agglomerative_attention(in.cq, in.cr, in.v, o)));
+  testing::expect_composite(agglomerative_attention_dispatch(cq, in.cr, v, o),
+                            "cr is float64; the kernel is float32 only");
+}
+
 TEST(AgglomerativeKernel, EmptySequences) {
   for (bool causal : {false, true}) {
     const auto o = AgglomerativeOptions().causal(causal);

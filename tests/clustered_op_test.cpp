@@ -294,6 +294,21 @@ TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
   EXPECT_LE(rel_err(strided.dv, packed.dv), kF32Tol);
 }
 
+TEST(ClusteredOp, DispatchNamesTheBackendThatRuns) {
+  torch::manual_seed(710);
+  auto q = torch::randn({1, 2, 12, 4}, f32()).requires_grad_(), k = torch::randn({1, 2, 10, 4}, f32()),
+       v = torch::randn({1, 2, 10, 3}, f32());
+  auto o = ClusteredAttentionOptions().clusters(3).bits(20).topk(2).seed(5);
+  expect_kernel(clustered_attention_dispatch(q, k, v, o));
+  EXPECT_NE(grad_fn_name(clustered_attention(q, k, v, o)).find("ClusteredAttentionFunction"),
+            std::string::npos);
+  auto q64 = q.detach().to(torch::kDouble), k64 = k.to(torch::kDouble), v64 = v.to(torch::kDouble);
+  expect_composite(clustered_attention_dispatch(q64, k64, v64, o),
+                   "q is float64; the kernel is float32 only");
+  expect_composite(clustered_attention_dispatch(q, k, v.to(torch::kBFloat16), o),
+                   "v is bfloat16; the kernel is float32 only");
+}
+
 TEST(ClusteredOp, Float64UsesTheReference) {
   torch::manual_seed(708);
   auto q = torch::randn({1, 2, 12, 4}, f64()), k = torch::randn({1, 2, 10, 4}, f64()),

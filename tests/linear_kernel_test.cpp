@@ -251,6 +251,28 @@ TEST(LinearOp, EmptyDimensionsGiveEmptyOrZeroResults) {
     }
 }
 
+TEST(LinearOp, DispatchNamesTheBackendThatRuns) {
+  // float32 -> the kernel (its autograd Function made the output); float64 ->
+  // the composite, with a reason naming the dtype, and exactly the reference.
+  torch::manual_seed(11);
+  auto q = torch::randn({1, 2, 5, 3}, f64()), k = torch::randn({1, 2, 6, 3}, f64());
+  auto v = torch::randn({1, 2, 6, 4}, f64());
+  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto q32 = q.to(torch::kFloat).requires_grad_(), k32 = k.to(torch::kFloat),
+             v32 = v.to(torch::kFloat);
+  testing::expect_kernel(linear_attention_dispatch(q32, k32, v32, o));
+  EXPECT_NE(testing::grad_fn_name(linear_attention(q32, k32, v32, o)).find("LinearAttentionFunction"),
+            std::string::npos);
+  testing::expect_composite(linear_attention_dispatch(q, k, v, o),
+                            "q is float64; the kernel is float32 only");
+  EXPECT_TRUE(torch::equal(linear_attention(q, k, v, o), reference::linear_attention(q, k, v, o)));
+  testing::expect_composite(linear_attention_dispatch(q.to(torch::kHalf), k, v, o),
+                            "q is float16; the kernel is float32 only");
+  // The first argument that is not float32 is named (the op itself would reject the mix).
+  testing::expect_composite(linear_attention_dispatch(q32, k32, v, o),
+                            "v is float64; the kernel is float32 only");
+}
+
 // ---------------------------------------------------------------------------
 // Gated recurrence
 // ---------------------------------------------------------------------------
@@ -367,6 +389,26 @@ TEST(LinearGated, OpUsesTheKernelsAndComputesGateGradientsOnlyWhenAsked) {
     out.backward(dout.to(torch::kFloat));
     EXPECT_TRUE(f32.grad().defined());
   }
+}
+
+TEST(LinearGated, DispatchNamesTheBackendThatRuns) {
+  torch::manual_seed(12);
+  const int64_t N = 1, H = 2, L = 6, E = 3;
+  auto f = torch::randn({N, H, L, E}, f64()), q = torch::randn({N, H, L, E}, f64());
+  auto alpha = torch::rand({N, H, L}, f64()), beta = torch::rand({N, H, L}, f64());
+  const auto o = GatedLinearAttentionOptions().causal(true);
+  const auto x = to_f32({f, q, alpha, beta});
+  const auto f_leaf = x[0].clone().requires_grad_();
+  testing::expect_kernel(gated_linear_attention_dispatch(f_leaf, x[1], x[2], x[3], o));
+  EXPECT_NE(testing::grad_fn_name(gated_linear_attention(f_leaf, x[1], x[2], x[3], o))
+                .find("GatedLinearAttentionFunction"),
+            std::string::npos);
+  testing::expect_composite(gated_linear_attention_dispatch(f, q, alpha, beta, o),
+                            "f is float64; the kernel is float32 only");
+  EXPECT_TRUE(torch::equal(gated_linear_attention(f, q, alpha, beta, o),
+                           reference::gated_linear_attention(f, q, alpha, beta, o)));
+  testing::expect_composite(gated_linear_attention_dispatch(x[0], x[1], alpha, x[3], o),
+                            "alpha is float64; the kernel is float32 only");
 }
 
 TEST(LinearGated, ThreadCountDoesNotChangeResults) {

@@ -2,6 +2,7 @@
 // finite-difference gradient checker, and an error-message matcher.
 #pragma once
 
+#include <attnkit/dispatch.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -71,6 +72,25 @@ inline void expect_gradients_match(
         << (analytic - numeric).abs().max().item<double>() << "\nanalytic:\n" << analytic
         << "\nnumeric:\n" << numeric;
   }
+}
+
+/// The name of the autograd node that made `t` ("" for a leaf or no-grad
+/// result): tells which backend ran (the kernels' Functions are named
+/// <Op>Function; composites leave libtorch's own nodes).
+inline std::string grad_fn_name(const torch::Tensor& t) {
+  return t.grad_fn() ? t.grad_fn()->name() : std::string();
+}
+
+/// Expects the kernel with no reason.
+inline void expect_kernel(const Dispatch& d) {
+  EXPECT_TRUE(d.uses_kernel()) << "composite taken: " << d.reason;
+  EXPECT_EQ(d.reason, "");
+}
+
+/// Expects the composite with exactly `reason`.
+inline void expect_composite(const Dispatch& d, const std::string& reason) {
+  EXPECT_EQ(d.backend, Backend::composite);
+  EXPECT_EQ(d.reason, reason);
 }
 
 /// Expects `body` to throw a c10::Error whose message contains every fragment.

@@ -1,6 +1,7 @@
-// Op boundary of agglomerative attention: validation, then for float32 the
-// kernels of kernels/agglomerative.h behind an autograd::Function; other dtypes
-// use the reference composite (which is how tests run it in float64).
+// Op boundary of agglomerative attention: validation, then the backend that
+// agglomerative_attention_dispatch names: for float32 the kernels of
+// kernels/agglomerative.h behind an autograd::Function; other dtypes the
+// composite (which is how tests run it in float64).
 #include <torch/autograd.h>
 
 #include <limits>
@@ -8,6 +9,7 @@
 #include "kernels/agglomerative.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -117,7 +119,8 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
   detail::check_finite(op, "clip", options.clip());
   TORCH_CHECK(options.clip() > 0, op, ": option 'clip' must be > 0, got ", options.clip());
-  if (cq.scalar_type() != torch::kFloat) return reference::agglomerative_attention(cq, cr, v, options);
+  if (!agglomerative_attention_dispatch(cq, cr, v, options).uses_kernel())
+    return reference::agglomerative_attention(cq, cr, v, options);
 
   // In float32 a smaller clip rounds to 0 or a subnormal and the average of an
   // empty prefix becomes 0 / 0.
@@ -128,6 +131,11 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
                           (cq.requires_grad() || cr.requires_grad() || v.requires_grad());
   if (!needs_grad) return forward_only(cq, cr, v, options.causal(), options.clip());
   return AgglomerativeFunction::apply(cq, cr, v, options.causal(), options.clip());
+}
+
+Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::Tensor& cr,
+                                          const torch::Tensor& v, const AgglomerativeOptions&) {
+  return detail::float32_kernel_or_composite({{"cq", &cq}, {"cr", &cr}, {"v", &v}});
 }
 
 }  // namespace attnkit

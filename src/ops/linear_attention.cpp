@@ -1,11 +1,12 @@
-// Op boundaries of linear and gated linear attention: validation, then float32
-// through the kernels of src/kernels/linear_attention (as autograd Functions,
-// so C++ and Python callers get the kernels' backward), other dtypes through
-// the reference.
+// Op boundaries of linear and gated linear attention: validation, then the
+// backend that <op>_dispatch names: float32 through the kernels of
+// src/kernels/linear_attention (as autograd Functions, so C++ and Python
+// callers get the kernels' backward), other dtypes through the composite.
 #include "kernels/linear_attention.h"
 
 #include "ops/binding.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -156,8 +157,14 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   detail::check_qkv(op, q, k, v);
   detail::check_finite(op, "eps", options.eps());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  if (q.scalar_type() != torch::kFloat) return reference::linear_attention(q, k, v, options);
+  if (!linear_attention_dispatch(q, k, v, options).uses_kernel())
+    return reference::linear_attention(q, k, v, options);
   return LinearAttentionFunction::apply(q, k, v, options);
+}
+
+Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const LinearAttentionOptions&) {
+  return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
@@ -180,9 +187,16 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
   TORCH_CHECK(beta.sizes() == nhl, op,
               ": argument 'beta' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
               ", got ", detail::shape_str(beta));
-  if (f.scalar_type() != torch::kFloat)
+  if (!gated_linear_attention_dispatch(f, q, alpha, beta, options).uses_kernel())
     return reference::gated_linear_attention(f, q, alpha, beta, options);
   return GatedLinearAttentionFunction::apply(f, q, alpha, beta, options.causal());
+}
+
+Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Tensor& q,
+                                         const torch::Tensor& alpha, const torch::Tensor& beta,
+                                         const GatedLinearAttentionOptions&) {
+  return detail::float32_kernel_or_composite(
+      {{"f", &f}, {"q", &q}, {"alpha", &alpha}, {"beta", &beta}});
 }
 
 }  // namespace attnkit

@@ -8,6 +8,8 @@ void check_edge_list(const EdgeList& edges, int64_t L, int64_t S, int64_t H, con
   const auto& off = edges.offsets;
   const auto& col = edges.columns;
   TORCH_CHECK(off.defined() && col.defined(), op, ": argument 'edges' needs both 'offsets' and 'columns'");
+  detail::check_strided(op, "edges.offsets", off);
+  detail::check_strided(op, "edges.columns", col);
   TORCH_CHECK(off.device().is_cpu() && col.device().is_cpu(), op,
               ": edge list 'offsets' and 'columns' must be CPU tensors");
   TORCH_CHECK(off.scalar_type() == torch::kLong, op, ": edge list 'offsets' must be int64, got ",
@@ -57,7 +59,16 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
   detail::check_qkv(op, q, k, v);
   detail::check_scale(op, options.scale());
   check_edge_list(edges, q.size(2), k.size(2), q.size(1), op);
+  // The only backend today; the dispatch is called so that what it reports is what runs.
+  TORCH_INTERNAL_ASSERT(!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel());
   return reference::sparse_attention(q, k, v, edges, options);
+}
+
+Dispatch sparse_attention_dispatch(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                   const EdgeList&, const SparseAttentionOptions&) {
+  return Dispatch::composite(
+      "sparse_attention has no kernel yet: the composite builds a dense L x S mask and score "
+      "matrix per head, O(L S) time and memory whatever the number of edges");
 }
 
 }  // namespace attnkit
