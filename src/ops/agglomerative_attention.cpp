@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kernels/agglomerative.h"
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
 #include "ops/dispatch_util.h"
@@ -85,6 +86,7 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
+    detail::check_no_double_backward("agglomerative_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &cq = saved[0], &cr = saved[1], &v = saved[2], &avg = saved[3], &den = saved[4];
     const torch::Tensor& dout = grads[0];

@@ -3,6 +3,7 @@
 // (clustering without gradient, then the attention as an autograd Function with
 // the labels as constants); other dtypes the composite.
 #include "kernels/clustered_attention.h"
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
 #include "ops/dispatch_util.h"
@@ -74,6 +75,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    detail::check_no_double_backward("clustered_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
     auto dout = grads[0];

@@ -4,6 +4,7 @@
 // callers get the kernels' backward), other dtypes through the composite.
 #include "kernels/linear_attention.h"
 
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
 #include "ops/dispatch_util.h"
@@ -71,6 +72,7 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::check_no_double_backward("linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
     auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
@@ -119,6 +121,7 @@ class GatedLinearAttentionFunction
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::check_no_double_backward("gated_linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
     auto p = gated_params(f, q, alpha, beta, ctx->saved_data["causal"].toBool());
