@@ -46,13 +46,13 @@ void run_dense(const DenseConfig& c) {
   nlohmann::json doc;
   doc["results"] = nlohmann::json::array();
 
-  std::cout << std::left << std::setw(34) << "case" << std::setw(11) << "impl" << std::setw(17)
+  std::cout << std::left << std::setw(42) << "case" << std::setw(11) << "impl" << std::setw(17)
             << "pass" << std::right << std::setw(11) << "ms" << std::setw(10) << "GFLOP/s"
             << std::setw(7) << "%peak" << "\n";
   auto row = [&](const std::string& name, const std::string& impl, const std::string& pass,
                  double ms, double flop) {
     const double gflops = flop / (ms * 1e6);
-    std::cout << std::left << std::setw(34) << name << std::setw(11) << impl << std::setw(17) << pass
+    std::cout << std::left << std::setw(42) << name << std::setw(11) << impl << std::setw(17) << pass
               << std::right << std::setw(11) << fmt(ms, 2) << std::setw(10) << fmt(gflops, 1)
               << std::setw(7) << fmt(100 * gflops / machine.sgemm_gflops, 0) << "\n";
     doc["results"].push_back({{"case", name}, {"impl", impl}, {"pass", pass}, {"ms", ms},

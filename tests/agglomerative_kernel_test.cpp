@@ -82,6 +82,21 @@ void expect_float_matches_reference(const Inputs& in, bool causal, const std::st
   } else {
     EXPECT_LT(rel_err(fast.dcr, ref.dcr), kFloatTol);
   }
+  // Per entry against the sum of |terms| of each (testing::scaled_err): a
+  // query with a small class weight cq_ih has a small output and dv share,
+  // which the tensor-wide checks above see only in absolute terms. (The
+  // denominator is a sum of positive terms, so it at most doubles the bound's
+  // rounding count.) dcr is a difference (v_t minus the average) and has no
+  // such scale.
+  const auto o = AgglomerativeOptions().causal(causal);
+  const auto mag = testing::term_magnitudes(
+      [&](const std::vector<torch::Tensor>& x) {
+        return reference::agglomerative_attention(x[0], x[1], x[2], o);
+      },
+      {in.cq, in.cr, in.v}, cotangent);
+  EXPECT_LT(testing::scaled_err(fast.out, ref.out, mag[0]), kFloatTol);
+  EXPECT_LT(testing::scaled_err(fast.dcq, ref.dcq, mag[1]), kFloatTol);
+  EXPECT_LT(testing::scaled_err(fast.dv, ref.dv, mag[3]), kFloatTol);
 }
 
 TEST(AgglomerativeKernel, MatchesReferenceFullAndCausal) {
@@ -245,6 +260,23 @@ TEST(AgglomerativeKernel, InferenceAndTrainingPathsAgree) {
     EXPECT_TRUE(tracked.requires_grad());
     EXPECT_TRUE(torch::equal(plain, tracked.detach()));
   }
+}
+
+TEST(AgglomerativeKernel, DispatchNamesTheBackendThatRuns) {
+  const auto in = make_inputs(1, 3, 7, 5, 2, 12);
+  const auto o = AgglomerativeOptions().causal(true);
+  auto cq = in.cq.to(torch::kFloat).requires_grad_(), cr = in.cr.to(torch::kFloat),
+       v = in.v.to(torch::kFloat);
+  testing::expect_kernel(agglomerative_attention_dispatch(cq, cr, v, o));
+  EXPECT_NE(testing::grad_fn_name(agglomerative_attention(cq, cr, v, o))
+                .find("AgglomerativeFunction"),
+            std::string::npos);
+  testing::expect_composite(agglomerative_attention_dispatch(in.cq, in.cr, in.v, o),
+                            "cq is float64; the kernel is float32 only");
+  EXPECT_TRUE(torch::equal(agglomerative_attention(in.cq, in.cr, in.v, o),
+                           reference::agglomerative_attention(in.cq, in.cr, in.v, o)));
+  testing::expect_composite(agglomerative_attention_dispatch(cq, in.cr, v, o),
+                            "cr is float64; the kernel is float32 only");
 }
 
 TEST(AgglomerativeKernel, EmptySequences) {

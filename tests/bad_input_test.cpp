@@ -55,6 +55,13 @@ void expect_qkv_errors(const std::string& op, const QkvOp& call) {
   expect_error([&] { call(q, k, v.narrow(3, 0, 0)); }, {op, "M"});
   // Undefined tensor.
   expect_error([&] { call(torch::Tensor(), k, v); }, {op, "'q'", "undefined"});
+  // Non-strided layouts: sparse COO, and mkldnn where libtorch has it.
+  expect_error([&] { call(q.to_sparse(), k, v); }, {op, "'q'", "dense (strided)", "layout"});
+  expect_error([&] { call(q, k.to_sparse(), v); }, {op, "'k'", "dense (strided)", "layout"});
+  expect_error([&] { call(q, k, v.to_sparse()); }, {op, "'v'", "dense (strided)", "layout"});
+  if (at::hasMKLDNN())
+    expect_error([&] { call(q.to(torch::kFloat).to_mkldnn(), k, v); },
+                 {op, "'q'", "dense (strided)", "layout"});
 }
 
 /// Checks of an int64 (N) lengths argument with upper bound `limit`.
@@ -67,6 +74,7 @@ void expect_lengths_errors(const std::string& op, const std::string& name, int64
   expect_error([&] { call(torch::ones({N}, f64())); }, {op, name, "int64"});
   expect_error([&] { call(i64({1, 2, 3})); }, {op, name, "shape"});
   expect_error([&] { call(i64({1, 2, 3, 4}).view({2, 2})); }, {op, name, "shape"});
+  expect_error([&] { call(i64({1, 2}).to_sparse()); }, {op, name, "dense (strided)"});
 }
 
 // ---------------------------------------------------------------------------
@@ -154,6 +162,11 @@ TEST(BadInputGated, TensorsAndSizes) {
   expect_error([&] { call(f, q, a.narrow(0, 0, 1), b); }, {op, "'alpha'", "shape"});
   expect_error([&] { call(f, q, a.narrow(2, 0, L - 1), b); }, {op, "'alpha'", "shape"});
   expect_error([&] { call(f, q, a, b.narrow(1, 0, 1)); }, {op, "'beta'", "shape"});
+  // Non-strided layouts.
+  expect_error([&] { call(f.to_sparse(), q, a, b); }, {op, "'f'", "dense (strided)"});
+  expect_error([&] { call(f, q.to_sparse(), a, b); }, {op, "'q'", "dense (strided)"});
+  expect_error([&] { call(f, q, a.to_sparse(), b); }, {op, "'alpha'", "dense (strided)"});
+  expect_error([&] { call(f, q, a, b.to_sparse()); }, {op, "'beta'", "dense (strided)"});
 }
 
 // ---------------------------------------------------------------------------
@@ -178,6 +191,9 @@ TEST(BadInputAgglomerative, TensorsAndSizes) {
   expect_error([&] { call(cq, cr, v.narrow(0, 0, 1)); }, {op, "'v'", "batch size"});
   expect_error([&] { call(cq, cr, v.narrow(1, 0, 2)); }, {op, "'v'", "class count"});
   expect_error([&] { call(cq, cr, v.narrow(2, 0, S - 1)); }, {op, "'v'", "reference length"});
+  expect_error([&] { call(cq.to_sparse(), cr, v); }, {op, "'cq'", "dense (strided)"});
+  expect_error([&] { call(cq, cr.to_sparse(), v); }, {op, "'cr'", "dense (strided)"});
+  expect_error([&] { call(cq, cr, v.to_sparse()); }, {op, "'v'", "dense (strided)"});
 }
 
 TEST(BadInputAgglomerative, BadClip) {
@@ -257,6 +273,11 @@ TEST(BadInputSparse, MalformedEdgeLists) {
   };
   // Valid reference point: L = 4 rows {0, 5}, {}, {1, 2, 3}, {5}.
   ASSERT_NO_THROW(call(i64({0, 2, 2, 5, 6}), i64({0, 5, 1, 2, 3, 5})));
+  // Sparse-layout offsets or columns.
+  expect_error([&] { call(i64({0, 2, 2, 5, 6}).to_sparse(), i64({0, 5, 1, 2, 3, 5})); },
+               {op, "edges.offsets", "dense (strided)"});
+  expect_error([&] { call(i64({0, 2, 2, 5, 6}), i64({0, 5, 1, 2, 3, 5}).to_sparse()); },
+               {op, "edges.columns", "dense (strided)"});
   // Offsets of the wrong length (L instead of L + 1, and L + 2).
   expect_error([&] { call(i64({0, 2, 2, 5}), i64({0, 5, 1, 2, 3})); }, {op, "offsets", "L + 1"});
   expect_error([&] { call(i64({0, 2, 2, 5, 6, 6}), i64({0, 5, 1, 2, 3, 5})); }, {op, "offsets", "L + 1"});

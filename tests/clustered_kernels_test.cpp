@@ -8,7 +8,7 @@
 #include "kernels/clustered_attention.h"
 #include "kernels/hashing.h"
 #include "kernels/kmeans.h"
-#include "ops/masking.h"
+#include "reference/masking.h"
 #include "reference/reference.h"
 #include "test_util.h"
 

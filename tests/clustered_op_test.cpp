@@ -276,6 +276,34 @@ TEST(ClusteredOp, PaddingGivesZerosAndNoGradients) {
   }
 }
 
+TEST(ClusteredOp, EmptyDimensionsMatchFloat64) {
+  // N, L or S = 0 (clusters = 1 so that L = 0 is allowed, topk = 0 so that
+  // S = 0 is): the float32 kernels and the float64 composite give the same
+  // empty or all-zero outputs and gradients, finite everywhere.
+  for (auto [N, L, S] : {std::tuple<int64_t, int64_t, int64_t>{0, 5, 4}, {2, 0, 4}, {2, 5, 0}})
+    for (int64_t topk : {int64_t{0}, std::min<int64_t>(S, 2)}) {
+      SCOPED_TRACE("N " + std::to_string(N) + " L " + std::to_string(L) + " S " +
+                   std::to_string(S) + " topk " + std::to_string(topk));
+      torch::manual_seed(711);
+      auto q = torch::randn({N, 2, L, 3}, f32()), k = torch::randn({N, 2, S, 3}, f32()),
+           v = torch::randn({N, 2, S, 4}, f32()), cot = torch::randn({N, 2, L, 4}, f32());
+      auto o = ClusteredAttentionOptions().clusters(1).bits(8).topk(topk);
+      auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
+      auto fast = run(f, q, k, v, cot);
+      auto ref = run(f, q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), cot);
+      ASSERT_EQ(fast.out.sizes(), (std::vector<int64_t>{N, 2, L, 4}));
+      const torch::Tensor got[] = {fast.out, fast.dq, fast.dk, fast.dv};
+      const torch::Tensor want[] = {ref.out, ref.dq, ref.dk, ref.dv};
+      for (int i = 0; i < 4; ++i) {
+        ASSERT_TRUE(got[i].defined() && want[i].defined()) << i;
+        EXPECT_TRUE(all_finite(got[i])) << i;
+        EXPECT_EQ(max_abs(got[i]), 0.0) << i;
+        EXPECT_EQ(max_abs(want[i]), 0.0) << i;
+        EXPECT_EQ(got[i].sizes(), want[i].sizes()) << i;
+      }
+    }
+}
+
 TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
   torch::manual_seed(707);
   const int64_t N = 2, H = 3, L = 50, S = 40, E = 8, M = 6;
@@ -292,6 +320,21 @@ TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
   EXPECT_LE(rel_err(strided.dq, packed.dq), kF32Tol);
   EXPECT_LE(rel_err(strided.dk, packed.dk), kF32Tol);
   EXPECT_LE(rel_err(strided.dv, packed.dv), kF32Tol);
+}
+
+TEST(ClusteredOp, DispatchNamesTheBackendThatRuns) {
+  torch::manual_seed(710);
+  auto q = torch::randn({1, 2, 12, 4}, f32()).requires_grad_(), k = torch::randn({1, 2, 10, 4}, f32()),
+       v = torch::randn({1, 2, 10, 3}, f32());
+  auto o = ClusteredAttentionOptions().clusters(3).bits(20).topk(2).seed(5);
+  expect_kernel(clustered_attention_dispatch(q, k, v, o));
+  EXPECT_NE(grad_fn_name(clustered_attention(q, k, v, o)).find("ClusteredAttentionFunction"),
+            std::string::npos);
+  auto q64 = q.detach().to(torch::kDouble), k64 = k.to(torch::kDouble), v64 = v.to(torch::kDouble);
+  expect_composite(clustered_attention_dispatch(q64, k64, v64, o),
+                   "q is float64; the kernel is float32 only");
+  expect_composite(clustered_attention_dispatch(q, k, v.to(torch::kBFloat16), o),
+                   "v is bfloat16; the kernel is float32 only");
 }
 
 TEST(ClusteredOp, Float64UsesTheReference) {

@@ -1,4 +1,4 @@
-// The edges:: pattern builders (src/ops/edges.cpp) against independent dense
+// The edges:: pattern builders (src/graph/patterns.cpp) against independent dense
 // definitions written out here from the rules in include/attnkit/ops.h, the
 // CSR invariants, check_edge_list, the binary-partition tree's tiling property,
 // by_name, and the builders' argument errors.
@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "reference/reference.h"
 #include "test_util.h"
 
 namespace attnkit {
@@ -306,6 +307,22 @@ TEST(EdgesTest, CheckEdgeListRejectsMalformedLists) {
   EXPECT_TRUE(per_head.per_head());
   EXPECT_NO_THROW(check_edge_list(per_head, 2, 3, 2));
   expect_error([&] { check_edge_list(per_head, 2, 3, 3); }, {"per-head", "H = 3"});
+}
+
+TEST(SparseDispatch, AlwaysTheCompositeSayingWhy) {
+  // No sparse kernel yet: every dtype takes the composite, and the reason says
+  // what it costs. The op's output is exactly the reference's.
+  const std::string why =
+      "sparse_attention has no kernel yet: the composite builds a dense L x S mask and score "
+      "matrix per head, O(L S) time and memory whatever the number of edges";
+  torch::manual_seed(13);
+  const auto e = edges::local(6, 1);
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    auto q = torch::randn({1, 2, 6, 3}, dtype), k = torch::randn({1, 2, 6, 3}, dtype),
+         v = torch::randn({1, 2, 6, 2}, dtype);
+    testing::expect_composite(sparse_attention_dispatch(q, k, v, e), why);
+    EXPECT_TRUE(torch::equal(sparse_attention(q, k, v, e), reference::sparse_attention(q, k, v, e, {})));
+  }
 }
 
 }  // namespace

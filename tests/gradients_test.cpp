@@ -249,5 +249,98 @@ TEST(GradientSparse, PerHeadListsAndScale) {
       {rnd({1, 2, 3, 2}), rnd({1, 2, 4, 2}), rnd({1, 2, 4, 3})});
 }
 
+// ---------------------------------------------------------------------------
+// The ops with a float32 kernel: double backward and saved tensors
+// ---------------------------------------------------------------------------
+
+struct KernelOp {
+  std::string name;
+  std::function<torch::Tensor(const Inputs&)> f;
+  Inputs inputs;  // float64
+};
+
+/// Every op whose float32 path is a kernel-backed autograd Function.
+std::vector<KernelOp> kernel_ops() {
+  torch::manual_seed(700);
+  const auto lin = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto gated = GatedLinearAttentionOptions().causal(true);
+  const auto agg = AgglomerativeOptions().causal(true);
+  const auto clu =
+      ClusteredAttentionOptions().clusters(2).bits(15).iterations(5).topk(2).hash_bias(false).seed(1);
+  return {
+      {"linear_attention", [=](const Inputs& x) { return linear_attention(x[0], x[1], x[2], lin); },
+       {rnd({1, 2, 4, 3}), rnd({1, 2, 5, 3}), rnd({1, 2, 5, 2})}},
+      {"gated_linear_attention",
+       [=](const Inputs& x) { return gated_linear_attention(x[0], x[1], x[2], x[3], gated); },
+       {rnd({1, 2, 4, 3}), rnd({1, 2, 4, 3}), torch::rand({1, 2, 4}, f64()) + 0.25, rnd({1, 2, 4})}},
+      {"agglomerative_attention",
+       [=](const Inputs& x) { return agglomerative_attention(x[0], x[1], x[2], agg); },
+       {torch::rand({1, 2, 4}, f64()), torch::rand({1, 2, 5}, f64()) + 0.1, rnd({1, 2, 5, 3})}},
+      {"clustered_attention", [=](const Inputs& x) { return clustered_attention(x[0], x[1], x[2], clu); },
+       {grouped_queries(1, 2), rnd({1, 2, 4, 3}), rnd({1, 2, 4, 2})}},
+  };
+}
+
+Inputs float32_leaves(const Inputs& x) {
+  Inputs out;
+  for (const auto& t : x) out.push_back(t.detach().to(torch::kFloat).requires_grad_(true));
+  return out;
+}
+
+TEST(GradientKernels, DoubleBackwardThroughAFloat32KernelRaises) {
+  // The kernels compute first-order gradients only: create_graph = true must
+  // fail loudly instead of returning gradients without their own graph.
+  for (const auto& op : kernel_ops()) {
+    SCOPED_TRACE(op.name);
+    auto x = float32_leaves(op.inputs);
+    auto out = op.f(x);
+    auto loss = (out * torch::randn(out.sizes(), f32())).sum();
+    expect_error(
+        [&] {
+          torch::autograd::grad({loss}, x, {}, /*retain_graph=*/true, /*create_graph=*/true);
+        },
+        {op.name, "first-order gradients only", "create_graph=True", "float64"});
+    // First-order gradients still work on the same graph.
+    auto g = torch::autograd::grad({loss}, x);
+    for (const auto& gi : g) EXPECT_TRUE(gi.defined() && all_finite(gi));
+  }
+}
+
+TEST(GradientKernels, Float64CompositeSupportsSecondOrderGradients) {
+  for (const auto& op : kernel_ops()) {
+    SCOPED_TRACE(op.name);
+    expect_second_order_gradients_match(op.f, op.inputs);
+  }
+}
+
+TEST(GradientKernels, InPlaceChangeOfASavedInputBeforeBackwardRaises) {
+  // Each Function keeps its tensors with save_for_backward, whose version
+  // check turns a later in-place change into an error instead of a wrong
+  // gradient.
+  for (const auto& op : kernel_ops())
+    for (size_t i = 0; i < op.inputs.size(); ++i) {
+      SCOPED_TRACE(op.name + ", input " + std::to_string(i));
+      auto leaves = float32_leaves(op.inputs);
+      Inputs x;
+      for (const auto& t : leaves) x.push_back(t * 1.0f);  // non-leaves may change in place
+      auto out = op.f(x);
+      {
+        torch::NoGradGuard no_grad;
+        x[i].mul_(0.5f);
+      }
+      expect_error([&] { out.sum().backward(); }, {"modified by an inplace operation"});
+    }
+}
+
+TEST(GradientKernels, InPlaceChangeOfClusteredKeyLengthsBeforeBackwardRaises) {
+  torch::manual_seed(701);
+  auto key_lengths = i64({3, 4});
+  auto o = ClusteredAttentionOptions().clusters(2).bits(15).topk(2).key_lengths(key_lengths);
+  auto q = grouped_queries(2, 1).to(torch::kFloat).requires_grad_(true);
+  auto out = clustered_attention(q, torch::randn({2, 1, 4, 3}), torch::randn({2, 1, 4, 2}), o);
+  key_lengths.fill_(1);
+  expect_error([&] { out.sum().backward(); }, {"modified by an inplace operation"});
+}
+
 }  // namespace
 }  // namespace attnkit::testing

@@ -195,6 +195,26 @@ TEST(ReferenceLinear, CausalPrefixWithMoreQueriesThanKeys) {
                t64({0, 1 / (1 + 1e-6), 6 / (4 + 1e-6)}, {1, 1, 3, 1}));
 }
 
+TEST(ReferenceLinear, QueryThatSeesNoKeyIsZeroEvenWithEpsZero) {
+  // As above with eps = 0: query 0's normaliser would be 0 / 0; it outputs 0
+  // with zero, finite gradients. Queries 1, 2: 1 / 1 = 1 and 6 / 4 = 1.5.
+  // With no key at all (S = 0, causal or not) every query outputs 0.
+  auto q = t64({5, 1, 2}, {1, 1, 3, 1}).requires_grad_();
+  auto k = t64({1, 1}, {1, 1, 2, 1}).requires_grad_();
+  auto v = t64({1, 2}, {1, 1, 2, 1});
+  auto o = LinearAttentionOptions().causal(true).normalize(true).eps(0.0);
+  auto out = reference::linear_attention(q, k, v, o);
+  expect_close(out, t64({0, 1, 1.5}, {1, 1, 3, 1}));
+  out.sum().backward();
+  EXPECT_TRUE(torch::isfinite(q.grad()).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(k.grad()).all().item<bool>());
+  EXPECT_EQ(q.grad()[0][0][0][0].item<double>(), 0.0);
+  auto none = torch::zeros({1, 1, 0, 1}, torch::kDouble);
+  for (bool causal : {false, true})
+    expect_close(reference::linear_attention(q.detach(), none, none, LinearAttentionOptions(o).causal(causal)),
+                 torch::zeros({1, 1, 3, 1}, torch::kDouble));
+}
+
 // ============================================================================
 // gated_linear_attention
 // ============================================================================

@@ -2,6 +2,7 @@
 // finite-difference gradient checker, and an error-message matcher.
 #pragma once
 
+#include <attnkit/dispatch.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -21,6 +22,39 @@ inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   if (a64.numel() == 0) return 0.0;
   const double scale = std::max(b64.abs().max().item<double>(), 1e-300);
   return (a64 - b64).abs().max().item<double>() / scale;
+}
+
+/// max_i |a_i - b_i| / scale_i: the error of every element against its own
+/// scale (broadcastable to b, positive). With scale_i the sum of the absolute
+/// values of the terms that make b_i (term_magnitudes below), a float32 result
+/// summed from n terms errs by at most about n u of it however small b_i is,
+/// which rel_err, with one tensor-wide scale, checks only in absolute terms.
+inline double scaled_err(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale) {
+  auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+  EXPECT_EQ(a64.sizes(), b64.sizes());
+  if (a64.numel() == 0) return 0.0;
+  auto s64 = scale.detach().to(torch::kDouble).clamp_min(1e-300);
+  return ((a64 - b64).abs() / s64).max().item<double>();
+}
+
+/// Error scales of f(x) and of its input gradients for the cotangent dout, when
+/// f is a polynomial with non-negative coefficients in its inputs (a sum of
+/// products: linear attention with the identity map and no normaliser, the
+/// gated recurrence with gates >= 0, agglomerative output and dcq, dv): f(|x|)
+/// is per element the sum of |terms| of f(x), and the gradient of
+/// sum(|dout| f(|x|)) is the same for each input gradient. Returns
+/// {scale of f, scale of df/dx_0, ...} in float64.
+inline std::vector<torch::Tensor> term_magnitudes(
+    const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& f,
+    const std::vector<torch::Tensor>& inputs, const torch::Tensor& dout) {
+  std::vector<torch::Tensor> abs_inputs;
+  for (const auto& x : inputs)
+    abs_inputs.push_back(x.detach().to(torch::kDouble).abs().requires_grad_(true));
+  auto out = f(abs_inputs);
+  auto grads = torch::autograd::grad({(out * dout.to(torch::kDouble).abs()).sum()}, abs_inputs);
+  std::vector<torch::Tensor> result{out.detach()};
+  for (auto& g : grads) result.push_back(g);
+  return result;
 }
 
 inline double max_abs(const torch::Tensor& t) {
@@ -71,6 +105,54 @@ inline void expect_gradients_match(
         << (analytic - numeric).abs().max().item<double>() << "\nanalytic:\n" << analytic
         << "\nnumeric:\n" << numeric;
   }
+}
+
+/// Checks second-order gradients of f in float64: the scalar
+/// g(x) = sum_a <w_a, d/dx_a sum(f(x) * cot)> (random cot and w, the first-order
+/// gradients taken with create_graph = true) has its autograd gradient checked
+/// against central differences by expect_gradients_match. Any dropped
+/// second-order term shows up there.
+inline void expect_second_order_gradients_match(
+    const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& f,
+    std::vector<torch::Tensor> inputs, double eps = 1e-6, double atol = 1e-6, double rtol = 1e-5) {
+  torch::Tensor cot;
+  std::vector<torch::Tensor> w;
+  auto first_order = [&](const std::vector<torch::Tensor>& x) {
+    torch::AutoGradMode on(true);  // expect_gradients_match probes under no_grad
+    std::vector<torch::Tensor> diff;
+    for (const auto& t : x)
+      if (t.defined() && t.requires_grad()) diff.push_back(t);
+    auto out = f(x);
+    if (!cot.defined()) cot = torch::randn(out.sizes(), torch::TensorOptions().dtype(torch::kDouble));
+    auto grads = torch::autograd::grad({(out * cot).sum()}, diff, {}, /*retain_graph=*/true,
+                                       /*create_graph=*/true, /*allow_unused=*/true);
+    if (w.empty())
+      for (const auto& t : diff) w.push_back(torch::randn(t.sizes(), t.options().requires_grad(false)));
+    auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble));
+    for (size_t a = 0; a < grads.size(); ++a)
+      if (grads[a].defined()) total = total + (grads[a] * w[a]).sum();
+    return total;
+  };
+  expect_gradients_match(first_order, std::move(inputs), eps, atol, rtol);
+}
+
+/// The name of the autograd node that made `t` ("" for a leaf or no-grad
+/// result): tells which backend ran (the kernels' Functions are named
+/// <Op>Function; composites leave libtorch's own nodes).
+inline std::string grad_fn_name(const torch::Tensor& t) {
+  return t.grad_fn() ? t.grad_fn()->name() : std::string();
+}
+
+/// Expects the kernel with no reason.
+inline void expect_kernel(const Dispatch& d) {
+  EXPECT_TRUE(d.uses_kernel()) << "composite taken: " << d.reason;
+  EXPECT_EQ(d.reason, "");
+}
+
+/// Expects the composite with exactly `reason`.
+inline void expect_composite(const Dispatch& d, const std::string& reason) {
+  EXPECT_EQ(d.backend, Backend::composite);
+  EXPECT_EQ(d.reason, reason);
 }
 
 /// Expects `body` to throw a c10::Error whose message contains every fragment.

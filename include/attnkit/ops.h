@@ -58,6 +58,12 @@ struct LinearAttentionOptions {
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
                                const LinearAttentionOptions& options = {});
+/// The backend linear_attention runs for these arguments (the op calls this):
+/// the chunked kernel when q, k and v are float32, else the composite.
+/// Assumes arguments the op accepts; it does not validate them.
+Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v,
+                                   const LinearAttentionOptions& options = {});
 
 /// Parses "identity" | "elu"; throws naming the accepted values otherwise.
 FeatureMap feature_map_from_string(const std::string& name);
@@ -77,6 +83,11 @@ struct GatedLinearAttentionOptions {
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
                                      const GatedLinearAttentionOptions& options = {});
+/// The backend gated_linear_attention runs (the op calls this): the chunked
+/// kernel when f, q, alpha and beta are float32, else the composite.
+Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Tensor& q,
+                                         const torch::Tensor& alpha, const torch::Tensor& beta,
+                                         const GatedLinearAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Agglomerative attention (docs/MATH.md, "Agglomerative attention"), one head
@@ -93,6 +104,11 @@ struct AgglomerativeOptions {
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
                                       const torch::Tensor& v,
                                       const AgglomerativeOptions& options = {});
+/// The backend agglomerative_attention runs (the op calls this): the
+/// blocked-scan kernel when cq, cr and v are float32, else the composite.
+Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::Tensor& cr,
+                                          const torch::Tensor& v,
+                                          const AgglomerativeOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Clustered (topk = 0) and improved-clustered (topk > 0) attention (the
@@ -119,6 +135,11 @@ struct ClusteredAttentionOptions {
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v,
                                   const ClusteredAttentionOptions& options = {});
+/// The backend clustered_attention runs (the op calls this): the hashing,
+/// K-means and attention kernels when q, k and v are float32, else the composite.
+Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v,
+                                      const ClusteredAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Sparse attention over neighbour lists (the SAC paper; docs/MATH.md, "Sparse
@@ -147,6 +168,12 @@ struct SparseAttentionOptions {
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionOptions& options = {});
+/// The backend sparse_attention runs (the op calls this): always the
+/// composite for now, which builds a dense L x S mask and score matrix per head
+/// (O(L S) time and memory whatever the number of edges); the reason says so.
+Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const EdgeList& edges,
+                                   const SparseAttentionOptions& options = {});
 
 /// Throws a clear error if `edges` is not a valid list for L queries, S keys
 /// and H heads (the op calls this; builders' outputs always pass).

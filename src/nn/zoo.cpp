@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "ops/checks.h"
-#include "ops/masking.h"
+#include "reference/masking.h"
 
 namespace attnkit::nn {
 

@@ -1,13 +1,16 @@
-// Op boundary of agglomerative attention: validation, then for float32 the
-// kernels of kernels/agglomerative.h behind an autograd::Function; other dtypes
-// use the reference composite (which is how tests run it in float64).
+// Op boundary of agglomerative attention: validation, then the backend that
+// agglomerative_attention_dispatch names: for float32 the kernels of
+// kernels/agglomerative.h behind an autograd::Function; other dtypes the
+// composite (which is how tests run it in float64).
 #include <torch/autograd.h>
 
 #include <limits>
 
 #include "kernels/agglomerative.h"
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -83,6 +86,7 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
+    detail::check_no_double_backward("agglomerative_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &cq = saved[0], &cr = saved[1], &v = saved[2], &avg = saved[3], &den = saved[4];
     const torch::Tensor& dout = grads[0];
@@ -117,7 +121,8 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
   detail::check_finite(op, "clip", options.clip());
   TORCH_CHECK(options.clip() > 0, op, ": option 'clip' must be > 0, got ", options.clip());
-  if (cq.scalar_type() != torch::kFloat) return reference::agglomerative_attention(cq, cr, v, options);
+  if (!agglomerative_attention_dispatch(cq, cr, v, options).uses_kernel())
+    return reference::agglomerative_attention(cq, cr, v, options);
 
   // In float32 a smaller clip rounds to 0 or a subnormal and the average of an
   // empty prefix becomes 0 / 0.
@@ -128,6 +133,11 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
                           (cq.requires_grad() || cr.requires_grad() || v.requires_grad());
   if (!needs_grad) return forward_only(cq, cr, v, options.causal(), options.clip());
   return AgglomerativeFunction::apply(cq, cr, v, options.causal(), options.clip());
+}
+
+Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::Tensor& cr,
+                                          const torch::Tensor& v, const AgglomerativeOptions&) {
+  return detail::float32_kernel_or_composite({{"cq", &cq}, {"cr", &cr}, {"v", &v}});
 }
 
 }  // namespace attnkit

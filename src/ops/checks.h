@@ -15,10 +15,19 @@ inline std::string shape_str(const torch::Tensor& t) {
   return s + ")";
 }
 
-/// A defined, floating, CPU tensor of the given rank.
+/// A dense (strided) tensor: kernels and composites read strides, and sparse or
+/// mkldnn tensors have none.
+inline void check_strided(const char* op, const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(t.layout() == torch::kStrided, op, ": argument '", name,
+              "' must be a dense (strided) tensor, got layout ", t.layout(),
+              "; convert it with .to_dense()");
+}
+
+/// A defined, dense, floating, CPU tensor of the given rank.
 inline void check_float_tensor(const char* op, const char* name, const torch::Tensor& t,
                                int64_t rank) {
   TORCH_CHECK(t.defined(), op, ": argument '", name, "' is undefined");
+  check_strided(op, name, t);
   TORCH_CHECK(t.device().is_cpu(), op, ": argument '", name,
               "' must be on the CPU, got device ", t.device());
   TORCH_CHECK(t.is_floating_point(), op, ": argument '", name,
@@ -64,6 +73,7 @@ inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tenso
 inline void check_lengths(const char* op, const char* name, const torch::Tensor& lengths,
                           int64_t N, int64_t limit) {
   if (!lengths.defined()) return;
+  check_strided(op, name, lengths);
   TORCH_CHECK(lengths.device().is_cpu(), op, ": argument '", name,
               "' must be on the CPU, got device ", lengths.device());
   TORCH_CHECK(lengths.scalar_type() == torch::kLong, op, ": argument '", name,

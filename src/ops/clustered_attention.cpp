@@ -1,10 +1,12 @@
 // Op boundary of clustered and improved-clustered attention: validation, then
-// for float32 the fast kernels (clustering without gradient, then the attention
-// as an autograd Function with the labels as constants); other dtypes use the
-// reference.
+// the backend that clustered_attention_dispatch names: for float32 the kernels
+// (clustering without gradient, then the attention as an autograd Function with
+// the labels as constants); other dtypes the composite.
 #include "kernels/clustered_attention.h"
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 #include "reference/reference.h"
 
 #include <torch/autograd.h>
@@ -73,6 +75,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    detail::check_no_double_backward("clustered_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
     auto dout = grads[0];
@@ -137,7 +140,8 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
   detail::check_scale(op, options.scale());
   detail::check_lengths(op, "key_lengths", options.key_lengths(), q.size(0), S);
   detail::check_lengths(op, "query_lengths", options.query_lengths(), q.size(0), L);
-  if (q.scalar_type() != torch::kFloat) return reference::clustered_attention(q, k, v, options);
+  if (!clustered_attention_dispatch(q, k, v, options).uses_kernel())
+    return reference::clustered_attention(q, k, v, options);
 
   // Key lengths go to the autograd Function as an optional: it rejects undefined tensors.
   c10::optional<torch::Tensor> key_lengths;
@@ -152,6 +156,11 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
   return ClusteredAttentionFunction::apply(q, k, v, labels, key_lengths, options.clusters(),
                                            options.topk(),
                                            detail::scale_or_default(options.scale(), q.size(3)));
+}
+
+Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const ClusteredAttentionOptions&) {
+  return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 
 }  // namespace attnkit

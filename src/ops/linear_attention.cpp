@@ -1,11 +1,13 @@
-// Op boundaries of linear and gated linear attention: validation, then float32
-// through the kernels of src/kernels/linear_attention (as autograd Functions,
-// so C++ and Python callers get the kernels' backward), other dtypes through
-// the reference.
+// Op boundaries of linear and gated linear attention: validation, then the
+// backend that <op>_dispatch names: float32 through the kernels of
+// src/kernels/linear_attention (as autograd Functions, so C++ and Python
+// callers get the kernels' backward), other dtypes through the composite.
 #include "kernels/linear_attention.h"
 
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -70,6 +72,7 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::check_no_double_backward("linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
     auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
@@ -118,6 +121,7 @@ class GatedLinearAttentionFunction
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::check_no_double_backward("gated_linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
     auto p = gated_params(f, q, alpha, beta, ctx->saved_data["causal"].toBool());
@@ -156,8 +160,14 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   detail::check_qkv(op, q, k, v);
   detail::check_finite(op, "eps", options.eps());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  if (q.scalar_type() != torch::kFloat) return reference::linear_attention(q, k, v, options);
+  if (!linear_attention_dispatch(q, k, v, options).uses_kernel())
+    return reference::linear_attention(q, k, v, options);
   return LinearAttentionFunction::apply(q, k, v, options);
+}
+
+Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const LinearAttentionOptions&) {
+  return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
@@ -180,9 +190,16 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
   TORCH_CHECK(beta.sizes() == nhl, op,
               ": argument 'beta' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
               ", got ", detail::shape_str(beta));
-  if (f.scalar_type() != torch::kFloat)
+  if (!gated_linear_attention_dispatch(f, q, alpha, beta, options).uses_kernel())
     return reference::gated_linear_attention(f, q, alpha, beta, options);
   return GatedLinearAttentionFunction::apply(f, q, alpha, beta, options.causal());
+}
+
+Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Tensor& q,
+                                         const torch::Tensor& alpha, const torch::Tensor& beta,
+                                         const GatedLinearAttentionOptions&) {
+  return detail::float32_kernel_or_composite(
+      {{"f", &f}, {"q", &q}, {"alpha", &alpha}, {"beta", &beta}});
 }
 
 }  // namespace attnkit

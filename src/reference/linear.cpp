@@ -15,20 +15,26 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2);
   auto fq = apply_feature_map(q, o.feature_map());
   auto fk = apply_feature_map(k, o.feature_map());
+  // A query that sees no key has a zero numerator and outputs 0 (gradient 0),
+  // even with eps = 0 where its normaliser would be 0 / 0: its denominator is
+  // replaced by 1.
   if (!o.causal()) {
     auto state = torch::matmul(fk.transpose(-2, -1), v);  // (N,H,E,M)
     auto out = torch::matmul(fq, state);
-    if (!o.normalize()) return out;
+    if (!o.normalize() || S == 0) return out;
     auto z = fk.sum(-2);                                   // (N,H,E)
     auto den = (fq * z.unsqueeze(-2)).sum(-1, /*keepdim=*/true) + o.eps();
     return out / den;
   }
   // Causal: the explicit lower-triangular (bottom-right aligned) score matrix.
-  auto scores = torch::matmul(fq, fk.transpose(-2, -1));  // (N,H,L,S)
-  scores = scores * visibility(N, L, S, /*causal=*/true, {}).to(scores.scalar_type());
+  auto visible = visibility(N, L, S, /*causal=*/true, {});  // (N,1,L,S)
+  auto scores = torch::matmul(fq, fk.transpose(-2, -1));    // (N,H,L,S)
+  scores = scores * visible.to(scores.scalar_type());
   auto out = torch::matmul(scores, v);
   if (!o.normalize()) return out;
-  return out / (scores.sum(-1, /*keepdim=*/true) + o.eps());
+  auto sees_no_key = visible.any(-1, /*keepdim=*/true).logical_not();  // (N,1,L,1)
+  auto den = scores.sum(-1, /*keepdim=*/true) + o.eps();
+  return out / den.masked_fill(sees_no_key, 1.0);
 }
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
@@ -45,7 +51,8 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
     C = at * C + bt * ft.unsqueeze(-1) * ft.unsqueeze(-2);      // C_t
     if (o.causal()) outs.push_back(torch::matmul(C, q.select(2, t).unsqueeze(-1)).squeeze(-1));
   }
-  if (o.causal()) return torch::stack(outs, 2);
+  if (o.causal() && L > 0) return torch::stack(outs, 2);
+  // Non-causal, or L = 0 (no step: the same empty (N,H,0,E) either way).
   return torch::matmul(q, C.transpose(-2, -1));                 // out_t = C_L q_t
 }
 

@@ -1,15 +1,16 @@
 // Reference implementations: composite libtorch code, dtype-generic, written to
 // be read next to docs/MATH.md (its sections are named below). Tests run them in
 // float64 as the oracle for the fast kernels; benchmarks and the approximation
-// tool use them too. Production code (ops with a fast kernel, modules, models)
-// never calls them.
+// tool use them too. The ops call them as their composite backend, for the
+// inputs their kernels do not take (see each op's <op>_dispatch); modules and
+// models never call them directly.
 //
 // Inputs are assumed valid (the ops validate); shapes follow include/attnkit/ops.h.
 #pragma once
 
 #include <attnkit/ops.h>
 
-#include "ops/masking.h"
+#include "reference/masking.h"
 #include <torch/types.h>
 
 namespace attnkit::reference {

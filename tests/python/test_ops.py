@@ -43,6 +43,60 @@ class OpsTest(unittest.TestCase):
         self.assertTrue(torch.autograd.gradcheck(
             lambda cq, cr, v: attnkit.agglomerative_attention(cq, cr, v, causal=True), (cq, cr, v)))
 
+    def test_float32_gradients_match_float64(self):
+        """Every op with a float32 kernel: its backward (reached through
+        torch.ops.attnkit) against float64 autograd of the same op (the
+        composite), relative to the largest float64 entry. 2e-5 is the C++
+        tests' bound for these sums of at most a few dozen float32 terms."""
+        ops = torch.ops.attnkit
+
+        def pos(*shape):  # class weights: positive, like the layer's softmax outputs
+            return torch.rand(*shape, dtype=torch.double) + 0.1
+
+        rnd = lambda *shape: torch.randn(*shape, dtype=torch.double)
+        cases = [
+            ("linear_attention",
+             lambda q, k, v: ops.linear_attention(q, k, v, feature_map="elu", normalize=True, causal=True),
+             (rnd(2, 3, 9, 5), rnd(2, 3, 7, 5), rnd(2, 3, 7, 4))),
+            ("linear_attention identity",
+             lambda q, k, v: ops.linear_attention(q, k, v),
+             (rnd(2, 3, 9, 5), rnd(2, 3, 7, 5), rnd(2, 3, 7, 4))),
+            ("gated_linear_attention",
+             lambda f, q, a, b: ops.gated_linear_attention(f, q, a, b, causal=True),
+             (rnd(2, 3, 9, 4), rnd(2, 3, 9, 4), torch.rand(2, 3, 9, dtype=torch.double) * 0.5 + 0.5,
+              pos(2, 3, 9))),
+            ("agglomerative_attention",
+             lambda cq, cr, v: ops.agglomerative_attention(cq, cr, v, causal=True),
+             (pos(2, 3, 9), pos(2, 3, 7), rnd(2, 3, 7, 4))),
+            # One cluster: the labels cannot depend on the dtype's rounding.
+            ("clustered_attention",
+             lambda q, k, v: ops.clustered_attention(q, k, v, clusters=1, topk=3, seed=4),
+             (rnd(2, 3, 9, 5), rnd(2, 3, 7, 5), rnd(2, 3, 7, 4))),
+        ]
+        for name, op, inputs in cases:
+            with self.subTest(op=name):
+                grads = {}
+                for dtype in (torch.double, torch.float):
+                    xs = [x.to(dtype).requires_grad_() for x in inputs]
+                    out = op(*xs)
+                    self.assertEqual(out.dtype, dtype)
+                    cot = torch.ones_like(out) + 0.5 * torch.arange(out.numel(), dtype=dtype).view_as(out).sin()
+                    grads[dtype] = [out.detach()] + list(torch.autograd.grad(out, xs, cot))
+                for i, (g32, g64) in enumerate(zip(grads[torch.float], grads[torch.double])):
+                    err = (g32.double() - g64).abs().max().item() / g64.abs().max().item()
+                    self.assertLessEqual(err, 2e-5, f"{name}: result {i} (0 = output)")
+
+    def test_double_backward_through_a_float32_kernel_raises(self):
+        q, k, v = (torch.randn(1, 2, 5, 3, requires_grad=True) for _ in range(3))
+        out = torch.ops.attnkit.linear_attention(q, k, v, causal=True)
+        with self.assertRaisesRegex(RuntimeError, "first-order gradients only"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
+        q64 = q.detach().double().requires_grad_()
+        (g,) = torch.autograd.grad(torch.ops.attnkit.linear_attention(q64, k.double(), v.double()).pow(2).sum(),
+                                   q64, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), q64)  # the composite has second-order gradients
+        self.assertTrue(torch.isfinite(h).all() and h.abs().max() > 0)
+
     def test_sparse_full_pattern_equals_exact(self):
         q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 3)
         offsets, columns = attnkit.edge_pattern("full", 6)

@@ -1,4 +1,4 @@
-#include "ops/masking.h"
+#include "reference/masking.h"
 
 #include <limits>
 

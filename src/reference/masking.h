@@ -1,4 +1,6 @@
-// Masks shared by the reference, the modules and the ops (composite form).
+// Masks in composite (libtorch) form, shared by the references and the
+// composite modules of the zoo. They live below the ops: reference code
+// depends on nothing in src/ops.
 #pragma once
 
 #include <torch/types.h>
