@@ -231,6 +231,9 @@ MechanismInfo linear_entry(const std::string& name) {
   m.reference = [](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
     return reference::linear_attention(x[0], x[1], x[2], linear_options(spec, a.causal));
   };
+  m.dispatch = [](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return linear_attention_dispatch(x[0], x[1], x[2], linear_options(spec, a.causal));
+  };
   m.flops = [](const AttentionShape& s, bool, const MechanismSpec&) -> c10::optional<double> {
     // phi(k)^T v (S E M) and phi(q) times that (L E M), 2 flops each.
     return 2.0 * s.N * s.H * (s.S + s.L) * s.E * s.M;
@@ -255,6 +258,9 @@ MechanismInfo gated_linear_entry() {
   m.run = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
     const auto f = torch::sigmoid(x[1]) * x[2];
     return linear_attention(x[0], f, f, LinearAttentionOptions().causal(a.causal));
+  };
+  m.dispatch = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
+    return linear_attention_dispatch(x[0], x[1], x[2], LinearAttentionOptions().causal(a.causal));
   };
   // Its definition is the recurrence C_t = C_{t-1} + f_t f_t^T read out by q
   // (a different computation from the one above), where L = S allows it.
@@ -347,6 +353,9 @@ MechanismInfo clustered_entry(const std::string& name) {
   m.reference = [](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
     return reference::clustered_attention(x[0], x[1], x[2], clustered_options(spec, x, a));
   };
+  m.dispatch = [](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return clustered_attention_dispatch(x[0], x[1], x[2], clustered_options(spec, x, a));
+  };
   return m;
 }
 
@@ -375,6 +384,9 @@ MechanismInfo agglomerative_entry() {
   m.reference = [options](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
     return reference::agglomerative_attention(x[0], x[1], x[2], options(a, spec));
   };
+  m.dispatch = [options](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return agglomerative_attention_dispatch(x[0], x[1], x[2], options(a, spec));
+  };
   m.flops = [](const AttentionShape& s, bool, const MechanismSpec&) -> c10::optional<double> {
     // Class sums (S M) and the read-out (L M), 2 flops each, per class.
     return 2.0 * s.N * s.H * (s.S + s.L) * s.M;
@@ -402,6 +414,9 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   };
   m.reference = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
     return reference::sparse_attention(x[0], x[1], x[2], edges_for(x, spec), {});
+  };
+  m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
   };
   return m;
 }

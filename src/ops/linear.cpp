@@ -8,6 +8,7 @@
 
 #include "ops/autograd_util.h"
 #include "ops/checks.h"
+#include "ops/dispatch_util.h"
 
 namespace attnkit {
 
@@ -121,10 +122,7 @@ torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& weight,
 Dispatch linear_dispatch(const torch::Tensor& x, const torch::Tensor& weight,
                          const torch::Tensor& bias) {
   check_linear(x, weight, bias);
-  if (x.scalar_type() != torch::kFloat)
-    return Dispatch::composite(std::string("x is ") + c10::toString(x.scalar_type()) +
-                               "; the kernel is float32 only");
-  return Dispatch::kernel();
+  return detail::float32_kernel_or_composite({{"x", &x}});  // weight and bias match x
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
