@@ -20,7 +20,7 @@
 #include <sstream>
 
 #include "commands.h"
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "reference/reference.h"
 
 namespace attnkit::cli {

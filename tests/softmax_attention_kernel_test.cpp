@@ -16,7 +16,7 @@
 
 #include "kernels/softmax_attention.h"
 #include "kernels/threading.h"
-#include "kernels/vec.h"
+#include "kernels/common/vec.h"
 
 namespace {
 

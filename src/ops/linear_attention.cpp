@@ -2,6 +2,7 @@
 // through the kernels of src/kernels/linear_attention (as autograd Functions,
 // so C++ and Python callers get the kernels' backward), other dtypes through
 // the reference.
+#include "kernels/gated_linear_attention.h"
 #include "kernels/linear_attention.h"
 
 #include "ops/binding.h"
