@@ -4,7 +4,7 @@
 // (select_top_keys). Declared in clustered_attention.h.
 #include <algorithm>
 
-#include "kernels/clustered_attention.h"
+#include "kernels/clustered_attention.h"  // declares both
 #include "kernels/common/simd.h"
 #include "kernels/hashing.h"
 #include "kernels/kmeans.h"

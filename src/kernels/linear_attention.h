@@ -13,7 +13,7 @@
 // backward pass stores no per-step state: pass 1 rebuilds S for dq, pass 2 runs
 // backwards accumulating R = sum phi(q) dU^T for dk, dv.
 //
-// Conventions of every kernel here: input strides are in elements, one per
+// Conventions of both passes: input strides are in elements, one per
 // dimension in the order the shape is given, any values (a (N, L, H, E) tensor
 // viewed as (N, H, L, E) costs no copy). Output matrices may have any row
 // strides but need a unit last stride, so that GEMMs write them in place.
