@@ -11,6 +11,7 @@
 #include "kernels/common/parallel.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
+#include "kernels/common/visibility.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -188,7 +189,7 @@ void forward_full(const AgglomerativeParams& p) {
 
 void forward_causal(const AgglomerativeParams& p) {
   const int64_t H = p.H, M = p.M, W = M + 1;
-  const int64_t shift = p.S - p.L;  // query i reads the keys t <= i + shift
+  const int64_t shift = causal_offset(p.L, p.S);  // query i reads the keys t <= i + shift
   const Split keys(p.S, p.N);
   // Pass 1: the totals of the blocks whose sums a later chunk needs as carry.
   BlockTotals totals(p.N, H, keys.blocks, M);
@@ -310,7 +311,7 @@ inline void add_query_grad(const Backward& x, int64_t t, int64_t shift, float* l
 
 void backward_causal(const AgglomerativeBackwardParams& p) {
   const int64_t H = p.H, M = p.M, W = M + 1;
-  const int64_t shift = p.S - p.L;
+  const int64_t shift = causal_offset(p.L, p.S);
   const Split keys(p.S, p.N);
   // The scan runs from the last key down, so chunk c's carry is the blocks
   // after it. Pass 1: the totals of the blocks of chunks 1 .. chunks-1.

@@ -10,6 +10,10 @@
 
 namespace attnkit::kernels {
 
+/// The causal offset S - L: when causal, query i sees the keys j <= i + offset
+/// (for kernels that walk keys and queries together, as a scan does).
+inline int64_t causal_offset(int64_t L, int64_t S) { return S - L; }
+
 /// The keys [0, key_limit) of batch n that padding leaves visible: key_lengths[n]
 /// clamped to [0, S], or S without key_lengths.
 inline int64_t key_limit(const int64_t* key_lengths, int64_t n, int64_t S) {
@@ -22,7 +26,7 @@ class Visibility {
  public:
   /// L queries against S keys, of which [0, limit) survive padding.
   Visibility(int64_t L, int64_t S, bool causal, int64_t limit)
-      : limit_(limit), offset_(S - L), causal_(causal) {}
+      : limit_(limit), offset_(causal_offset(L, S)), causal_(causal) {}
   Visibility(int64_t L, int64_t S, bool causal) : Visibility(L, S, causal, S) {}
 
   int64_t operator()(int64_t i) const {
