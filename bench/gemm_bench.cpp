@@ -2,7 +2,7 @@
 // use (queries x keys x head dim) and at a large square size (the peak).
 #include <benchmark/benchmark.h>
 
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 

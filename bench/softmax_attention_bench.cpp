@@ -8,7 +8,7 @@
 #include <cmath>
 #include <random>
 
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/memory.h"
 #include "kernels/softmax_attention.h"
 

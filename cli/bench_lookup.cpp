@@ -24,7 +24,7 @@
 #include <sstream>
 
 #include "commands.h"
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/threading.h"
 
 namespace attnkit::cli {

@@ -1,6 +1,6 @@
 // The GEMM wrapper against a naive triple loop, every transpose combination,
 // strided leading dimensions, beta accumulation and the degenerate K = 0.
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 
 #include <gtest/gtest.h>
 

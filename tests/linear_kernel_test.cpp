@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "ops/binding.h"
+#include "kernels/gated_linear_attention.h"
 #include "kernels/linear_attention.h"
 #include "reference/reference.h"
 #include "test_util.h"

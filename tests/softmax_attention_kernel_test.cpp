@@ -1,6 +1,6 @@
 // The exact softmax attention kernel (src/kernels/softmax_attention.*), called
 // through its Params structs, against a float64 reference written out in plain
-// loops below; and the vectorised exp of src/kernels/vec.h.
+// loops below; and the vectorised exp of src/kernels/common/vec.h.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,7 +16,7 @@
 
 #include "kernels/softmax_attention.h"
 #include "kernels/threading.h"
-#include "kernels/vec.h"
+#include "kernels/common/vec.h"
 
 namespace {
 

@@ -39,6 +39,12 @@ struct SoftmaxAttentionOptions {
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
                                 const SoftmaxAttentionOptions& options = {});
+/// Which backend softmax_attention runs for these arguments (validated as by
+/// the op): the float32 kernel when q, k and v are float32 (with or without a
+/// bias, which may require grad), else the composite, with the reason.
+Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v,
+                                    const SoftmaxAttentionOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Linear attention (the cheap-linear-attention paper and its feature-map

@@ -5,12 +5,13 @@
 // the carry, once for the output).
 #include "kernels/agglomerative.h"
 
-#include <omp.h>
-
 #include <algorithm>
+#include <functional>
 
-#include "kernels/memory.h"
-#include "kernels/threading.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/strided.h"
+#include "kernels/common/vec.h"
+#include "kernels/common/visibility.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -18,51 +19,6 @@ namespace {
 // Rows per scan block. Block totals cost (M + 1) floats per block, 1/64 of the
 // values; the block is also the unit of work a chunk is made of.
 constexpr int64_t kBlock = 64;
-
-// ---------------------------------------------------------------------------
-// Row helpers over M-vectors. `x` may have any element stride (inputs can be
-// strided views); the compiler versions the loops for stride 1.
-// ---------------------------------------------------------------------------
-inline void set_zero(float* __restrict y, int64_t M) { std::fill(y, y + M, 0.f); }
-
-/// y += w * x
-inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_t xs, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) y[m] += w * x[m * xs];
-}
-
-/// y += x (both contiguous): how a block total joins the carry.
-inline void add(float* __restrict y, const float* __restrict x, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) y[m] += x[m];
-}
-
-/// sum_m x[m] y[m], y contiguous. Sixteen partial sums, one per vector lane,
-/// then a fixed pairwise reduction: a plain `s += x[m] y[m]` loop keeps its
-/// serial order and runs at the speed of one add's latency per element.
-inline float dot(const float* __restrict x, int64_t xs, const float* __restrict y, int64_t M) {
-  constexpr int64_t kLanes = 16;
-  float part[kLanes] = {};
-  int64_t m = 0;
-  for (; m + kLanes <= M; m += kLanes)
-    for (int64_t k = 0; k < kLanes; ++k) part[k] += x[(m + k) * xs] * y[m + k];
-  for (int64_t k = 0; m < M; ++m, ++k) part[k] += x[m * xs] * y[m];
-  for (int64_t width = kLanes / 2; width > 0; width /= 2)
-    for (int64_t k = 0; k < width; ++k) part[k] += part[k + width];
-  return part[0];
-}
-
-/// y[m] = w * x[m], y with any stride.
-inline void scaled_copy(float* __restrict y, int64_t ys, float w, const float* __restrict x, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) y[m * ys] = w * x[m];
-}
-
-/// y[m] = a[m] + b[m]: carry plus the block's running sum.
-inline void sum_of(float* __restrict y, const float* __restrict a, const float* __restrict b, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) y[m] = a[m] + b[m];
-}
-
-inline void zero_row(float* y, int64_t ys, int64_t M) {
-  for (int64_t m = 0; m < M; ++m) y[m * ys] = 0.f;
-}
 
 // ---------------------------------------------------------------------------
 // Work split. A sequence of `rows` rows (keys or queries) is cut into blocks of
@@ -88,19 +44,11 @@ struct Split {
 };
 
 /// Runs body(n, chunk, scratch) for every batch element n < N and chunk <
-/// chunks on num_threads() threads; each thread gets `scratch_floats` floats
-/// of its own. Scratch is allocated before the parallel region so that an
-/// allocation failure throws to the caller.
+/// chunks, each task with `scratch_floats` floats of its thread's own.
 template <class Body>
 void parallel_tasks(int64_t N, int64_t chunks, int64_t scratch_floats, const Body& body) {
-  const int64_t tasks = N * chunks;
-  if (tasks <= 0) return;
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tasks));
-  const int64_t stride = (scratch_floats + 15) / 16 * 16;  // 64-byte rows: no false sharing
-  Buffer<float> scratch(static_cast<std::size_t>(threads * stride));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t task = 0; task < tasks; ++task)
-    body(task / chunks, task % chunks, scratch.data() + omp_get_thread_num() * stride);
+  parallel_for(N * chunks, scratch_floats,
+               [&](int64_t task, float* scratch) { body(task / chunks, task % chunks, scratch); });
 }
 
 /// Per (batch element, class, block) records of M + 1 floats: sums, then
@@ -113,17 +61,17 @@ class BlockTotals {
 
   /// Zeroes the records of block b of every class of n.
   void clear(int64_t n, int64_t b) {
-    for (int64_t h = 0; h < H_; ++h) set_zero(at(n, h, b), width_);
+    for (int64_t h = 0; h < H_; ++h) std::fill(at(n, h, b), at(n, h, b) + width_, 0.f);
   }
 
   /// carries (H records) = for each class, the totals of blocks [b0, b1) of n
   /// added one by one in the scan's direction, exactly as a thread scanning
   /// those blocks adds them.
   void carries(int64_t n, int64_t b0, int64_t b1, bool backwards, float* carries) {
-    set_zero(carries, H_ * width_);
+    std::fill(carries, carries + H_ * width_, 0.f);
     for (int64_t h = 0; h < H_; ++h)
       for (int64_t k = 0; k < b1 - b0; ++k)
-        add(carries + h * width_, at(n, h, backwards ? b1 - 1 - k : b0 + k), width_);
+        vec::add(carries + h * width_, at(n, h, backwards ? b1 - 1 - k : b0 + k), width_);
   }
 
  private:
@@ -184,7 +132,7 @@ struct Backward : Forward {
 /// Adds key row t to the running sums (M) and count (sums[M]). Every sum of
 /// key rows, whoever computes it, goes through here.
 inline void add_key_row(const Forward& x, int64_t t, float* sums) {
-  axpy(sums, x.r(t), x.v_row(t), x.p.v_stride[3], x.p.M);
+  axpy_strided(sums, x.r(t), x.v_row(t), x.p.v_stride[3], x.p.M);
   sums[x.p.M] += x.r(t);
 }
 
@@ -210,7 +158,7 @@ inline void write_out_row(const Forward& x, int64_t i, float inv, const float* s
 /// Saves a = inv sums and the unclipped count in saved row `row`, if saving.
 inline void save_average(const Forward& x, int64_t row, float inv, const float* sums, float count) {
   if (!x.avg) return;
-  scaled_copy(x.avg + row * x.p.M, 1, inv, sums, x.p.M);
+  put_row(sums, x.p.M, x.avg + row * x.p.M, 1, inv);
   x.den[row] = count;
 }
 
@@ -241,7 +189,7 @@ void forward_full(const AgglomerativeParams& p) {
 
 void forward_causal(const AgglomerativeParams& p) {
   const int64_t H = p.H, M = p.M, W = M + 1;
-  const int64_t shift = p.S - p.L;  // query i reads the keys t <= i + shift
+  const int64_t shift = causal_offset(p.L, p.S);  // query i reads the keys t <= i + shift
   const Split keys(p.S, p.N);
   // Pass 1: the totals of the blocks whose sums a later chunk needs as carry.
   BlockTotals totals(p.N, H, keys.blocks, M);
@@ -258,25 +206,26 @@ void forward_causal(const AgglomerativeParams& p) {
       for (int64_t i = 0; i < std::min(p.L, -shift); ++i)
         for (int64_t h = 0; h < H; ++h) {
           const Forward x(p, n, h);
-          zero_row(x.out_row(i), p.out_stride[3], M);
+          zero_row(M, x.out_row(i), p.out_stride[3]);
           if (x.avg) {
-            set_zero(x.avg + i * M, M);
+            std::fill(x.avg + i * M, x.avg + i * M + M, 0.f);
             x.den[i] = 0.f;
           }
         }
     for (int64_t b = b0; b < b1; ++b) {
-      set_zero(locals, H * W);
+      std::fill(locals, locals + H * W, 0.f);
       for (int64_t t = keys.row_begin(b); t < keys.row_end(b); ++t)
         for (int64_t h = 0; h < H; ++h) {
           const Forward x(p, n, h);
           add_key_row(x, t, locals + h * W);
           if (t < shift) continue;  // no query reads this prefix
-          sum_of(sums, carries + h * W, locals + h * W, W);
+          std::transform(carries + h * W, carries + h * W + W, locals + h * W, sums,
+                         std::plus<float>());
           const float inv = inverse_denominator(sums[M], p.clip);
           write_out_row(x, t - shift, inv, sums);
           save_average(x, t - shift, inv, sums, sums[M]);
         }
-      add(carries, locals, H * W);
+      vec::add(carries, locals, H * W);
     }
   });
 }
@@ -299,7 +248,7 @@ struct QueryGrad {
 inline QueryGrad query_grad(float cq, const float* g, int64_t gs, const float* avg, float count,
                             float clip, int64_t M) {
   QueryGrad r;
-  r.dcq = dot(g, gs, avg, M);
+  r.dcq = dot_strided(g, gs, avg, M);
   r.weight = cq / std::max(count, clip);
   r.dcount = count < clip ? 0.f : -r.weight * r.dcq;
   return r;
@@ -308,8 +257,8 @@ inline QueryGrad query_grad(float cq, const float* g, int64_t gs, const float* a
 /// Key row t receives the gradient of its sums (dsums, M) and count (dsums[M]).
 inline void write_key_row(const Backward& x, int64_t t, const float* dsums) {
   const int64_t M = x.p.M;
-  scaled_copy(x.dv_row(t), x.b.dv_stride[3], x.r(t), dsums, M);
-  x.dr(t) = dot(x.v_row(t), x.p.v_stride[3], dsums, M) + dsums[M];
+  put_row(dsums, M, x.dv_row(t), x.b.dv_stride[3], x.r(t));
+  x.dr(t) = dot_strided(x.v_row(t), x.p.v_stride[3], dsums, M) + dsums[M];
 }
 
 void backward_full(const AgglomerativeBackwardParams& p) {
@@ -323,8 +272,8 @@ void backward_full(const AgglomerativeBackwardParams& p) {
       for (int64_t i = queries.row_begin(b); i < queries.row_end(b); ++i)
         for (int64_t h = 0; h < p.H; ++h) {
           const Backward x(p, n, h);
-          x.dq(i) = dot(x.g_row(i), p.dout_stride[3], x.avg, M);
-          axpy(totals.at(n, h, b), x.q(i), x.g_row(i), p.dout_stride[3], M);
+          x.dq(i) = dot_strided(x.g_row(i), p.dout_stride[3], x.avg, M);
+          axpy_strided(totals.at(n, h, b), x.q(i), x.g_row(i), p.dout_stride[3], M);
         }
     }
   });
@@ -356,13 +305,13 @@ inline void add_query_grad(const Backward& x, int64_t t, int64_t shift, float* l
   const QueryGrad r = query_grad(x.q(i), x.g_row(i), x.b.dout_stride[3], x.avg + i * M, x.den[i],
                                  x.p.clip, M);
   if (write_dcq) x.dq(i) = r.dcq;
-  axpy(local, r.weight, x.g_row(i), x.b.dout_stride[3], M);
+  axpy_strided(local, r.weight, x.g_row(i), x.b.dout_stride[3], M);
   local[M] += r.dcount;
 }
 
 void backward_causal(const AgglomerativeBackwardParams& p) {
   const int64_t H = p.H, M = p.M, W = M + 1;
-  const int64_t shift = p.S - p.L;
+  const int64_t shift = causal_offset(p.L, p.S);
   const Split keys(p.S, p.N);
   // The scan runs from the last key down, so chunk c's carry is the blocks
   // after it. Pass 1: the totals of the blocks of chunks 1 .. chunks-1.
@@ -386,15 +335,16 @@ void backward_causal(const AgglomerativeBackwardParams& p) {
       for (int64_t i = 0; i < std::min(p.L, -shift); ++i)
         for (int64_t h = 0; h < H; ++h) Backward(p, n, h).dq(i) = 0.f;
     for (int64_t b = b1 - 1; b >= b0; --b) {
-      set_zero(locals, H * W);
+      std::fill(locals, locals + H * W, 0.f);
       for (int64_t t = keys.row_end(b) - 1; t >= keys.row_begin(b); --t)
         for (int64_t h = 0; h < H; ++h) {
           const Backward x(p, n, h);
           add_query_grad(x, t, shift, locals + h * W, /*write_dcq=*/true);
-          sum_of(dsums, carries + h * W, locals + h * W, W);
+          std::transform(carries + h * W, carries + h * W + W, locals + h * W, dsums,
+                         std::plus<float>());
           write_key_row(x, t, dsums);
         }
-      add(carries, locals, H * W);
+      vec::add(carries, locals, H * W);
     }
   });
 }

@@ -1,5 +1,5 @@
-// Agglomerative attention (seed 000, SPECS section 4) on class weights: forward
-// and backward over pointers, sizes and strides. Torch-free.
+// Agglomerative attention (see docs/MATH.md, Agglomerative attention) on class
+// weights: forward and backward over pointers, sizes and strides. Torch-free.
 //
 // One head per class h. With u_t = cr_t v_t and D = max(den, clip):
 //   full:   a = sum_t u_t / D(sum_t cr_t),          out_i = cq_i a

@@ -1,24 +1,16 @@
 #include "kernels/clustered_attention.h"
 
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "kernels/gemm.h"
-#include "kernels/hashing.h"
-#include "kernels/kmeans.h"
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/strided.h"
+#include "kernels/common/vec.h"
+#include "kernels/common/visibility.h"
 #include "kernels/memory.h"
-#include "kernels/threading.h"
-#include "kernels/vec.h"
-
-#ifdef __AVX512F__
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
 
 namespace attnkit::kernels {
 
@@ -32,9 +24,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kClusterBlock = 128;
 constexpr int64_t kKeyBlock = 256;     // keys per panel in the backward
 constexpr int64_t kMemberBlock = 128;  // member queries per sparse product
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up16(int64_t a) { return ceil_div(a, 16) * 16; }
 
 /// [0, n) cut into ceil(n / max_block) nearly equal blocks (n = 300 and
 /// max_block = 128 give three blocks of 100 rather than 128, 128, 44).
@@ -51,89 +40,9 @@ class Blocks {
   int64_t n_, count_, size_;
 };
 
-/// Element (n, h, 0, 0) of a strided 4-d tensor.
-template <typename T>
-T* head_of(T* base, const int64_t* stride, int64_t n, int64_t h) {
-  return base + n * stride[0] + h * stride[1];
-}
-
 /// Visible keys [0, valid) of batch n.
 int64_t visible_keys(const ClusteredAttentionParams& p, int64_t n) {
-  return p.key_lengths ? std::clamp<int64_t>(p.key_lengths[n], 0, p.S) : p.S;
-}
-
-/// A (N, H, R, X) input as sgemm reads it: each head's rows with unit column
-/// stride and a row stride >= X. Inputs with other strides are copied once.
-class GemmInput {
- public:
-  GemmInput(const float* base, const int64_t* stride, int64_t N, int64_t H, int64_t R, int64_t X) {
-    if ((stride[3] == 1 || X == 1) && stride[2] >= X) {
-      base_ = base;
-      std::copy(stride, stride + 3, stride_);
-      return;
-    }
-    copy_ = Buffer<float>(static_cast<std::size_t>(N * H * R * X));
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t x = 0; x < X; ++x)
-            copy_[((n * H + h) * R + r) * X + x] =
-                base[n * stride[0] + h * stride[1] + r * stride[2] + x * stride[3]];
-    base_ = copy_.data();
-    stride_[0] = H * R * X, stride_[1] = R * X, stride_[2] = X;
-  }
-  /// Row r of head (n, h).
-  const float* row(int64_t n, int64_t h, int64_t r) const {
-    return base_ + n * stride_[0] + h * stride_[1] + r * stride_[2];
-  }
-  int64_t ld() const { return stride_[2]; }
-
- private:
-  const float* base_ = nullptr;
-  int64_t stride_[3] = {};
-  Buffer<float> copy_;
-};
-
-/// dst[r * cols + c] = src[idx[r] * row_stride + c * col_stride] for r < count.
-void gather_rows(const float* src, int64_t row_stride, int64_t col_stride, const int64_t* idx,
-                 int64_t count, int64_t cols, float* dst) {
-  for (int64_t r = 0; r < count; ++r) {
-    const float* row = src + idx[r] * row_stride;
-    if (col_stride == 1) {
-      std::copy(row, row + cols, dst + r * cols);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = row[c * col_stride];
-    }
-  }
-}
-
-/// dst[c * stride] = src[c] (or += factor * src[c] when accumulating).
-void put_row(const float* src, int64_t cols, float* dst, int64_t stride) {
-  for (int64_t c = 0; c < cols; ++c) dst[c * stride] = src[c];
-}
-void add_row(const float* src, float factor, int64_t cols, float* dst, int64_t stride) {
-  for (int64_t c = 0; c < cols; ++c) dst[c * stride] += factor * src[c];
-}
-void zero_row(int64_t cols, float* dst, int64_t stride) {
-  for (int64_t c = 0; c < cols; ++c) dst[c * stride] = 0.f;
-}
-
-/// Runs body(item, scratch) for item in [0, items) on num_threads() threads, each
-/// with `floats_per_thread` scratch floats allocated before the region (so an
-/// allocation failure throws to the caller rather than inside OpenMP).
-template <typename Body>
-void parallel_for(int64_t items, int64_t floats_per_thread, Body body) {
-  const int threads = num_threads();
-  Buffer<float> scratch(static_cast<std::size_t>(threads * floats_per_thread));
-#pragma omp parallel num_threads(threads)
-  {
-    // oneDNN, called inside, must run on this thread alone (as in the exact
-    // kernel): otherwise it would fork and its rounding follow the thread count.
-    omp_set_num_threads(1);
-    float* w = scratch.data() + omp_get_thread_num() * floats_per_thread;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < items; ++t) body(t, w);
-  }
+  return key_limit(p.key_lengths, n, p.S);
 }
 
 /// Per head: the queries of each cluster (in increasing position) and the
@@ -207,7 +116,7 @@ TopRange top_in(const int64_t* top, int64_t kv, int64_t j0, int64_t j1) {
 /// Centroid rows [c0, c0 + rows) of head (n, h): Ac (in `panel`), lse, the top
 /// keys and mass (improved), and the background Vc or Vb.
 void centroid_rows_forward(const ClusteredAttentionParams& p, const Clustering& cl,
-                           const GemmInput& k, const GemmInput& v, int64_t nh, int64_t c0,
+                           const HeadRows& k, const HeadRows& v, int64_t nh, int64_t c0,
                            int64_t rows, float* panel) {
   const int64_t n = nh / p.H, h = nh % p.H, valid = visible_keys(p, n);
   const int64_t ldp = round_up16(p.S), kk = p.topk;
@@ -264,12 +173,12 @@ void cluster_outputs_improved(const ClusteredAttentionParams& p, const Clusterin
   float *kt = w, *vt = kt + kk * E, *qm = vt + kk * M, *s = qm + kMemberBlock * E,
         *o = s + kMemberBlock * kk;
   const int64_t* top = p.top + (nh * p.C + c) * kk;
-  gather_rows(head_of(p.k, p.k_stride, n, h), p.k_stride[2], p.k_stride[3], top, kv, E, kt);
-  gather_rows(head_of(p.v, p.v_stride, n, h), p.v_stride[2], p.v_stride[3], top, kv, M, vt);
-  const float* q = head_of(p.q, p.q_stride, n, h);
+  gather_rows(head_matrix(p.k, p.k_stride, n, h), top, kv, E, kt);
+  gather_rows(head_matrix(p.v, p.v_stride, n, h), top, kv, M, vt);
+  const Strided q = head_matrix(p.q, p.q_stride, n, h);
   for (int64_t r0 = 0; r0 < count; r0 += kMemberBlock) {
     const int64_t rows = std::min(kMemberBlock, count - r0);
-    gather_rows(q, p.q_stride[2], p.q_stride[3], members + r0, rows, E, qm);
+    gather_rows(q, members + r0, rows, E, qm);
     sgemm(false, true, rows, kv, E, p.scale, qm, E, kt, E, 0.f, s, kv);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * kv;
@@ -337,16 +246,16 @@ void cluster_backward_sparse(const ClusteredAttentionBackwardParams& p, const Cl
   const float* query_lse = p.query_lse + nh * p.L;
   float *kt = w, *vt = kt + kk * E, *qm = vt + kk * M, *gm = qm + kMemberBlock * E,
         *prob = gm + kMemberBlock * M, *ds = prob + kMemberBlock * kk, *dqm = ds + kMemberBlock * kk;
-  gather_rows(head_of(p.k, p.k_stride, n, h), p.k_stride[2], p.k_stride[3], top, kv, E, kt);
-  gather_rows(head_of(p.v, p.v_stride, n, h), p.v_stride[2], p.v_stride[3], top, kv, M, vt);
-  const float* q = head_of(p.q, p.q_stride, n, h);
-  const float* dout = head_of(p.dout, p.dout_stride, n, h);
+  gather_rows(head_matrix(p.k, p.k_stride, n, h), top, kv, E, kt);
+  gather_rows(head_matrix(p.v, p.v_stride, n, h), top, kv, M, vt);
+  const Strided q = head_matrix(p.q, p.q_stride, n, h);
+  const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
   float* dq = head_of(p.dq, p.dq_stride, n, h);
   float dm = 0.f;
   for (int64_t r0 = 0; r0 < count; r0 += kMemberBlock) {
     const int64_t rows = std::min(kMemberBlock, count - r0);
-    gather_rows(q, p.q_stride[2], p.q_stride[3], members + r0, rows, E, qm);
-    gather_rows(dout, p.dout_stride[2], p.dout_stride[3], members + r0, rows, M, gm);
+    gather_rows(q, members + r0, rows, E, qm);
+    gather_rows(dout, members + r0, rows, M, gm);
     sgemm(false, true, rows, kv, E, p.scale, qm, E, kt, E, 0.f, prob, kv);
     for (int64_t r = 0; r < rows; ++r) vec::exp_shift(prob + r * kv, kv, query_lse[members[r0 + r]]);
     sgemm(false, true, rows, kv, M, 1.f, gm, M, vt, M, 0.f, ds, kv);
@@ -381,7 +290,7 @@ void mark_top_gradients(const ClusteredAttentionBackwardParams& p, const Backwar
 /// dQ from the centroid attention, for centroid rows [c0, c0 + rows):
 /// dQc = scale dSc K with dSc = Ac * (dAc - D), spread as dQ_i += dQc_c / count_c.
 void centroid_rows_backward(const ClusteredAttentionBackwardParams& p, const Clustering& cl,
-                            BackwardState& st, const GemmInput& k, const GemmInput& v,
+                            BackwardState& st, const HeadRows& k, const HeadRows& v,
                             int64_t nh, int64_t c0, int64_t rows, float* w) {
   const int64_t n = nh / p.H, h = nh % p.H, E = p.E, M = p.M, valid = visible_keys(p, n);
   const int64_t kv = std::min(p.topk, valid);
@@ -418,7 +327,7 @@ void centroid_rows_backward(const ClusteredAttentionBackwardParams& p, const Clu
 ///   dV = Ac'^T dVb (Ac' = Ac without the top keys) + sparse parts,
 ///   dK = scale dSc^T Qc + sparse parts, sparse parts added in cluster order.
 void key_block_backward(const ClusteredAttentionBackwardParams& p, const Clustering& cl,
-                        BackwardState& st, const GemmInput& k, const GemmInput& v,
+                        BackwardState& st, const HeadRows& k, const HeadRows& v,
                         int64_t nh, int64_t j0, int64_t cols, float* w) {
   const int64_t n = nh / p.H, h = nh % p.H, E = p.E, M = p.M, C = p.C, kk = p.topk;
   const int64_t valid = visible_keys(p, n), kv = std::min(kk, valid);
@@ -463,66 +372,11 @@ void key_block_backward(const ClusteredAttentionBackwardParams& p, const Cluster
 
 }  // namespace
 
-void select_top_keys(const float* scores, int64_t valid, int64_t S, int64_t k, int64_t* top) {
-  k = std::min(k, S);
-  const int64_t kv = std::min(k, valid);
-  // top[0, kv) holds the best keys so far, best first: higher score, then lower
-  // index. A later key has a higher index, so it enters only with a strictly
-  // higher score than the worst kept one.
-  const auto before = [scores](int64_t a, int64_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  };
-  if (kv > 0) {
-    for (int64_t j = 0; j < kv; ++j) top[j] = j;
-    std::sort(top, top + kv, before);
-    float worst = scores[top[kv - 1]];
-    const auto offer = [&](int64_t j) {
-      if (!(scores[j] > worst)) return;
-      int64_t s = kv - 1;  // slide worse keys down, dropping the worst
-      for (; s > 0 && scores[top[s - 1]] < scores[j]; --s) top[s] = top[s - 1];
-      top[s] = j;
-      worst = scores[top[kv - 1]];
-    };
-    int64_t j = kv;
-#ifdef __AVX512F__
-    // Sixteen keys per compare; most blocks hold none better than the worst kept.
-    for (; j + 16 <= valid; j += 16) {
-      __mmask16 better =
-          _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + j), _mm512_set1_ps(worst), _CMP_GT_OQ);
-      for (; better; better &= better - 1) offer(j + __builtin_ctz(better));
-    }
-#endif
-    for (; j < valid; ++j) offer(j);
-    std::sort(top, top + kv);
-  }
-  for (int64_t s = kv; s < k; ++s) top[s] = valid + (s - kv);  // padded keys come last
-}
-
-void cluster_queries(const ClusterParams& p) {
-  Buffer<float> planes(static_cast<std::size_t>(p.bits * (p.E + 1)));
-  hash_planes(p.bits, p.E, p.seed, p.hash_bias, planes.data());
-  Buffer<int64_t> hashes(static_cast<std::size_t>(p.N * p.H * p.L));
-  HashParams hp;
-  hp.q = p.q;
-  std::copy(p.q_stride, p.q_stride + 4, hp.q_stride);
-  hp.planes = planes.data();
-  hp.hashes = hashes.data();
-  hp.N = p.N, hp.H = p.H, hp.L = p.L, hp.E = p.E, hp.B = p.bits;
-  hash_queries(hp);
-  KMeansParams kp;
-  kp.hashes = hashes.data();
-  kp.labels = p.labels;
-  kp.query_lengths = p.query_lengths;
-  kp.N = p.N, kp.H = p.H, kp.L = p.L;
-  kp.clusters = p.clusters, kp.bits = p.bits, kp.iterations = p.iterations, kp.seed = p.seed;
-  hamming_kmeans(kp);
-}
-
 void clustered_attention_forward(const ClusteredAttentionParams& p) {
   const int64_t heads = p.N * p.H, C = p.C, E = p.E, M = p.M, kk = p.topk;
   if (heads == 0) return;
   Clustering cl(p);
-  const GemmInput k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
+  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
 
   // Members and centroids; padded queries output 0.
   parallel_for(heads, 0, [&](int64_t nh, float*) {
@@ -561,7 +415,7 @@ void clustered_attention_backward(const ClusteredAttentionBackwardParams& p) {
   const int64_t heads = p.N * p.H, C = p.C, E = p.E, M = p.M, kk = p.topk;
   if (heads == 0) return;
   Clustering cl(p);
-  const GemmInput k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
+  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
   // The phases after the first run on passes of heads_per_pass heads, which
   // bounds the per-cluster sparse buffers (see BackwardState). Each work item
   // is the same whatever the pass, so the result does not depend on it.

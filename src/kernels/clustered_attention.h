@@ -1,6 +1,6 @@
-// Clustered and improved-clustered attention (seed 002, SPECS section 3) given
-// the cluster labels: forward and backward over pointers, sizes and strides.
-// Torch-free.
+// Clustered and improved-clustered attention (see docs/MATH.md, Clustered
+// attention and Improved clustered attention) given the cluster labels: forward
+// and backward over pointers, sizes and strides. Torch-free.
 //
 // Per head, with the queries of cluster c (label c) and count_c of them:
 //   Qc_c = mean of its queries,  Ac = softmax_visible(scale Qc K^T)   (C x S)
@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/params.h"
+
 namespace attnkit::kernels {
 
 /// Query clustering, the first half of the op: hashes with planes drawn from
@@ -37,20 +39,12 @@ struct ClusterParams {
 };
 void cluster_queries(const ClusterParams& p);
 
-/// Strides are in elements, one per dimension in the order the shape is given.
-struct ClusteredAttentionParams {
-  const float* q = nullptr;  // (N, H, L, E)
-  int64_t q_stride[4] = {};
-  const float* k = nullptr;  // (N, H, S, E)
-  int64_t k_stride[4] = {};
-  const float* v = nullptr;  // (N, H, S, M)
-  int64_t v_stride[4] = {};
-  float* out = nullptr;      // (N, H, L, M), written by the forward
-  int64_t out_stride[4] = {};
+/// q, k, v, out (written by the forward; any strides) and the sizes come from
+/// QkvParams.
+struct ClusteredAttentionParams : QkvParams {
   const int64_t* labels = nullptr;       // (N, H, L) contiguous, in [0, C) or -1 (padded)
   const int64_t* key_lengths = nullptr;  // (N), each in [0, S]; nullptr: all visible
 
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   int64_t C = 0;     // clusters (those without members output nothing)
   int64_t topk = 0;  // k' in [0, S]: 0 plain clustered, > 0 improved clustered
   float scale = 1.f;
@@ -64,17 +58,9 @@ struct ClusteredAttentionParams {
   float* query_lse = nullptr;     // (N, H, L): log-sum-exp over each query's top keys
 };
 
-/// The backward reads what the forward wrote and writes dq, dk, dv (fully).
-struct ClusteredAttentionBackwardParams : ClusteredAttentionParams {
-  const float* dout = nullptr;  // (N, H, L, M)
-  int64_t dout_stride[4] = {};
-  float* dq = nullptr;          // (N, H, L, E)
-  int64_t dq_stride[4] = {};
-  float* dk = nullptr;          // (N, H, S, E)
-  int64_t dk_stride[4] = {};
-  float* dv = nullptr;          // (N, H, S, M)
-  int64_t dv_stride[4] = {};
-};
+/// The backward reads what the forward wrote and writes dq, dk, dv (fully;
+/// any strides).
+struct ClusteredAttentionBackwardParams : ClusteredAttentionParams, QkvGrads {};
 
 /// Writes out and the saved state. Threads: num_threads() over (batch, head,
 /// cluster block) and (batch, head, cluster).

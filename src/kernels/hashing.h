@@ -1,5 +1,5 @@
 // Locality-sensitive hashing of queries by the signs of random projections
-// (seed 002, SPECS section 3 "Hashing"). Torch-free.
+// (see docs/MATH.md, Clustered attention). Torch-free.
 //
 // Bit b of query q is 1 iff sum_e q_e P[b, e] > P[b, E] (strict), with planes P
 // of shape (B, E + 1) whose last column is a threshold. Bits are packed

@@ -5,16 +5,11 @@
 #include <algorithm>
 #include <numeric>
 
+#include "kernels/common/simd.h"
 #include "kernels/memory.h"
 #include "kernels/random.h"
 #include "kernels/threading.h"
-
-#ifdef __AVX512F__
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/common/visibility.h"
 
 namespace attnkit::kernels {
 
@@ -146,7 +141,7 @@ void hamming_kmeans(const KMeansParams& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < heads; ++nh) {
       const int64_t n = nh / p.H;
-      const int64_t valid = p.query_lengths ? std::clamp<int64_t>(p.query_lengths[n], 0, L) : L;
+      const int64_t valid = key_limit(p.query_lengths, n, L);  // padding, as for keys
       int64_t* labels = p.labels + nh * L;
       std::fill(labels + valid, labels + L, int64_t{-1});
       if (valid > 0)

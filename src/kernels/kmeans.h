@@ -1,5 +1,5 @@
-// K-means of packed LSH hashes in Hamming space (seed 002, SPECS section 3
-// "K-means in Hamming space"). Torch-free. Labels equal those of
+// K-means of packed LSH hashes in Hamming space (see docs/MATH.md, Clustered
+// attention). Torch-free. Labels equal those of
 // reference::hamming_kmeans exactly, rule for rule:
 //
 //   - A sequence of n valid queries uses C = min(clusters, n) clusters.

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 

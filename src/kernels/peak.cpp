@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 

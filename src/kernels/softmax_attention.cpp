@@ -6,11 +6,11 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels/gemm.h"
-#include "kernels/memory.h"
-#include "kernels/parallel.h"
-#include "kernels/threading.h"
-#include "kernels/vec.h"
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/strided.h"
+#include "kernels/common/vec.h"
+#include "kernels/common/visibility.h"
 
 namespace attnkit::kernels {
 
@@ -42,45 +42,10 @@ constexpr int64_t kForwardGroup = 4;
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
 
-/// A row-major matrix as sgemm takes it: element (r, c) at data[r * ld + c].
-struct Rows {
-  const float* data;
-  int64_t ld;
-};
-
-/// Rows [r0, r0 + rows) of a (., cols) matrix with the given strides, as Rows:
-/// the input itself when sgemm can read it in place (contiguous columns, row
-/// stride >= cols), else a copy into `pack` (rows * cols floats).
-Rows rows_of(const float* base, int64_t row_stride, int64_t col_stride, int64_t r0,
-             int64_t rows, int64_t cols, float* pack) {
-  const float* first = base + r0 * row_stride;
-  if ((col_stride == 1 || cols == 1) && row_stride >= cols) return {first, row_stride};
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) pack[r * cols + c] = first[r * row_stride + c * col_stride];
-  return {pack, cols};
+/// Query i of batch n sees exactly the keys [0, visible(i)) before the bias.
+Visibility visibility_of(const SoftmaxAttentionParams& p, int64_t n) {
+  return Visibility(p.L, p.S, p.causal, key_limit(p.key_lengths, n, p.S));
 }
-
-/// Whether rows_of copies for a matrix with these strides (then it needs `pack`).
-bool needs_pack(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
-  return rows > 0 && !((col_stride == 1 || cols == 1) && row_stride >= cols);
-}
-
-/// Query i of batch n sees exactly the keys [0, visible(i)) before the bias: both
-/// key_lengths and the causal limit cut a prefix. Nondecreasing in i.
-class Visibility {
- public:
-  Visibility(const SoftmaxAttentionParams& p, int64_t n)
-      : limit_(p.key_lengths ? std::clamp<int64_t>(p.key_lengths[n], 0, p.S) : p.S),
-        offset_(p.S - p.L),
-        causal_(p.causal) {}
-  int64_t operator()(int64_t i) const {
-    return causal_ ? std::clamp<int64_t>(i + 1 + offset_, 0, limit_) : limit_;
-  }
-
- private:
-  int64_t limit_, offset_;
-  bool causal_;
-};
 
 /// Adds bias[n, h, i0 + r, j0 + c] to s[r * lds + c] for r < rows, c < cols.
 void add_bias(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0, int64_t rows,
@@ -134,11 +99,9 @@ struct ForwardScratch {
 void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
                   int64_t rows, const ForwardScratch& w) {
   const int64_t E = p.E, M = p.M, BQ = kForwardBlockQ, BK = kForwardBlockK;
-  const Visibility visible(p, n);
-  const float* qh = p.q + n * p.q_stride[0] + h * p.q_stride[1];
-  const float* kh = p.k + n * p.k_stride[0] + h * p.k_stride[1];
-  const float* vh = p.v + n * p.v_stride[0] + h * p.v_stride[1];
-  const Rows q = rows_of(qh, p.q_stride[2], p.q_stride[3], i0, rows, E, w.q);
+  const Visibility visible = visibility_of(p, n);
+  const Strided kh = head_matrix(p.k, p.k_stride, n, h), vh = head_matrix(p.v, p.v_stride, n, h);
+  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), i0, rows, E, w.q);
 
   std::fill(w.o, w.o + rows * M, 0.f);
   std::fill(w.m, w.m + rows, -kInf);
@@ -149,8 +112,8 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
   const int64_t span_end = visible(i0 + rows - 1);
   for (int64_t j0 = 0; j0 < span_end; j0 += BK) {
     const int64_t span_cols = std::min(BK, span_end - j0);
-    const Rows k = rows_of(kh, p.k_stride[2], p.k_stride[3], j0, span_cols, E, w.k);
-    const Rows v = rows_of(vh, p.v_stride[2], p.v_stride[3], j0, span_cols, M, w.v);
+    const Rows k = rows_of(kh, j0, span_cols, E, w.k);
+    const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += BQ) {
       const int64_t block_rows = std::min(BQ, rows - b);
       const int64_t key_end = visible(i0 + b + block_rows - 1), all_see = visible(i0 + b);
@@ -168,7 +131,8 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
       // and the accumulator rescaled by the same factor.
       for (int64_t r = 0; r < block_rows; ++r) {
         float* sr = w.s + r * BK;
-        const float m_new = std::max(m[r], vec::max(sr, cols));
+        // max(block max, m) keeps a NaN of either: the row then stays NaN.
+        const float m_new = std::max(vec::max(sr, cols), m[r]);
         if (m_new == -kInf) {  // nothing visible to this row yet: P = 0, not NaN
           std::fill(sr, sr + cols, 0.f);
           continue;
@@ -183,34 +147,118 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
   }
 
   // One normalisation at the end. l >= 1 once any key was visible (the maximal
-  // term contributes exp(0)), so l == 0 means a row with no visible key.
+  // term contributes exp(0)), so l == 0 means a row with no visible key; a
+  // NaN l (a NaN score) passes through to out and lse.
   float* lse = p.lse + (n * p.H + h) * p.L + i0;
   const int64_t* os = p.out_stride;
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.out + n * os[0] + h * os[1] + (i0 + r) * os[2];
-    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    const float inv = w.l[r] == 0.f ? 0.f : 1.f / w.l[r];
     for (int64_t c = 0; c < M; ++c) out[c * os[3]] = w.o[r * M + c] * inv;
-    lse[r] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -kInf;
+    lse[r] = w.l[r] == 0.f ? -kInf : w.m[r] + std::log(w.l[r]);
   }
 }
 
 // ---------------------------------------------------------------------------
 // Backward
+//
+// Per tile of queries [i0, i0 + rows) x keys [j0, j0 + cols), with P
+// recomputed from lse and D_i = rowsum(dO_i * O_i):
+//   dP = dO V^T,  dS = P * (dP - D)  (the gradient of the scores, = dBias);
+//   dV += P^T dO,  dK += scale dS^T Q,  dQ += scale dS K.
 // ---------------------------------------------------------------------------
+
+/// The inputs of one tile: q and dout at its first query, k and v at its first
+/// key, lse and D at its first query.
+struct TileInputs {
+  Rows q, dout, k, v;
+  const float *lse, *d;
+};
+
+/// prob = P and ds = dS of the tile (rows x cols, row stride kBackwardBlockK).
+void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
+                      const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                      const TileInputs& x, float* prob, float* ds) {
+  const int64_t BK = kBackwardBlockK;
+  sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
+  if (p.bias) add_bias(p, n, h, i0, rows, j0, cols, prob, BK);
+  if (j0 + cols > visible(i0)) mask_block(visible, i0, rows, j0, cols, prob, BK);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = prob + r * BK;
+    if (x.lse[r] == -kInf)  // a row with no visible key: P = 0, not NaN
+      std::fill(pr, pr + cols, 0.f);
+    else
+      vec::exp_shift(pr, cols, x.lse[r]);
+  }
+  sgemm(false, true, rows, cols, p.M, 1.f, x.dout.data, x.dout.ld, x.v.data, x.v.ld, 0.f, ds, BK);
+  for (int64_t r = 0; r < rows; ++r) vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
+}
+
+/// d[r] = D_i = dout_i . out_i for the rows [i0, i0 + rows) of head (n, h),
+/// given those rows of dout.
+void row_deltas(const SoftmaxAttentionParams& p, int64_t n, int64_t h, const Rows& dout, int64_t i0,
+                int64_t rows, float* d) {
+  const Strided out = head_matrix(p.out, p.out_stride, n, h);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* oi = out.row(i0 + r);
+    const float* gi = dout.row(r);
+    if (out.cs == 1) {
+      d[r] = vec::dot(gi, oi, p.M);
+    } else {
+      float sum = 0.f;
+      for (int64_t c = 0; c < p.M; ++c) sum += gi[c] * oi[c * out.cs];
+      d[r] = sum;
+    }
+  }
+}
+
+/// Where dbias keeps the entries of head (n, h): its (Lb, Sb) slice.
+struct BiasGrad {
+  float* slice = nullptr;
+  int64_t Lb = 0, Sb = 0;
+
+  BiasGrad() = default;
+  BiasGrad(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h)
+      : Lb(p.dbias_shape[2]), Sb(p.dbias_shape[3]) {
+    const int64_t nb = p.dbias_shape[0] == 1 ? 0 : n, hb = p.dbias_shape[1] == 1 ? 0 : h;
+    slice = p.dbias + (nb * p.dbias_shape[1] + hb) * Lb * Sb;
+  }
+  float* row(int64_t i) const { return slice + (Lb == 1 ? 0 : i) * Sb; }
+
+  /// Adds the tile's dS (row stride ld) into the slice, summing over L or S
+  /// when the slice does; rows in order, and keys in order within a row.
+  void add(int64_t i0, int64_t rows, int64_t j0, int64_t cols, const float* ds, int64_t ld) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* b = row(i0 + r);
+      if (Sb == 1) {
+        float sum = *b;
+        for (int64_t c = 0; c < cols; ++c) sum += ds[r * ld + c];
+        *b = sum;
+      } else {
+        vec::add(b + j0, ds + r * ld, cols);
+      }
+    }
+  }
+};
+
+/// Whether every head has a dbias slice of its own (then it is written inline).
+bool bias_grad_per_head(const SoftmaxAttentionBackwardParams& p) {
+  return p.dbias_shape[0] == p.N && p.dbias_shape[1] == p.H;
+}
 
 struct BackwardScratch {
   float *q, *k, *v, *dout;  // packed copies of the head when the strides need it
   float *d;                 // D_i = rowsum(dO_i * O_i): L
   float *dq;                // dQ accumulator of the head: L x E
   float *dk, *dv;           // dK, dV accumulators of one key block
-  float *prob, *ds;         // P and dP, then dS: kBackwardBlockQ x kBackwardBlockK
+  float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
 
   BackwardScratch(const SoftmaxAttentionBackwardParams& p, Slicer& slicer)
-      : q(slicer.take(needs_pack(p.q_stride[2], p.q_stride[3], p.L, p.E) ? p.L * p.E : 0)),
-        k(slicer.take(needs_pack(p.k_stride[2], p.k_stride[3], p.S, p.E) ? p.S * p.E : 0)),
-        v(slicer.take(needs_pack(p.v_stride[2], p.v_stride[3], p.S, p.M) ? p.S * p.M : 0)),
-        dout(slicer.take(needs_pack(p.dout_stride[2], p.dout_stride[3], p.L, p.M) ? p.L * p.M
-                                                                                  : 0)),
+      : q(slicer.take(needs_pack({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E : 0)),
+        k(slicer.take(needs_pack({p.k, p.k_stride[2], p.k_stride[3]}, p.S, p.E) ? p.S * p.E : 0)),
+        v(slicer.take(needs_pack({p.v, p.v_stride[2], p.v_stride[3]}, p.S, p.M) ? p.S * p.M : 0)),
+        dout(slicer.take(
+            needs_pack({p.dout, p.dout_stride[2], p.dout_stride[3]}, p.L, p.M) ? p.L * p.M : 0)),
         d(slicer.take(p.L)),
         dq(slicer.take(p.L * p.E)),
         dk(slicer.take(kBackwardBlockK * p.E)),
@@ -219,92 +267,138 @@ struct BackwardScratch {
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
 };
 
-/// Writes the row-major rows x cols matrix src into dst with the given strides.
-void store(const float* src, int64_t rows, int64_t cols, float* dst, int64_t row_stride,
-           int64_t col_stride) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[r * row_stride + c * col_stride] = src[r * cols + c];
-}
-
-/// Zeroes a rows x cols strided matrix.
-void store_zeros(int64_t rows, int64_t cols, float* dst, int64_t row_stride, int64_t col_stride) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[r * row_stride + c * col_stride] = 0.f;
-}
-
-/// dq, dk, dv of head (n, h). Key blocks outer (each owns its dK, dV rows),
-/// query blocks inner; dQ accumulates over key blocks in the head's scratch.
+/// dq, dk, dv of head (n, h), and its dbias slice when it has its own. Key
+/// blocks outer (each owns its dK, dV rows), query blocks inner; dQ
+/// accumulates over key blocks in the head's scratch.
 void backward_head(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h,
                    const BackwardScratch& w) {
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
-  const Visibility visible(p, n);
-  const auto head = [n, h](auto* base, const int64_t* st) { return base + n * st[0] + h * st[1]; };
-  const Rows q = rows_of(head(p.q, p.q_stride), p.q_stride[2], p.q_stride[3], 0, L, E, w.q);
-  const Rows k = rows_of(head(p.k, p.k_stride), p.k_stride[2], p.k_stride[3], 0, S, E, w.k);
-  const Rows v = rows_of(head(p.v, p.v_stride), p.v_stride[2], p.v_stride[3], 0, S, M, w.v);
-  const Rows dout = rows_of(head(p.dout, p.dout_stride), p.dout_stride[2], p.dout_stride[3],
-                            0, L, M, w.dout);
-  const float* out = head(p.out, p.out_stride);
+  const Visibility visible = visibility_of(p, n);
+  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), 0, L, E, w.q);
+  const Rows k = rows_of(head_matrix(p.k, p.k_stride, n, h), 0, S, E, w.k);
+  const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, h), 0, S, M, w.v);
+  const Rows dout = rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
   const float* lse = p.lse + (n * p.H + h) * L;
-  for (int64_t i = 0; i < L; ++i) {
-    const float* oi = out + i * p.out_stride[2];
-    const float* gi = dout.data + i * dout.ld;
-    if (p.out_stride[3] == 1) {
-      w.d[i] = vec::dot(gi, oi, M);
-    } else {
-      float d = 0.f;
-      for (int64_t c = 0; c < M; ++c) d += gi[c] * oi[c * p.out_stride[3]];
-      w.d[i] = d;
-    }
-  }
+  row_deltas(p, n, h, dout, 0, L, w.d);
   std::fill(w.dq, w.dq + L * E, 0.f);
+  const bool dbias = p.dbias && bias_grad_per_head(p);
+  const BiasGrad bias_grad = dbias ? BiasGrad(p, n, h) : BiasGrad();
+  if (dbias) std::fill(bias_grad.slice, bias_grad.slice + bias_grad.Lb * bias_grad.Sb, 0.f);
 
   // Keys at or past key_end are invisible to every query: zero gradients.
   const int64_t key_end = visible(L - 1);
   for (int64_t j0 = 0; j0 < key_end; j0 += BK) {
     const int64_t cols = std::min(BK, key_end - j0);
-    const float* kj = k.data + j0 * k.ld;
-    const float* vj = v.data + j0 * v.ld;
     std::fill(w.dk, w.dk + cols * E, 0.f);
     std::fill(w.dv, w.dv + cols * M, 0.f);
-    // Causal: queries before j0 - (S - L) see none of these keys; start at
-    // the query block holding the first one that does.
-    const int64_t first = p.causal ? std::clamp<int64_t>(j0 - (S - L), 0, L) : 0;
-    for (int64_t i0 = first / BQ * BQ; i0 < L; i0 += BQ) {
+    // Causal: queries before the first that sees key j0 see none of these
+    // keys; start at the query block holding it.
+    for (int64_t i0 = visible.first_query(j0, L) / BQ * BQ; i0 < L; i0 += BQ) {
       const int64_t rows = std::min(BQ, L - i0);
-      const float* qi = q.data + i0 * q.ld;
-      const float* gi = dout.data + i0 * dout.ld;
-      // P = exp(scale q k^T + bias - lse), recomputed.
-      sgemm(false, true, rows, cols, E, p.scale, qi, q.ld, kj, k.ld, 0.f, w.prob, BK);
-      if (p.bias) add_bias(p, n, h, i0, rows, j0, cols, w.prob, BK);
-      if (j0 + cols > visible(i0)) mask_block(visible, i0, rows, j0, cols, w.prob, BK);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* pr = w.prob + r * BK;
-        if (lse[i0 + r] == -kInf)  // a row with no visible key: P = 0, not NaN
-          std::fill(pr, pr + cols, 0.f);
-        else
-          vec::exp_shift(pr, cols, lse[i0 + r]);
-      }
-      // dV += P^T dO;  dP = dO V^T;  dS = P * (dP - D);
-      // dK += scale dS^T Q;  dQ += scale dS K.
-      sgemm(true, false, cols, M, rows, 1.f, w.prob, BK, gi, dout.ld, 1.f, w.dv, M);
-      sgemm(false, true, rows, cols, M, 1.f, gi, dout.ld, vj, v.ld, 0.f, w.ds, BK);
-      for (int64_t r = 0; r < rows; ++r)
-        vec::softmax_grad(w.ds + r * BK, w.prob + r * BK, cols, w.d[i0 + r]);
-      sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, qi, q.ld, 1.f, w.dk, E);
-      sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, kj, k.ld, 1.f, w.dq + i0 * E, E);
+      const TileInputs x{{q.row(i0), q.ld}, {dout.row(i0), dout.ld}, {k.row(j0), k.ld},
+                         {v.row(j0), v.ld}, lse + i0,                w.d + i0};
+      tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
+      if (dbias) bias_grad.add(i0, rows, j0, cols, w.ds, BK);
+      sgemm(true, false, cols, M, rows, 1.f, w.prob, BK, x.dout.data, x.dout.ld, 1.f, w.dv, M);
+      sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, x.q.data, x.q.ld, 1.f, w.dk, E);
+      sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, w.dq + i0 * E,
+            E);
     }
-    store(w.dk, cols, E, head(p.dk, p.dk_stride) + j0 * p.dk_stride[2], p.dk_stride[2],
+    store(w.dk, cols, E, head_of(p.dk, p.dk_stride, n, h) + j0 * p.dk_stride[2], p.dk_stride[2],
           p.dk_stride[3]);
-    store(w.dv, cols, M, head(p.dv, p.dv_stride) + j0 * p.dv_stride[2], p.dv_stride[2],
+    store(w.dv, cols, M, head_of(p.dv, p.dv_stride, n, h) + j0 * p.dv_stride[2], p.dv_stride[2],
           p.dv_stride[3]);
   }
-  store_zeros(S - key_end, E, head(p.dk, p.dk_stride) + key_end * p.dk_stride[2],
+  store_zeros(S - key_end, E, head_of(p.dk, p.dk_stride, n, h) + key_end * p.dk_stride[2],
               p.dk_stride[2], p.dk_stride[3]);
-  store_zeros(S - key_end, M, head(p.dv, p.dv_stride) + key_end * p.dv_stride[2],
+  store_zeros(S - key_end, M, head_of(p.dv, p.dv_stride, n, h) + key_end * p.dv_stride[2],
               p.dv_stride[2], p.dv_stride[3]);
-  store(w.dq, L, E, head(p.dq, p.dq_stride), p.dq_stride[2], p.dq_stride[3]);
+  store(w.dq, L, E, head_of(p.dq, p.dq_stride, n, h), p.dq_stride[2], p.dq_stride[3]);
+}
+
+// ---------------------------------------------------------------------------
+// Bias gradient shared by several heads
+// ---------------------------------------------------------------------------
+
+struct BiasScratch {
+  float *q, *dout, *k, *v;  // packed blocks when the strides need it
+  float *d;                 // D of a query block
+  float *prob, *ds;         // kBackwardBlockQ x kBackwardBlockK
+
+  BiasScratch(const SoftmaxAttentionBackwardParams& p, Slicer& slicer)
+      : q(slicer.take(kBackwardBlockQ * p.E)),
+        dout(slicer.take(kBackwardBlockQ * p.M)),
+        k(slicer.take(kBackwardBlockK * p.E)),
+        v(slicer.take(kBackwardBlockK * p.M)),
+        d(slicer.take(kBackwardBlockQ)),
+        prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
+        ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
+};
+
+/// The part of dbias one work item owns: slice (nb, hb), queries [i_begin,
+/// i_end) and keys [j_begin, j_end) (all of them along a summed dimension).
+struct BiasPart {
+  int64_t nb, hb, i_begin, i_end, j_begin, j_end;
+};
+
+/// The dbias entries of `part`, summed over the heads of its slice in
+/// increasing (n, h) order, each head's tiles in a fixed order.
+void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& part,
+                    const BiasScratch& w) {
+  const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
+  const int64_t Nb = p.dbias_shape[0], Hb = p.dbias_shape[1];
+  const BiasGrad first(p, part.nb, part.hb);
+  for (int64_t i = part.i_begin; i < (first.Lb == 1 ? part.i_begin + 1 : part.i_end); ++i)
+    if (first.Sb == 1)
+      *first.row(i) = 0.f;
+    else
+      std::fill(first.row(i) + part.j_begin, first.row(i) + part.j_end, 0.f);
+
+  for (int64_t n = Nb == 1 ? 0 : part.nb; n < (Nb == 1 ? p.N : part.nb + 1); ++n) {
+    const Visibility visible = visibility_of(p, n);
+    for (int64_t h = Hb == 1 ? 0 : part.hb; h < (Hb == 1 ? p.H : part.hb + 1); ++h) {
+      const Strided q = head_matrix(p.q, p.q_stride, n, h), k = head_matrix(p.k, p.k_stride, n, h);
+      const Strided v = head_matrix(p.v, p.v_stride, n, h);
+      const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
+      const float* lse = p.lse + (n * p.H + h) * p.L;
+      for (int64_t i0 = part.i_begin; i0 < part.i_end; i0 += BQ) {
+        const int64_t rows = std::min(BQ, part.i_end - i0);
+        const int64_t j_end = std::min(part.j_end, visible(i0 + rows - 1));
+        if (j_end <= part.j_begin) continue;
+        TileInputs x{rows_of(q, i0, rows, p.E, w.q), rows_of(dout, i0, rows, p.M, w.dout),
+                     {}, {}, lse + i0, w.d};
+        row_deltas(p, n, h, x.dout, i0, rows, w.d);
+        for (int64_t j0 = part.j_begin; j0 < j_end; j0 += BK) {
+          const int64_t cols = std::min(BK, j_end - j0);
+          x.k = rows_of(k, j0, cols, p.E, w.k);
+          x.v = rows_of(v, j0, cols, p.M, w.v);
+          tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
+          first.add(i0, rows, j0, cols, w.ds, BK);
+        }
+      }
+    }
+  }
+}
+
+/// dbias when heads share slices: items own disjoint parts (see the header).
+void shared_bias_grad(const SoftmaxAttentionBackwardParams& p) {
+  const int64_t Lb = p.dbias_shape[2], Sb = p.dbias_shape[3];
+  const int64_t slices = p.dbias_shape[0] * p.dbias_shape[1];
+  const int64_t query_parts = Lb == 1 ? 1 : ceil_div(p.L, kBackwardBlockQ);
+  const int64_t key_parts = Sb == 1 ? 1 : ceil_div(p.S, kBackwardBlockK);
+  parallel_for_scratch(
+      slices * query_parts * key_parts, [&](Slicer& s) { return BiasScratch(p, s); },
+      [&](int64_t t, const BiasScratch& w) {
+        const int64_t slice = t / (query_parts * key_parts), qp = t / key_parts % query_parts,
+                      kp = t % key_parts;
+        BiasPart part{slice / p.dbias_shape[1], slice % p.dbias_shape[1], 0, p.L, 0, p.S};
+        if (Lb != 1)
+          part.i_begin = qp * kBackwardBlockQ, part.i_end = std::min(p.L, part.i_begin + kBackwardBlockQ);
+        if (Sb != 1)
+          part.j_begin = kp * kBackwardBlockK, part.j_end = std::min(p.S, part.j_begin + kBackwardBlockK);
+        bias_part_grad(p, part, w);
+      });
 }
 
 }  // namespace
@@ -317,32 +411,29 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   int64_t group = kForwardGroup;
   while (group > 1 && heads * ceil_div(blocks, group) < 4 * num_threads()) group /= 2;
   const int64_t span = group * kForwardBlockQ, spans = ceil_div(p.L, span);
-  Slicer sizer(nullptr);
-  [[maybe_unused]] const ForwardScratch sizing(p, sizer);
-  parallel_with_scratch(sizer.used(), [&](float* base) {
-    Slicer slicer(base);
-    const ForwardScratch w(p, slicer);
-    // Consecutive items share a head, so its keys and values stay in cache.
-    // Within a head the last spans come first: with causal masking they see
-    // the most keys, and the dynamic schedule balances best longest-first.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < spans * heads; ++t) {
-      const int64_t nh = t / spans, i0 = (spans - 1 - t % spans) * span;
-      forward_span(p, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);
-    }
-  });
+  // Consecutive items share a head, so its keys and values stay in cache.
+  // Within a head the last spans come first: with causal masking they see
+  // the most keys, and the dynamic schedule balances best longest-first.
+  parallel_for_scratch(
+      spans * heads, [&](Slicer& s) { return ForwardScratch(p, s); },
+      [&](int64_t t, const ForwardScratch& w) {
+        const int64_t nh = t / spans, i0 = (spans - 1 - t % spans) * span;
+        forward_span(p, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);
+      });
 }
 
 void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
-  if (p.N == 0 || p.H == 0) return;
-  Slicer sizer(nullptr);
-  [[maybe_unused]] const BackwardScratch sizing(p, sizer);
-  parallel_with_scratch(sizer.used(), [&](float* base) {
-    Slicer slicer(base);
-    const BackwardScratch w(p, slicer);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t nh = 0; nh < p.N * p.H; ++nh) backward_head(p, nh / p.H, nh % p.H, w);
-  });
+  if (p.N == 0 || p.H == 0) {
+    if (p.dbias) {  // an empty batch contributes nothing to a bias that is not empty
+      const int64_t* b = p.dbias_shape;
+      std::fill(p.dbias, p.dbias + b[0] * b[1] * b[2] * b[3], 0.f);
+    }
+    return;
+  }
+  parallel_for_scratch(
+      p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, s); },
+      [&](int64_t nh, const BackwardScratch& w) { backward_head(p, nh / p.H, nh % p.H, w); });
+  if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p);
 }
 
 }  // namespace attnkit::kernels

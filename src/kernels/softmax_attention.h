@@ -1,12 +1,15 @@
 // Exact softmax attention, tiled FlashAttention-2 style: forward and backward
-// (SPECS section 1) over pointers, sizes and strides. Torch-free.
+// over pointers, sizes and strides (see docs/MATH.md, Exact softmax attention).
+// Torch-free.
 //
 //   out = softmax(scale * q k^T + bias) v, row-wise over the visible keys,
 //   lse = log sum_j exp(scale * q_i . k_j + bias_ij) over the visible keys.
 //
 // Query i of batch n sees key j iff j < key_lengths[n] (when given) and, when
-// causal, j <= i + S - L (bottom-right aligned); a bias entry of -inf hides a key
-// too. A row with no visible key gets out = 0, lse = -inf and zero gradients.
+// causal, j <= i + S - L (bottom-right aligned; see docs/MATH.md, Masks and
+// visibility); a bias entry of -inf hides a key too. A row with no visible key
+// gets out = 0, lse = -inf and zero gradients. A NaN score of a visible key
+// (from q, k or the bias) makes its row's out and lse NaN, as torch's softmax.
 //
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
@@ -15,22 +18,14 @@
 
 #include <cstdint>
 
+#include "kernels/common/params.h"
+
 namespace attnkit::kernels {
 
-/// Strides are in elements, one per dimension, in the order the shape is given;
-/// any strides work (a (N, L, H, E) tensor viewed as (N, H, L, E) costs no copy).
-struct SoftmaxAttentionParams {
-  const float* q = nullptr;    // (N, H, L, E)
-  int64_t q_stride[4] = {};
-  const float* k = nullptr;    // (N, H, S, E)
-  int64_t k_stride[4] = {};
-  const float* v = nullptr;    // (N, H, S, M)
-  int64_t v_stride[4] = {};
-  float* out = nullptr;        // (N, H, L, M): written by the forward, read by the backward
-  int64_t out_stride[4] = {};
+/// q, k, v, out and the sizes come from QkvParams; out may have any strides.
+struct SoftmaxAttentionParams : QkvParams {
   float* lse = nullptr;        // (N, H, L) contiguous: written by the forward, read by the backward
 
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   float scale = 1.f;           // multiplies q k^T (usually 1 / sqrt(E))
   bool causal = false;
   const int64_t* key_lengths = nullptr;  // (N), each in [0, S]; nullptr: all keys visible
@@ -40,16 +35,16 @@ struct SoftmaxAttentionParams {
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the
-/// masks from the base struct, and writes dq, dk, dv (each fully overwritten).
-struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams {
-  const float* dout = nullptr;  // (N, H, L, M)
-  int64_t dout_stride[4] = {};
-  float* dq = nullptr;          // (N, H, L, E)
-  int64_t dq_stride[4] = {};
-  float* dk = nullptr;          // (N, H, S, E)
-  int64_t dk_stride[4] = {};
-  float* dv = nullptr;          // (N, H, S, M)
-  int64_t dv_stride[4] = {};
+/// masks from the base struct, and writes dq, dk, dv (each fully overwritten;
+/// any strides) and, when dbias is set, dbias.
+struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
+  /// The bias gradient dS_ij = P_ij (dP_ij - D_i) (the gradient of the scores
+  /// scale q_i . k_j + bias_ij), summed over every dimension d whose
+  /// dbias_shape[d] is 1 while the full size is not: the gradient of a bias of
+  /// that shape broadcast to (N, H, L, S). Contiguous, fully overwritten.
+  /// nullptr: not computed (then dbias_shape is ignored).
+  float* dbias = nullptr;
+  int64_t dbias_shape[4] = {};  // each 1 or the full size of (N, H, L, S)
 };
 
 /// Writes out and lse. Threads: num_threads() over (batch, head, query block).
@@ -57,9 +52,21 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams {
 /// is bitwise the same for any thread count.
 void softmax_attention_forward(const SoftmaxAttentionParams& p);
 
-/// Writes dq, dk, dv. Threads: num_threads() over (batch, head), so at most
-/// N * H threads work; each head is computed by one thread in a fixed order,
-/// so the result is bitwise the same for any thread count.
+/// Writes dq, dk, dv (and dbias). Threads: num_threads() over (batch, head),
+/// so at most N * H threads work; each head is computed by one thread in a
+/// fixed order, so the result is bitwise the same for any thread count.
+///
+/// dbias: when every head has its own slice of it (dbias_shape[0] == N or
+/// N == 1, and dbias_shape[1] == H or H == 1) each head's thread sums its dS
+/// tiles into its slice as it goes, at no extra cost. When heads share a slice
+/// a second pass recomputes P and dP (two of the five block products) over
+/// work items that each own a disjoint part of dbias (a slice, times query
+/// blocks unless dbias sums over L, times key blocks unless it sums over S)
+/// and add the heads of the slice in increasing (n, h) order. Either way every
+/// entry has one writer and a fixed summation order: no atomics, bitwise the
+/// same for any thread count. Memory: dbias itself (the caller's), and per
+/// thread two query x key blocks, L floats and packed blocks of strided
+/// inputs; nothing of size N H L S.
 void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p);
 
 }  // namespace attnkit::kernels

@@ -12,7 +12,7 @@
 #include <iterator>
 #include <vector>
 
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 #include "kernels/threading.h"
 #include "ops/checks.h"
 

@@ -2,6 +2,7 @@
 // backend that <op>_dispatch names: float32 through the kernels of
 // src/kernels/linear_attention (as autograd Functions, so C++ and Python
 // callers get the kernels' backward), other dtypes through the composite.
+#include "kernels/gated_linear_attention.h"
 #include "kernels/linear_attention.h"
 
 #include "ops/autograd_util.h"

@@ -1,9 +1,11 @@
-// Op boundary of exact softmax attention: validation, then the tiled kernel
-// (float32) or the composite reference (other dtypes).
+// Op boundary of exact softmax attention: validation, the dispatch between
+// the tiled kernel (float32) and the composite reference (other dtypes), and
+// the kernel's autograd.
 #include "kernels/softmax_attention.h"
 
 #include <torch/autograd.h>
 
+#include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
@@ -11,6 +13,8 @@
 namespace attnkit {
 
 namespace {
+
+constexpr const char* kOp = "softmax_attention";
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
@@ -32,20 +36,39 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
+/// torch's Python name of a dtype ("float64"), which users know.
+std::string dtype_name(torch::ScalarType type) {
+  switch (type) {
+    case torch::kFloat: return "float32";
+    case torch::kDouble: return "float64";
+    case torch::kHalf: return "float16";
+    case torch::kBFloat16: return "bfloat16";
+    default: return c10::toString(type);
+  }
+}
 
-/// What the kernel needs besides q, k and v: constants of the autograd graph.
-/// (Passed as one struct because Function::apply records the device of every
-/// tensor argument, and the bias and key lengths may be undefined.)
+void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const SoftmaxAttentionOptions& options) {
+  detail::check_qkv(kOp, q, k, v);
+  detail::check_scale(kOp, options.scale());
+  detail::check_lengths(kOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
+  check_bias(kOp, options.bias(), q, k.size(2));
+}
+
+/// What the kernel needs besides q, k, v (and the bias): constants of the
+/// autograd graph. (Passed as one struct because Function::apply records the
+/// device of every tensor argument, and key_lengths may be undefined.)
 struct Constants {
-  torch::Tensor bias;         // undefined, or expanded to (N, H, L, S) (stride 0 = broadcast)
   torch::Tensor key_lengths;  // undefined, or contiguous int64 (N)
   double scale;
   bool causal;
 };
 
-/// The kernel reads strides, so views of q, k, v, out cost no copy.
+/// The kernel reads strides, so views of q, k, v, out and a broadcast bias
+/// cost no copy.
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
-                                            const torch::Tensor& v, const Constants& c,
+                                            const torch::Tensor& v, const torch::Tensor& bias,
+                                            const torch::Tensor& key_lengths, const Constants& c,
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
   detail::bind(p.q, p.q_stride, q);
@@ -56,79 +79,105 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
-  p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;
-  if (c.bias.defined()) detail::bind(p.bias, p.bias_stride, c.bias);
+  p.key_lengths = key_lengths.defined() ? key_lengths.data_ptr<int64_t>() : nullptr;
+  if (bias.defined()) {
+    // stride 0 on broadcast dimensions: no copy of a broadcast bias
+    const auto full = bias.expand({p.N, p.H, p.L, p.S});
+    p.bias = full.data_ptr<float>();
+    detail::bind_strides(full, p.bias_stride);
+  }
   return p;
 }
 
-/// Exact attention by the tiled kernel. The bias is a constant here (the op
-/// routes a bias that needs a gradient to the composite path).
+/// Exact attention by the tiled kernel. Two forms: without and with a bias
+/// (an argument of apply, so that autograd can give it a gradient).
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const Constants& c) {
-    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
-    auto out = torch::empty({N, H, L, M}, q.options());
-    auto lse = torch::empty({N, H, L}, q.options());
-    kernels::softmax_attention_forward(make_params(q, k, v, c, out, lse));
-    ctx->save_for_backward({q, k, v, out, lse});
-    if (c.bias.defined()) ctx->saved_data["bias"] = c.bias;
-    if (c.key_lengths.defined()) ctx->saved_data["key_lengths"] = c.key_lengths;
-    ctx->saved_data["scale"] = c.scale;
-    ctx->saved_data["causal"] = c.causal;
-    return out;
+    return run(ctx, q, k, v, torch::Tensor(), c);
+  }
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& bias,
+                               const Constants& c) {
+    return run(ctx, q, k, v, bias, c);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    // Saved with version checks: an in-place change of any of them between
+    // forward and backward raises instead of changing the gradients.
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    auto tensor_or_none = [&](const char* key) {
-      return ctx->saved_data.count(key) ? ctx->saved_data[key].toTensor() : torch::Tensor();
-    };
-    const Constants c{tensor_or_none("bias"), tensor_or_none("key_lengths"),
-                      ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
+    const auto &bias = saved[5], &key_lengths = saved[6];
+    const Constants c{key_lengths, ctx->saved_data["scale"].toDouble(),
+                      ctx->saved_data["causal"].toBool()};
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
     kernels::SoftmaxAttentionBackwardParams p;
-    static_cast<kernels::SoftmaxAttentionParams&>(p) = make_params(q, k, v, c, out, lse);
-    const auto& dout = grads[0];
+    static_cast<kernels::SoftmaxAttentionParams&>(p) =
+        make_params(q, k, v, bias, key_lengths, c, out, lse);
     auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
     auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
     auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    detail::bind(p.dout, p.dout_stride, dout);
+    detail::bind(p.dout, p.dout_stride, grads[0]);
     detail::bind(p.dq, p.dq_stride, dq);
     detail::bind(p.dk, p.dk_stride, dk);
     detail::bind(p.dv, p.dv_stride, dv);
+    // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
+    // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
+    torch::Tensor dbias;
+    const bool bias_grad = has_bias && ctx->needs_input_grad(3);
+    if (bias_grad) {
+      std::vector<int64_t> shape(4 - bias.dim(), 1);
+      for (int64_t d = 0; d < bias.dim(); ++d) shape.push_back(bias.size(d));
+      dbias = torch::empty(shape, bias.options());
+      p.dbias = dbias.data_ptr<float>();
+      std::copy(shape.begin(), shape.end(), p.dbias_shape);
+    }
     kernels::softmax_attention_backward(p);
-    return {dq, dk, dv, torch::Tensor()};
+    tensor_list result = {dq, dk, dv};
+    if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());
+    result.push_back(torch::Tensor());  // the constants
+    return detail::once_differentiable(kOp, std::move(result), {q, k, v, bias, grads[0]});
+  }
+
+ private:
+  static torch::Tensor run(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                           const torch::Tensor& v, const torch::Tensor& bias, const Constants& c) {
+    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+    auto out = torch::empty({N, H, L, M}, q.options());
+    auto lse = torch::empty({N, H, L}, q.options());
+    kernels::softmax_attention_forward(make_params(q, k, v, bias, c.key_lengths, c, out, lse));
+    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths});
+    ctx->saved_data["scale"] = c.scale;
+    ctx->saved_data["causal"] = c.causal;
+    ctx->saved_data["has_bias"] = bias.defined();
+    return out;
   }
 };
 
-bool use_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                const torch::Tensor& bias) {
-  const bool f32 = q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                   v.scalar_type() == torch::kFloat;
-  const bool bias_constant = !bias.defined() || !bias.requires_grad();
-  return f32 && bias_constant;
-}
-
 }  // namespace
+
+Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const SoftmaxAttentionOptions& options) {
+  check_arguments(q, k, v, options);
+  // check_qkv and check_bias made q, k, v and the bias one floating dtype.
+  if (q.scalar_type() != torch::kFloat)
+    return Dispatch::composite("q, k and v are " + dtype_name(q.scalar_type()) +
+                               "; the kernel is float32 only (convert them, and the bias, to "
+                               "float32 to take it)");
+  return Dispatch::kernel();
+}
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionOptions& options) {
-  constexpr const char* op = "softmax_attention";
-  detail::check_qkv(op, q, k, v);
-  detail::check_scale(op, options.scale());
-  detail::check_lengths(op, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
-  check_bias(op, options.bias(), q, k.size(2));
-  if (!use_kernel(q, k, v, options.bias())) return reference::softmax_attention(q, k, v, options);
-
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  auto bias = options.bias();
-  if (bias.defined()) bias = bias.expand({N, H, L, S});  // stride 0 on broadcast dimensions
+  if (!softmax_attention_dispatch(q, k, v, options).uses_kernel())
+    return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
-  return SoftmaxAttentionFunction::apply(
-      q, k, v, Constants{bias, key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
-                         options.causal()});
+  const Constants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
+                    options.causal()};
+  if (options.bias().defined()) return SoftmaxAttentionFunction::apply(q, k, v, options.bias(), c);
+  return SoftmaxAttentionFunction::apply(q, k, v, c);
 }
 
 }  // namespace attnkit

@@ -1,6 +1,8 @@
 // Reference exact softmax attention (docs/MATH.md, "Exact softmax attention").
 #include "reference/reference.h"
 
+#include <limits>
+
 namespace attnkit::reference {
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
@@ -10,7 +12,12 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;
   if (o.bias().defined()) scores = scores + o.bias();
-  auto a = detail::masked_softmax(scores, detail::visibility(N, L, S, o.causal(), o.key_lengths()));
+  const auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
+  auto a = detail::masked_softmax(scores, visible);
+  // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a
+  // visible key makes its row NaN, as torch's softmax (and the kernel) do.
+  const auto nan_row = (torch::isnan(scores) & visible).any(-1, /*keepdim=*/true);
+  a = a.masked_fill(nan_row, std::numeric_limits<double>::quiet_NaN());
   if (weights) *weights = a;
   return torch::matmul(a, v);
 }

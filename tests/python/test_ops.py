@@ -30,6 +30,22 @@ class OpsTest(unittest.TestCase):
         self.assertTrue(torch.equal(out[0], torch.zeros_like(out[0])))
         torch.testing.assert_close(out[1:], composite(q[1:], k[1:], v[1:]))
 
+    def test_float32_bias_gradient_matches_float64(self):
+        # The float32 kernel's bias gradient, summed over the broadcast heads,
+        # against the float64 composite's; bound 1e-5 relative to the largest entry.
+        q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
+        bias = torch.randn(1, 3, 1, 7)
+        grads = []
+        for dtype in (torch.float, torch.double):
+            b = bias.to(dtype).clone().requires_grad_()
+            out = torch.ops.attnkit.softmax_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                      causal=True, bias=b)
+            out.sum().backward()
+            grads.append(b.grad)
+        self.assertEqual(grads[0].dtype, torch.float)
+        err = (grads[0].double() - grads[1]).abs().max() / grads[1].abs().max()
+        self.assertLess(err.item(), 1e-5)
+
     def test_gradients_by_finite_differences(self):
         d = dict(dtype=torch.double, requires_grad=True)
         q, k, v = torch.randn(1, 2, 4, 3, **d), torch.randn(1, 2, 5, 3, **d), torch.randn(1, 2, 5, 2, **d)

@@ -1,4 +1,4 @@
-#include "kernels/gemm.h"
+#include "kernels/common/gemm.h"
 
 #include <dnnl.h>
 

@@ -1,4 +1,4 @@
-#include "kernels/vec.h"
+#include "kernels/common/vec.h"
 
 namespace attnkit::kernels::vec {
 

@@ -1,5 +1,5 @@
-// Vectorised helpers shared by the kernels: exp, max, sum, dot, scale over float
-// arrays. AVX-512 when the translation unit is compiled for it (the kernels build
+// Vectorised helpers shared by the kernels: exp, max, sum, dot, scale, add,
+// axpy over contiguous float arrays. AVX-512 when the translation unit is compiled for it (the kernels build
 // with -march=native), a portable scalar loop otherwise. Every function handles
 // any length (masked tails), and none needs aligned pointers.
 #pragma once
@@ -8,14 +8,7 @@
 #include <cstdint>
 #include <limits>
 
-#ifdef __AVX512F__
-// GCC 12's intrinsics headers trip -Wmaybe-uninitialized on their own
-// _mm512_undefined_* (GCC bug 105593); the warning points into the header.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/common/simd.h"
 
 namespace attnkit::kernels::vec {
 
@@ -69,17 +62,30 @@ inline float exp(float x) {
 #endif
 }
 
-/// max_i x[i]; -inf for n == 0.
+/// max_i x[i]; -inf for n == 0, NaN when any x[i] is NaN (as torch's max).
 inline float max(const float* x, int64_t n) {
 #ifdef __AVX512F__
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
-  if (i < n) m = _mm512_mask_max_ps(m, tail_mask(n - i), m, _mm512_maskz_loadu_ps(tail_mask(n - i), x + i));
-  return _mm512_reduce_max_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xi = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(xi, xi, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, xi);
+  }
+  if (i < n) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 xi = _mm512_maskz_loadu_ps(k, x + i);
+    nan |= _mm512_mask_cmp_ps_mask(k, xi, xi, _CMP_UNORD_Q);
+    m = _mm512_mask_max_ps(m, k, m, xi);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
 #else
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != x[i]) return x[i];
+    m = x[i] > m ? x[i] : m;
+  }
   return m;
 #endif
 }
@@ -110,20 +116,7 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
 }
 
 /// x[i] = exp(x[i] - shift) in place.
-inline void exp_shift(float* x, int64_t n, float shift) {
-#ifdef __AVX512F__
-  const __m512 s = _mm512_set1_ps(shift);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(x + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
-  if (i < n) {
-    const __mmask16 k = tail_mask(n - i);
-    _mm512_mask_storeu_ps(x + i, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), s)));
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) x[i] = exp(x[i] - shift);
-#endif
-}
+inline void exp_shift(float* x, int64_t n, float shift) { exp_shift_sum(x, n, shift); }
 
 /// sum_i a[i] * b[i].
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -172,6 +165,23 @@ inline void add(float* x, const float* y, int64_t n) {
   }
 #else
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+#endif
+}
+
+/// y[i] += a * x[i].
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(f, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(f, _mm512_maskz_loadu_ps(k, x + i),
+                                                    _mm512_maskz_loadu_ps(k, y + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 #endif
 }
 

@@ -1,0 +1,46 @@
+// The visibility rule every attention kernel shares (see docs/MATH.md, Masks
+// and visibility): query i of batch n sees key j iff
+//   j < key_lengths[n]            (padding; no key_lengths: every key), and
+//   j <= i + S - L                (when causal: bottom-right aligned).
+// Both cut a prefix of the keys, so a query sees exactly [0, visible(i)).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace attnkit::kernels {
+
+/// The causal offset S - L: when causal, query i sees the keys j <= i + offset
+/// (for kernels that walk keys and queries together, as a scan does).
+inline int64_t causal_offset(int64_t L, int64_t S) { return S - L; }
+
+/// The keys [0, key_limit) of batch n that padding leaves visible: key_lengths[n]
+/// clamped to [0, S], or S without key_lengths.
+inline int64_t key_limit(const int64_t* key_lengths, int64_t n, int64_t S) {
+  return key_lengths ? std::clamp<int64_t>(key_lengths[n], 0, S) : S;
+}
+
+/// Query i sees exactly the keys [0, visible(i)). Nondecreasing in i, and by
+/// at most 1 per query when causal.
+class Visibility {
+ public:
+  /// L queries against S keys, of which [0, limit) survive padding.
+  Visibility(int64_t L, int64_t S, bool causal, int64_t limit)
+      : limit_(limit), offset_(causal_offset(L, S)), causal_(causal) {}
+  Visibility(int64_t L, int64_t S, bool causal) : Visibility(L, S, causal, S) {}
+
+  int64_t operator()(int64_t i) const {
+    return causal_ ? std::clamp<int64_t>(i + 1 + offset_, 0, limit_) : limit_;
+  }
+  /// The first query that sees key j (L when none does).
+  int64_t first_query(int64_t j, int64_t L) const {
+    if (j >= limit_) return L;
+    return causal_ ? std::clamp<int64_t>(j - offset_, 0, L) : 0;
+  }
+
+ private:
+  int64_t limit_, offset_;
+  bool causal_;
+};
+
+}  // namespace attnkit::kernels
