@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/masking.h"
+#include "reference/masking.h"
 #include "reference/reference.h"
 #include "test_util.h"
 

@@ -155,14 +155,21 @@ inline void expect_composite(const Dispatch& d, const std::string& reason) {
   EXPECT_EQ(d.reason, reason);
 }
 
-/// Expects `body` to throw a c10::Error whose message contains every fragment.
+/// Expects `body` to throw an error whose message contains every fragment:
+/// a c10::Error (our checks), or the std::runtime_error that an autograd
+/// Error node throws when a once-differentiable gradient is differentiated.
 inline void expect_error(const std::function<void()>& body, const std::vector<std::string>& fragments) {
+  auto check = [&](const std::string& msg) {
+    for (const auto& frag : fragments)
+      EXPECT_NE(msg.find(frag), std::string::npos) << "message lacks '" << frag << "': " << msg;
+  };
   try {
     body();
   } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const auto& frag : fragments)
-      EXPECT_NE(msg.find(frag), std::string::npos) << "message lacks '" << frag << "': " << msg;
+    check(e.what_without_backtrace());
+    return;
+  } catch (const std::runtime_error& e) {
+    check(e.what());
     return;
   }
   ADD_FAILURE() << "expected an error mentioning '" << (fragments.empty() ? "" : fragments[0]) << "'";

@@ -196,6 +196,9 @@ MechanismInfo full_entry() {
   m.reference = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
     return reference::softmax_attention(x[0], x[1], x[2], softmax_options(a));
   };
+  m.dispatch = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
+    return softmax_attention_dispatch(x[0], x[1], x[2], softmax_options(a));
+  };
   m.flops = [](const AttentionShape& s, bool causal, const MechanismSpec&) -> c10::optional<double> {
     // q k^T and P v: 2 L S (E + M) per head, about half of it when causal and L = S.
     return 2.0 * s.N * s.H * s.L * s.S * (s.E + s.M) * (causal ? 0.5 : 1.0);

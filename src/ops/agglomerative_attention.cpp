@@ -86,7 +86,6 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    detail::check_no_double_backward("agglomerative_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &cq = saved[0], &cr = saved[1], &v = saved[2], &avg = saved[3], &den = saved[4];
     const torch::Tensor& dout = grads[0];
@@ -100,7 +99,9 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
     detail::bind(p.dcr, p.dcr_stride, dcr);
     detail::bind(p.dv, p.dv_stride, dv);
     kernels::agglomerative_backward(p);
-    return {dcq, dcr, dv, torch::Tensor(), torch::Tensor()};
+    return detail::once_differentiable("agglomerative_attention",
+                                       {dcq, dcr, dv, torch::Tensor(), torch::Tensor()},
+                                       {cq, cr, v, dout});
   }
 };
 

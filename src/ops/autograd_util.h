@@ -13,20 +13,6 @@
 
 namespace attnkit::detail {
 
-/// Call first in a kernel-backed Function's backward. Our kernels compute
-/// first-order gradients only; with create_graph=True (grad mode on during
-/// backward) the returned gradients would silently lack their own graph, so
-/// second-order terms would be dropped. Raise instead, naming the way out.
-/// (Eager: it also refuses create_graph=True when only first-order gradients
-/// are wanted; once_differentiable below raises only on an actual second
-/// differentiation.)
-inline void check_no_double_backward(const char* op) {
-  TORCH_CHECK(!at::GradMode::is_enabled(), op,
-              ": the float32 kernel computes first-order gradients only, so backward with "
-              "create_graph=True (double backward) is not supported; run the op in float64 (the "
-              "composite backend, which supports higher-order gradients) if you need them");
-}
-
 /// The C++ counterpart of torch.autograd.function.once_differentiable, for a
 /// custom Function whose backward computes first-order gradients only (a
 /// torch-free kernel records no graph). Call it on the list backward returns,

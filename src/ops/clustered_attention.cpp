@@ -75,7 +75,6 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    detail::check_no_double_backward("clustered_attention");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
     auto dout = grads[0];
@@ -99,8 +98,10 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
       detail::bind(p.dv, p.dv_stride, dv);
       kernels::clustered_attention_backward(p);
     }
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    const torch::Tensor none;
+    return detail::once_differentiable("clustered_attention",
+                                       {dq, dk, dv, none, none, none, none, none},
+                                       {q, k, v, grads[0]});
   }
 
  private:

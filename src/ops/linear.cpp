@@ -84,7 +84,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    detail::check_no_double_backward(kOp);
     const auto saved = ctx->get_saved_variables();
     const auto &x2 = saved[0], &w2 = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
@@ -93,8 +92,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const auto dy = as_rows(grads[0], out);
     torch::Tensor dx, dw, db;
     kernels::LinearGradients g;
-    if (ctx->needs_input_grad(0)) {
-      dx = torch::empty({rows, in}, x2.options());
+    if (ctx->needs_input_grad(0)) {  // in x's shape; the kernel sees (rows, in) rows
+      dx = torch::empty(ctx->saved_data["x_sizes"].toIntVector(), x2.options());
       g.dx = dx.data_ptr<float>();
     }
     if (ctx->needs_input_grad(1)) {
@@ -107,8 +106,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     }
     const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
     kernels::linear_backward(make_params(x2, w2, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
-    if (dx.defined()) dx = dx.view(ctx->saved_data["x_sizes"].toIntVector());
-    return {dx, dw, db};
+    return detail::once_differentiable(kOp, {dx, dw, db}, {x2, w2, grads[0]});
   }
 };
 

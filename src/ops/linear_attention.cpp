@@ -73,7 +73,6 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::check_no_double_backward("linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
     auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
@@ -86,7 +85,8 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
     detail::bind(p.dk, p.dk_stride, dk);
     detail::bind(p.dv, p.dv_stride, dv);
     kernels::linear_attention_backward(p);
-    return {dq, dk, dv, torch::Tensor()};
+    return detail::once_differentiable("linear_attention", {dq, dk, dv, torch::Tensor()},
+                                       {q, k, v, dout});
   }
 };
 
@@ -122,7 +122,6 @@ class GatedLinearAttentionFunction
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::check_no_double_backward("gated_linear_attention");
     auto saved = ctx->get_saved_variables();
     auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
     auto p = gated_params(f, q, alpha, beta, ctx->saved_data["causal"].toBool());
@@ -140,7 +139,9 @@ class GatedLinearAttentionFunction
     p.dalpha = dalpha.defined() ? dalpha.data_ptr<float>() : nullptr;
     p.dbeta = dbeta.defined() ? dbeta.data_ptr<float>() : nullptr;
     kernels::gated_linear_attention_backward(p);
-    return {df, dq, dalpha, dbeta, torch::Tensor()};
+    return detail::once_differentiable("gated_linear_attention",
+                                       {df, dq, dalpha, dbeta, torch::Tensor()},
+                                       {f, q, alpha, beta, dout});
   }
 };
 
