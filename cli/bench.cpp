@@ -272,29 +272,6 @@ void run_bench(const BenchConfig& c) {
   if (!c.json.empty()) std::cout << "wrote " << c.json << "\n";
 }
 
-/// Splits a comma list of specs, keeping "name:k=v,k2=v2" together: a piece
-/// with '=' but no ':' continues the previous spec.
-std::vector<std::string> split_specs(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (item.empty()) continue;
-    if (!out.empty() && item.find('=') != std::string::npos && item.find(':') == std::string::npos)
-      out.back() += "," + item;
-    else
-      out.push_back(item);
-  }
-  return out;
-}
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 void check_choices(const char* option, const std::vector<std::string>& got,
                    const std::vector<std::string>& allowed) {
   for (const auto& g : got) {
@@ -370,12 +347,6 @@ void add_bench_command(CLI::App& app) {
     check_choices("--pass", c.pass, {"forward", "forward_backward"});
     run_bench(c);
   });
-}
-
-void add_mechanisms_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "mechanisms", "List the attention mechanisms: names, options with defaults, what each supports");
-  cmd->callback([] { std::cout << nn::describe_mechanisms(); });
 }
 
 }  // namespace attnkit::cli
