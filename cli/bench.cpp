@@ -272,29 +272,6 @@ void run_bench(const BenchConfig& c) {
   if (!c.json.empty()) std::cout << "wrote " << c.json << "\n";
 }
 
-/// Splits a comma list of specs, keeping "name:k=v,k2=v2" together: a piece
-/// with '=' but no ':' continues the previous spec.
-std::vector<std::string> split_specs(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (item.empty()) continue;
-    if (!out.empty() && item.find('=') != std::string::npos && item.find(':') == std::string::npos)
-      out.back() += "," + item;
-    else
-      out.push_back(item);
-  }
-  return out;
-}
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 void check_choices(const char* option, const std::vector<std::string>& got,
                    const std::vector<std::string>& allowed) {
   for (const auto& g : got) {
@@ -345,37 +322,12 @@ void add_bench_command(CLI::App& app) {
     if (!attention->empty()) c.attention = split_specs(*attention);
     if (!impl->empty()) c.impl = split_list(*impl);
     if (!pass->empty()) c.pass = split_list(*pass);
-    if (!lengths->empty()) {
-      c.lengths.clear();
-      for (const auto& s : split_list(*lengths)) {
-        int64_t L = 0;
-        try {
-          size_t used = 0;
-          L = std::stoll(s, &used);
-          if (used != s.size()) L = 0;
-        } catch (const std::exception&) {
-        }
-        if (L <= 0) throw CLI::ValidationError("--lengths", "'" + s + "' is not a positive integer");
-        c.lengths.push_back(L);
-      }
-    }
-    for (const auto& spec : c.attention) {
-      try {
-        nn::resolve_mechanism(spec);
-      } catch (const c10::Error& e) {
-        throw CLI::ValidationError("--attention", e.what_without_backtrace());
-      }
-    }
+    if (!lengths->empty()) c.lengths = parse_positive_list("--lengths", *lengths);
+    resolve_specs("--attention", c.attention);  // refuses bad specs before any work
     check_choices("--impl", c.impl, {"fast", "reference", "torch"});
     check_choices("--pass", c.pass, {"forward", "forward_backward"});
     run_bench(c);
   });
-}
-
-void add_mechanisms_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "mechanisms", "List the attention mechanisms: names, options with defaults, what each supports");
-  cmd->callback([] { std::cout << nn::describe_mechanisms(); });
 }
 
 }  // namespace attnkit::cli

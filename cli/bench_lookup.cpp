@@ -13,19 +13,13 @@
 #include <attnkit/runtime.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <ctime>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "bench_util.h"
 #include "commands.h"
-#include "kernels/common/gemm.h"
-#include "kernels/threading.h"
 
 namespace attnkit::cli {
 
@@ -47,23 +41,14 @@ struct Timing {
 /// Milliseconds on the chosen clock: wall time, or the calling thread's CPU
 /// time, which a shared machine's other processes cannot inflate (valid when
 /// all the work runs on the calling thread, i.e. one thread).
-double now_ms(bool cpu_clock) {
-  if (cpu_clock) {
-    timespec t;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
-  }
-  return std::chrono::duration<double, std::milli>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+double now_ms(bool cpu_clock) { return cpu_clock ? thread_cpu_now_ms() : wall_now_ms(); }
 
 /// Median and best milliseconds of `repeats` samples after a warm-up; each
 /// sample runs `f` often enough to last about a millisecond (tiny batches take
 /// microseconds). On a loaded machine long calls are preempted more often than
 /// short ones, which biases wall-clock ratios: use the CPU clock there.
 template <typename F>
-Timing time_ms(F f, int repeats, bool cpu_clock) {
+Timing sample_ms(F f, int repeats, bool cpu_clock) {
   f();
   double t0 = now_ms(cpu_clock);
   f();
@@ -78,56 +63,17 @@ Timing time_ms(F f, int repeats, bool cpu_clock) {
   return {samples[repeats / 2], samples.front()};
 }
 
-/// The sgemm peak on the chosen clock: the library's measurement (wall clock),
-/// or the same 1024^3 product timed on the CPU clock.
-double sgemm_peak(bool cpu_clock) {
-  if (!cpu_clock) return kernels::measure_sgemm_gflops();
-  constexpr int64_t size = 1024;
-  const auto a = torch::randn({size, size}), b = torch::randn({size, size});
-  auto c = torch::empty({size, size});
-  kernels::ThreadScope threads;
-  const Timing t = time_ms(
-      [&] {
-        kernels::sgemm(false, false, size, size, size, 1.f, a.data_ptr<float>(), size,
-                       b.data_ptr<float>(), size, 0.f, c.data_ptr<float>(), size);
-      },
-      7, /*cpu_clock=*/true);
-  return 2.0 * size * size * size / t.median_ms / 1e6;
-}
-
-std::string load_average() {
-  std::ifstream in("/proc/loadavg");
-  std::string one;
-  in >> one;
-  return in ? one : "unknown";
-}
-
-std::string fmt(double x, int precision) {
-  std::ostringstream o;
-  o << std::fixed << std::setprecision(precision) << x;
-  return o.str();
-}
-
-void write_json_atomically(const std::string& path, const nlohmann::json& doc) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << doc.dump(2) << "\n";
-    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot rename " + tmp + " to " + path);
-}
-
 void run_lookup_bench(const LookupConfig& c) {
   set_num_threads(c.threads);
-  const std::string load_before = load_average();
-  const double peak = sgemm_peak(c.cpu_clock);
+  const double load_before = load_average();
+  // The peak on the same clock as the lookups (sgemm_peak_gflops: best of
+  // repeated 1024^3 products).
+  const double peak = sgemm_peak_gflops(c.cpu_clock ? Clock::thread_cpu : Clock::wall);
   torch::manual_seed(0);
   // Unit-norm states and queries: softmax weights neither uniform nor one-hot.
   const auto H = torch::nn::functional::normalize(
       torch::randn({c.n, c.k}), torch::nn::functional::NormalizeFuncOptions().dim(1));
-  const Timing encode = time_ms(
+  const Timing encode = sample_ms(
       [&] {
         DocumentMemory fresh(c.k);
         fresh.append(H);
@@ -145,7 +91,7 @@ void run_lookup_bench(const LookupConfig& c) {
   const double predicted = double(c.n) / double(c.k), flop_ratio = 2.0 * c.n / c.k;
   const double encode_flops = 2.0 * c.n * c.k * c.k;
   std::cout << "sgemm peak (this process, " << num_threads() << " thread(s)): " << fmt(peak, 1)
-            << " GFLOP/s; load average " << load_before << "\n"
+            << " GFLOP/s; load average " << fmt(load_before, 2) << "\n"
             << "document: n = " << c.n << " states of size k = " << c.k
             << "; encoding C = H^T H: " << fmt(encode.median_ms, 3) << " ms ("
             << fmt(encode_flops / encode.median_ms / 1e6, 1) << " GFLOP/s)\n"
@@ -169,8 +115,8 @@ void run_lookup_bench(const LookupConfig& c) {
   doc["results"] = nlohmann::json::array();
   for (int64_t m : c.queries) {
     const auto Q = torch::randn({m, c.k});
-    const Timing soft = time_ms([&] { softmax_lookup(Q); }, c.repeats, c.cpu_clock);
-    const Timing mem = time_ms([&] { memory.lookup(Q); }, c.repeats, c.cpu_clock);
+    const Timing soft = sample_ms([&] { softmax_lookup(Q); }, c.repeats, c.cpu_clock);
+    const Timing mem = sample_ms([&] { memory.lookup(Q); }, c.repeats, c.cpu_clock);
     const double soft_gflops = 4.0 * m * c.n * c.k / soft.median_ms / 1e6;
     const double mem_gflops = 2.0 * m * c.k * c.k / mem.median_ms / 1e6;
     std::cout << std::setw(7) << m << std::setw(20)
@@ -192,13 +138,10 @@ void run_lookup_bench(const LookupConfig& c) {
                               {"speedup", soft.median_ms / mem.median_ms},
                               {"speedup_best", soft.best_ms / mem.best_ms}});
   }
-  const std::string load_after = load_average();
+  const double load_after = load_average();
   doc["load_average"] = {{"before", load_before}, {"after", load_after}};
-  std::cout << "load average after: " << load_after << "\n";
-  if (!c.json.empty()) {
-    write_json_atomically(c.json, doc);
-    std::cout << "wrote " << c.json << "\n";
-  }
+  std::cout << "load average after: " << fmt(load_after, 2) << "\n";
+  write_json_report(c.json, doc);
 }
 
 }  // namespace
@@ -235,21 +178,7 @@ void add_bench_lookup_command(CLI::App& app) {
     if (c.cpu_clock && c.threads != 1)
       throw CLI::ValidationError("--clock",
                                  "cpu measures the calling thread only; add --threads 1");
-    if (!queries->empty()) {
-      c.queries.clear();
-      std::stringstream ss(*queries);
-      for (std::string item; std::getline(ss, item, ',');) {
-        size_t used = 0;
-        int64_t m = 0;
-        try {
-          m = std::stoll(item, &used);
-        } catch (const std::exception&) {
-        }
-        if (m <= 0 || used != item.size())
-          throw CLI::ValidationError("--queries", "'" + item + "' is not a positive integer");
-        c.queries.push_back(m);
-      }
-    }
+    if (!queries->empty()) c.queries = parse_positive_list("--queries", *queries);
     run_lookup_bench(c);
   });
 }

@@ -3,12 +3,15 @@
 #include <attnkit/runtime.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iomanip>
+#include <iostream>
 #include <sstream>
 
 namespace attnkit::cli {
@@ -20,11 +23,33 @@ std::string cpu_name() {
   return "unknown";
 }
 
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return in ? load : -1;
+}
+
+double wall_now_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 namespace {
 
-double elapsed_ms(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+double clock_ms(clockid_t id) {
+  timespec t{};
+  clock_gettime(id, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
 }
+
+}  // namespace
+
+double process_cpu_now_ms() { return clock_ms(CLOCK_PROCESS_CPUTIME_ID); }
+double thread_cpu_now_ms() { return clock_ms(CLOCK_THREAD_CPUTIME_ID); }
+
+namespace {
 
 double measure_torch_mm_gflops() {
   const int64_t n = 1024;
@@ -71,9 +96,9 @@ std::vector<double> time_ms(const std::function<void()>& body, int repeats,
   // first use; both would otherwise land in the first timed calls.
   double previous = -1, spent = 0;
   for (int call = 0; call < 5; ++call) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = wall_now_ms();
     body();
-    const double ms = elapsed_ms(t0);
+    const double ms = wall_now_ms() - t0;
     between();
     spent += ms;
     if (previous > 0 && std::abs(ms - previous) <= 0.1 * std::max(ms, previous)) break;
@@ -82,9 +107,9 @@ std::vector<double> time_ms(const std::function<void()>& body, int repeats,
   }
   std::vector<double> times;
   for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = wall_now_ms();
     body();
-    times.push_back(elapsed_ms(t0));
+    times.push_back(wall_now_ms() - t0);
     between();
   }
   return times;
@@ -101,16 +126,89 @@ std::string fmt(double x, int precision) {
   return o.str();
 }
 
-void write_json_atomically(const std::string& path, const nlohmann::json& doc) {
+void write_text_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);
     if (!out) throw std::runtime_error("cannot write " + tmp);
-    out << doc.dump(2) << "\n";
+    out << text;
     if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
     throw std::runtime_error("cannot rename " + tmp + " to " + path);
+}
+
+void write_json_atomically(const std::string& path, const nlohmann::json& doc) {
+  write_text_atomically(path, doc.dump(2) + "\n");
+}
+
+void write_json_report(const std::string& path, const nlohmann::json& doc) {
+  if (path.empty()) return;
+  write_json_atomically(path, doc);
+  std::cout << "wrote " << path << "\n";
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::vector<std::string> split_specs(const std::string& s) {
+  std::vector<std::string> out;
+  for (const auto& item : split_list(s)) {
+    if (!out.empty() && item.find('=') != std::string::npos && item.find(':') == std::string::npos)
+      out.back() += "," + item;
+    else
+      out.push_back(item);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list) {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(list)) {
+    int64_t x = 0;
+    try {
+      size_t used = 0;
+      x = std::stoll(item, &used);
+      if (used != item.size()) x = 0;
+    } catch (const std::exception&) {
+    }
+    if (x <= 0) throw CLI::ValidationError(option, "'" + item + "' is not a positive integer");
+    out.push_back(x);
+  }
+  if (out.empty()) throw CLI::ValidationError(option, "'" + list + "' names no value");
+  return out;
+}
+
+std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> resolve_specs(
+    const std::string& option, const std::vector<std::string>& specs) {
+  std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> out;
+  for (const auto& text : specs) {
+    try {
+      out.push_back(nn::resolve_mechanism(text));
+    } catch (const c10::Error& e) {
+      throw CLI::ValidationError(option, e.what_without_backtrace());
+    }
+  }
+  if (out.empty()) throw CLI::ValidationError(option, "names no mechanism");
+  return out;
+}
+
+std::string option_value(const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
+                         const std::string& key) {
+  for (const auto& o : info.options)
+    if (o.key == key) return spec.get(key, o.default_value);
+  return "";
+}
+
+std::string spec_with_defaults(const nn::MechanismInfo& info, const nn::MechanismSpec& spec) {
+  nn::MechanismSpec full{info.name, {}};
+  for (const auto& o : info.options) full.options.emplace_back(o.key, spec.get(o.key, o.default_value));
+  return full.str();
 }
 
 }  // namespace attnkit::cli

@@ -1,8 +1,12 @@
 // What the benchmark subcommands share: the machine header (CPU, threads,
-// GEMM peak, libtorch's BLAS), timing with warm-up, medians, number
-// formatting, and atomic JSON writes.
+// GEMM peak, libtorch's BLAS, load), clocks, timing with warm-up, medians,
+// number formatting, comma lists, mechanism specs written out, and atomic
+// file writes.
 #pragma once
 
+#include <attnkit/nn/registry.h>
+
+#include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -11,6 +15,18 @@
 namespace attnkit::cli {
 
 std::string cpu_name();
+
+/// The 1-minute load average of /proc/loadavg (-1 if unknown), to record how
+/// busy a shared machine was (2 cores: load 2 = both busy).
+double load_average();
+
+/// Milliseconds since an arbitrary origin on three clocks: steady wall time;
+/// the CPU time of all the process's threads (waiting for a core that other
+/// jobs hold does not count); the calling thread's CPU time (valid for work
+/// that runs on the calling thread alone, i.e. one thread).
+double wall_now_ms();
+double process_cpu_now_ms();
+double thread_cpu_now_ms();
 
 /// The machine a benchmark ran on, measured in this process at the current
 /// thread count: the best sgemm peak seen so far and libtorch's torch.mm.
@@ -38,8 +54,37 @@ struct MachineRecord {
 std::vector<double> time_ms(const std::function<void()>& body, int repeats,
                             const std::function<void()>& between = [] {});
 
+/// The upper median (x[n / 2] of the sorted values); x must not be empty.
 double median(std::vector<double> x);
 std::string fmt(double x, int precision);
+
+/// Writes `text` to path + ".tmp", then renames it over `path`: a reader (or
+/// an interrupted run) sees the old file or the new one, never half of one.
+void write_text_atomically(const std::string& path, const std::string& text);
 void write_json_atomically(const std::string& path, const nlohmann::json& doc);
+/// The end of a run: when `path` is not empty (a --json option was given),
+/// writes `doc` there atomically and says so on stdout.
+void write_json_report(const std::string& path, const nlohmann::json& doc);
+
+/// The non-empty items of a comma list.
+std::vector<std::string> split_list(const std::string& s);
+/// A comma list of mechanism specs, keeping "name:k=v,k2=v2" together: a
+/// piece with '=' but no ':' continues the previous spec.
+std::vector<std::string> split_specs(const std::string& s);
+/// A comma list of positive integers; anything else is refused with a
+/// CLI::ValidationError naming `option` and the item.
+std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list);
+
+/// Resolves every spec of a --attention list; a bad one is refused with a
+/// CLI::ValidationError naming `option` and the registry's message.
+std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> resolve_specs(
+    const std::string& option, const std::vector<std::string>& specs);
+/// The value `key` has in a call of `spec`: the spec's, else the registry's
+/// default; empty when the mechanism has no such option.
+std::string option_value(const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
+                         const std::string& key);
+/// The spec with every option of the mechanism written out (given or
+/// default), e.g. "clustered:clusters=100,bits=63,...", for reports.
+std::string spec_with_defaults(const nn::MechanismInfo& info, const nn::MechanismSpec& spec);
 
 }  // namespace attnkit::cli

@@ -1,5 +1,7 @@
-// Subcommands of the `attnkit` command-line tool. Each registers its options on
-// the app and runs when selected.
+// Subcommands of the `attnkit` command-line tool, one file each, named after
+// the subcommand (`bench-lookup` in bench_lookup.cpp). Each registers its
+// options on the app and runs when selected; what several share is in
+// bench_util.h.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -17,13 +19,14 @@ void add_bench_dense_command(CLI::App& app);
 
 /// `attnkit figure-agglomerative`: the agglomerative-attention paper, Figure 1
 /// (layer time vs length).
-void add_agglomerative_figure_command(CLI::App& app);
+void add_figure_agglomerative_command(CLI::App& app);
 
 /// `attnkit figure-clustered`: the clustered-attention paper, Figure 4 (time,
-/// memory per element vs L).
+/// memory per element vs L) for any mechanisms of the registry.
 void add_figure_clustered_command(CLI::App& app);
 
-/// `attnkit approx`: clustered and improved-clustered attention vs exact.
+/// `attnkit approx`: how far mechanisms of the registry (clustered and
+/// improved-clustered by default) are from full attention.
 void add_approx_command(CLI::App& app);
 
 /// `attnkit bench-lookup`: softmax lookups over stored states vs DocumentMemory lookups.

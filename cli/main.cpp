@@ -9,14 +9,14 @@
 #include "commands.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"attnkit: fast CPU attention mechanisms (exact, clustered, agglomerative, "
+  CLI::App app{"attnkit: fast CPU attention mechanisms (full softmax, clustered, agglomerative, "
                "linear, sparse) with forward and backward passes"};
   app.set_version_flag("--version", "attnkit " + attnkit::version());
   app.require_subcommand(1);
   attnkit::cli::add_bench_command(app);
   attnkit::cli::add_bench_dense_command(app);
   attnkit::cli::add_mechanisms_command(app);
-  attnkit::cli::add_agglomerative_figure_command(app);
+  attnkit::cli::add_figure_agglomerative_command(app);
   attnkit::cli::add_figure_clustered_command(app);
   attnkit::cli::add_approx_command(app);
   attnkit::cli::add_bench_lookup_command(app);

@@ -21,6 +21,22 @@ void set_num_threads(int threads);
 /// 2 * repeats products; benchmarks call it several times and keep the best.
 double sgemm_peak_gflops(int64_t size = 1024, int repeats = 5);
 
+/// The clock a measurement is timed on.
+enum class Clock {
+  /// Steady wall time.
+  wall,
+  /// The calling thread's CPU time: other processes on a shared machine cannot
+  /// inflate it, but it counts only work done on the calling thread, so it
+  /// needs num_threads() == 1.
+  thread_cpu,
+};
+
+/// The sgemm peak on `clock`. Clock::wall is sgemm_peak_gflops(size, repeats).
+/// Clock::thread_cpu times one size^3 sgemm on the calling thread: the best of
+/// `repeats` products after a warm-up. It requires num_threads() == 1 and says
+/// so otherwise (other threads' work would be invisible to the clock).
+double sgemm_peak_gflops(Clock clock, int64_t size = 1024, int repeats = 5);
+
 /// The BLAS library that libtorch's own matmul uses in this process (the
 /// shared object mapped as libblas.so.3, e.g. ".../openblas-openmp/libblas.so.3"),
 /// or "unknown".

@@ -1,12 +1,16 @@
 // Runtime settings and the counting CPU allocator (include/attnkit/runtime.h).
 #include <attnkit/runtime.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
-#include <mutex>
-
+#include <ctime>
 #include <fstream>
+#include <mutex>
+#include <vector>
 
+#include "kernels/common/gemm.h"
 #include "kernels/memory.h"
 #include "kernels/peak.h"
 #include "kernels/threading.h"
@@ -17,6 +21,46 @@ std::string version() { return ATTNKIT_VERSION; }
 int num_threads() { return kernels::num_threads(); }
 void set_num_threads(int threads) { kernels::set_num_threads(threads); }
 double sgemm_peak_gflops(int64_t size, int repeats) { return kernels::sgemm_peak_gflops(size, repeats); }
+
+namespace {
+
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+}  // namespace
+
+double sgemm_peak_gflops(Clock clock, int64_t size, int repeats) {
+  TORCH_CHECK(size >= 1 && repeats >= 1, "sgemm_peak_gflops: size and repeats must be >= 1, got ",
+              size, " and ", repeats);
+  if (clock == Clock::wall) return sgemm_peak_gflops(size, repeats);
+  TORCH_CHECK(num_threads() == 1,
+              "sgemm_peak_gflops: Clock::thread_cpu counts the calling thread only and needs "
+              "num_threads() == 1, got ",
+              num_threads(), " (call set_num_threads(1) first)");
+  const auto n2 = static_cast<std::size_t>(size * size);
+  std::vector<float> a(n2), b(n2), c(n2);
+  for (std::size_t i = 0; i < n2; ++i) {
+    a[i] = static_cast<float>((i * 7 + 3) % 17) / 17.f - 0.5f;
+    b[i] = static_cast<float>((i * 5 + 1) % 13) / 13.f - 0.5f;
+  }
+  kernels::ThreadScope scope;  // oneDNN runs on this thread alone
+  auto product = [&] {
+    kernels::sgemm(false, false, size, size, size, 1.f, a.data(), size, b.data(), size, 0.f,
+                   c.data(), size);
+  };
+  product();  // warm-up: oneDNN's JIT
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = thread_cpu_seconds();
+    product();
+    const double seconds = thread_cpu_seconds() - t0;
+    if (seconds > 0) best = std::max(best, 2.0 * size * size * size / seconds / 1e9);
+  }
+  return best;
+}
 
 std::string torch_blas_library() {
   // libtorch links libblas.so.3 (Debian's alternatives pick netlib, OpenBLAS,

@@ -6,8 +6,9 @@
 // by default as in the paper: batch 32, d = 512, 8 heads / classes, one thread.
 //
 // `--part attention` times the attention alone instead, on the inputs the
-// layers give it (agglomerative_attention against the "full" mechanism), which
-// separates the mechanisms from the projections both layers share.
+// layers give it (the registry's "agglomerative" against the multi-head
+// layer's "full" mechanism), which separates the mechanisms from the
+// projections both layers share.
 //
 // Times are process CPU time by default (`--clock`): on a machine shared with
 // other jobs it leaves out the waits for a core they hold, which wall time
@@ -20,15 +21,11 @@
 // CSV into the log-log plot.
 #include <attnkit/nn/agglomerative.h>
 #include <attnkit/nn/multihead.h>
-#include <attnkit/ops.h>
+#include <attnkit/nn/registry.h>
 #include <attnkit/runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -38,6 +35,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bench_util.h"
 #include "commands.h"
 
 namespace attnkit::cli {
@@ -67,41 +65,17 @@ struct Timing {
   double load = 0;                       // 1-minute load average after the run
 };
 
-double load_average() {
-  std::ifstream in("/proc/loadavg");
-  double load = -1;
-  in >> load;
-  return load;
-}
-
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-/// Process CPU time in ms: the time the process's threads spent on a CPU, so
-/// waiting for a core that other jobs hold does not count.
-double cpu_now_ms() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
-/// One warm-up call, then `repeats` timed calls on both clocks; the summary
-/// statistics are of `clock`.
+/// One warm-up call, then `repeats` timed calls on both clocks (wall and
+/// process CPU time); the summary statistics are of `clock`.
 template <class Run>
 Timing time_calls(const Run& run, int repeats, const std::string& clock) {
   Timing t;
   run();
   for (int r = 0; r < repeats; ++r) {
-    const double cpu0 = cpu_now_ms();
-    const auto wall0 = std::chrono::steady_clock::now();
+    const double cpu0 = process_cpu_now_ms(), wall0 = wall_now_ms();
     run();
-    t.wall_ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0).count());
-    t.cpu_ms.push_back(cpu_now_ms() - cpu0);
+    t.wall_ms.push_back(wall_now_ms() - wall0);
+    t.cpu_ms.push_back(process_cpu_now_ms() - cpu0);
   }
   const std::vector<double>& ms = clock == "cpu" ? t.cpu_ms : t.wall_ms;
   std::vector<double> sorted = ms;
@@ -209,17 +183,6 @@ std::string command_line(const FigureConfig& c) {
   return o.str();
 }
 
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << text;
-    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot rename " + tmp + " to " + path);
-}
-
 void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
   if (!c.json.empty()) {
     nlohmann::json doc;
@@ -233,7 +196,7 @@ void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
                              {"wall_ms", r.wall_ms}, {"cpu_ms", r.cpu_ms}, {"median_ms", r.median},
                              {"mean_ms", r.mean}, {"sem_ms", r.sem}, {"load_1min", r.load}});
     doc["summary"] = summary(rows, c);
-    write_atomically(c.json, doc.dump(2) + "\n");
+    write_json_atomically(c.json, doc);
   }
   if (!c.csv.empty()) {
     std::ostringstream o;
@@ -242,7 +205,7 @@ void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
     for (const auto& r : rows)
       o << r.layer << "," << r.mask << "," << r.L << "," << r.median << "," << r.mean << "," << r.sem
         << "," << r.wall_ms.size() << "," << r.load << "," << c.clock << "\n";
-    write_atomically(c.csv, o.str());
+    write_text_atomically(c.csv, o.str());
   }
 }
 
@@ -260,6 +223,7 @@ class Subjects {
   explicit Subjects(const FigureConfig& c)
       : c_(c),
         agglomerative_(nn::AgglomerativeAttentionOptions(c.d_model, c.heads)),
+        agglomerative_attention_(nn::resolve_mechanism("agglomerative")),
         multihead_(nn::MultiheadAttentionOptions(c.d_model, c.heads)) {
     agglomerative_->eval();
     multihead_->eval();
@@ -287,7 +251,8 @@ class Subjects {
       else
         multihead_->forward(x_, x_, x_, {}, causal);
     } else if (layer == "agglomerative") {
-      agglomerative_attention(cq_, cr_, v_, AgglomerativeOptions().causal(causal));
+      const auto& [info, spec] = agglomerative_attention_;
+      info->run({cq_, cr_, v_}, nn::AttendArgs{causal, {}}, spec);
     } else {
       multihead_->attention->forward(q_, k_, v_, nn::AttendArgs{causal, {}});
     }
@@ -296,6 +261,7 @@ class Subjects {
  private:
   const FigureConfig& c_;
   nn::AgglomerativeAttention agglomerative_;
+  std::pair<const nn::MechanismInfo*, nn::MechanismSpec> agglomerative_attention_;
   nn::MultiheadAttention multihead_;
   torch::Tensor x_, cq_, cr_, q_, k_, v_;
 };
@@ -344,7 +310,7 @@ void run_figure(const FigureConfig& c) {
 
 }  // namespace
 
-void add_agglomerative_figure_command(CLI::App& app) {
+void add_figure_agglomerative_command(CLI::App& app) {
   auto c = std::make_shared<FigureConfig>();
   auto* cmd = app.add_subcommand(
       "figure-agglomerative",
