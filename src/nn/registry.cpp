@@ -60,34 +60,42 @@ std::string MechanismSpec::get(const std::string& key, const std::string& fallba
   return fallback;
 }
 
+namespace {
+
+/// Parses all of `text` with `convert` (std::stoll, std::stod); nullopt if
+/// it does not parse or leaves characters over.
+template <typename T, typename Convert>
+c10::optional<T> parse_whole(const std::string& text, Convert convert) {
+  size_t used = 0;
+  try {
+    const T x = convert(text, &used);
+    if (used == text.size() && !text.empty()) return x;
+  } catch (const std::exception&) {
+  }
+  return c10::nullopt;
+}
+
+}  // namespace
+
 int64_t MechanismSpec::get_int(const std::string& key, int64_t fallback) const {
   if (!has(key)) return fallback;
   const std::string value = get(key, "");
-  size_t used = 0;
-  int64_t x = 0;
-  try {
-    x = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TORCH_CHECK(used == value.size() && !value.empty(), "mechanism '", str(), "': option '", key,
-              "' must be an integer, got '", value, "'");
-  return x;
+  const auto x = parse_whole<int64_t>(value, [](const std::string& t, size_t* n) {
+    return std::stoll(t, n);
+  });
+  TORCH_CHECK(x, "mechanism '", str(), "': option '", key, "' must be an integer, got '", value, "'");
+  return *x;
 }
 
 double MechanismSpec::get_double(const std::string& key, double fallback) const {
   if (!has(key)) return fallback;
   const std::string value = get(key, "");
-  size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TORCH_CHECK(used == value.size() && !value.empty() && std::isfinite(x), "mechanism '", str(),
-              "': option '", key, "' must be a finite number, got '", value, "'");
-  return x;
+  const auto x = parse_whole<double>(value, [](const std::string& t, size_t* n) {
+    return std::stod(t, n);
+  });
+  TORCH_CHECK(x && std::isfinite(*x), "mechanism '", str(), "': option '", key,
+              "' must be a finite number, got '", value, "'");
+  return *x;
 }
 
 bool MechanismSpec::get_bool(const std::string& key, bool fallback) const {
