@@ -172,7 +172,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   if (info.approximates_exact) {
     torch::NoGradGuard no_grad;
     auto exact = reference::softmax_attention(x64[0].detach(), x64[1].detach(), x64[2].detach(),
-                                              SoftmaxAttentionOptions().causal(c.causal));
+                                              SoftmaxAttentionFuncOptions().causal(c.causal));
     r.approx_err = relative_max_error(out, exact);
   }
   return r;

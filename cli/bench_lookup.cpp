@@ -85,7 +85,7 @@ void run_lookup_bench(const LookupConfig& c) {
   const auto keys = H.view({1, 1, c.n, c.k});
   const auto softmax_lookup = [&](const torch::Tensor& Q) {
     return softmax_attention(Q.view({1, 1, Q.size(0), c.k}), keys, keys,
-                             SoftmaxAttentionOptions().scale(1.0));
+                             SoftmaxAttentionFuncOptions().scale(1.0));
   };
 
   const double predicted = double(c.n) / double(c.k), flop_ratio = 2.0 * c.n / c.k;

@@ -26,7 +26,7 @@ namespace attnkit {
 // ----------------------------------------------------------------------------
 // Exact softmax attention:  out = softmax(scale * q k^T + bias + mask) v.
 // ----------------------------------------------------------------------------
-struct SoftmaxAttentionOptions {
+struct SoftmaxAttentionFuncOptions {
   /// Multiplies q k^T. Unset means 1 / sqrt(E).
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
   /// Query i sees key j iff j <= i + (S - L).
@@ -38,13 +38,13 @@ struct SoftmaxAttentionOptions {
 };
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
-                                const SoftmaxAttentionOptions& options = {});
+                                const SoftmaxAttentionFuncOptions& options = {});
 /// Which backend softmax_attention runs for these arguments (validated as by
 /// the op): the float32 kernel when q, k and v are float32 (with or without a
 /// bias, which may require grad), else the composite, with the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v,
-                                    const SoftmaxAttentionOptions& options = {});
+                                    const SoftmaxAttentionFuncOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Linear attention (the cheap-linear-attention paper and its feature-map
@@ -55,7 +55,7 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
 // ----------------------------------------------------------------------------
 enum class FeatureMap { identity, elu };  // elu means elu(x) + 1
 
-struct LinearAttentionOptions {
+struct LinearAttentionFuncOptions {
   TORCH_ARG(FeatureMap, feature_map) = FeatureMap::identity;
   TORCH_ARG(bool, normalize) = false;
   TORCH_ARG(bool, causal) = false;
@@ -63,13 +63,13 @@ struct LinearAttentionOptions {
 };
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
-                               const LinearAttentionOptions& options = {});
+                               const LinearAttentionFuncOptions& options = {});
 /// The backend linear_attention runs for these arguments (the op calls this):
 /// the chunked kernel when q, k and v are float32, else the composite.
 /// Assumes arguments the op accepts; it does not validate them.
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v,
-                                   const LinearAttentionOptions& options = {});
+                                   const LinearAttentionFuncOptions& options = {});
 
 /// Parses "identity" | "elu"; throws naming the accepted values otherwise.
 FeatureMap feature_map_from_string(const std::string& name);
@@ -83,17 +83,17 @@ std::string to_string(FeatureMap map);
 // The cheap-linear-attention paper's gated form is alpha = beta = 1,
 // f_t = sigmoid(W h_t + b) * h_t (nn::GatedLinearAttention builds it).
 // ----------------------------------------------------------------------------
-struct GatedLinearAttentionOptions {
+struct GatedLinearAttentionFuncOptions {
   TORCH_ARG(bool, causal) = false;
 };
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
-                                     const GatedLinearAttentionOptions& options = {});
+                                     const GatedLinearAttentionFuncOptions& options = {});
 /// The backend gated_linear_attention runs (the op calls this): the chunked
 /// kernel when f, q, alpha and beta are float32, else the composite.
 Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Tensor& q,
                                          const torch::Tensor& alpha, const torch::Tensor& beta,
-                                         const GatedLinearAttentionOptions& options = {});
+                                         const GatedLinearAttentionFuncOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Agglomerative attention (docs/MATH.md, "Agglomerative attention"), one head
@@ -103,18 +103,18 @@ Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Te
 // cq (N, H, L), cr (N, H, S), v (N, H, S, M) -> (N, H, L, M).
 // The clip's gradient is zero where it is active (sum < clip).
 // ----------------------------------------------------------------------------
-struct AgglomerativeOptions {
+struct AgglomerativeAttentionFuncOptions {
   TORCH_ARG(bool, causal) = false;
   TORCH_ARG(double, clip) = 1e-3;
 };
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
                                       const torch::Tensor& v,
-                                      const AgglomerativeOptions& options = {});
+                                      const AgglomerativeAttentionFuncOptions& options = {});
 /// The backend agglomerative_attention runs (the op calls this): the
 /// blocked-scan kernel when cq, cr and v are float32, else the composite.
 Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::Tensor& cr,
                                           const torch::Tensor& v,
-                                          const AgglomerativeOptions& options = {});
+                                          const AgglomerativeAttentionFuncOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Clustered (topk = 0) and improved-clustered (topk > 0) attention (the
@@ -124,7 +124,7 @@ Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::
 // centroid. See docs/MATH.md, "Clustered attention" and "Improved clustered
 // attention", and docs/API.md for the exact rules.
 // ----------------------------------------------------------------------------
-struct ClusteredAttentionOptions {
+struct ClusteredAttentionFuncOptions {
   TORCH_ARG(int64_t, clusters) = 100;
   TORCH_ARG(int64_t, bits) = 63;
   TORCH_ARG(int64_t, iterations) = 10;
@@ -140,12 +140,12 @@ struct ClusteredAttentionOptions {
 };
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v,
-                                  const ClusteredAttentionOptions& options = {});
+                                  const ClusteredAttentionFuncOptions& options = {});
 /// The backend clustered_attention runs (the op calls this): the hashing,
 /// K-means and attention kernels when q, k and v are float32, else the composite.
 Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v,
-                                      const ClusteredAttentionOptions& options = {});
+                                      const ClusteredAttentionFuncOptions& options = {});
 
 // ----------------------------------------------------------------------------
 // Sparse attention over neighbour lists (the SAC paper; docs/MATH.md, "Sparse
@@ -168,18 +168,18 @@ struct EdgeList {
   int64_t num_edges() const { return columns.numel(); }
 };
 
-struct SparseAttentionOptions {
+struct SparseAttentionFuncOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
 };
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
-                               const SparseAttentionOptions& options = {});
+                               const SparseAttentionFuncOptions& options = {});
 /// The backend sparse_attention runs (the op calls this): always the
 /// composite for now, which builds a dense L x S mask and score matrix per head
 /// (O(L S) time and memory whatever the number of edges); the reason says so.
 Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const EdgeList& edges,
-                                   const SparseAttentionOptions& options = {});
+                                   const SparseAttentionFuncOptions& options = {});
 
 /// Throws a clear error if `edges` is not a valid list for L queries, S keys
 /// and H heads (the op calls this; builders' outputs always pass).

@@ -76,7 +76,7 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
   auto cr = torch::softmax(project(x, W_r, b_r), -1);        // (N, S, m)
   auto v = project(x, P).view({N, S, m, d / m}).transpose(1, 2);  // (N, m, S, d/m), a view
   auto a = agglomerative_attention(cq.transpose(1, 2), cr.transpose(1, 2), v,
-                                   AgglomerativeOptions().causal(causal));  // (N, m, L, d/m)
+                                   AgglomerativeAttentionFuncOptions().causal(causal));  // (N, m, L, d/m)
   // The op lays its output out like v, (N, L, m, d/m) in memory: the class
   // concatenation is a view.
   auto p = a.transpose(1, 2).reshape({N, L, d});
@@ -106,7 +106,7 @@ torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, Agglome
   state.sums = state.sums + cr.unsqueeze(-1) * project(x_t, P).view({N, m, d / m});
   state.counts = state.counts + cr;
   // clamp_min passes no gradient where it is active, like the op's clip.
-  const double clip = AgglomerativeOptions().clip();
+  const double clip = AgglomerativeAttentionFuncOptions().clip();
   auto a = state.sums / torch::clamp_min(state.counts, clip).unsqueeze(-1);  // (N, m, d/m)
   auto p = (cq.unsqueeze(-1) * a).reshape({N, d});
   return project(dropout(p), Q);

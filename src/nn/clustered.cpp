@@ -5,7 +5,7 @@
 
 namespace attnkit::nn {
 
-ClusteredAttentionImpl::ClusteredAttentionImpl(const ClusteredAttentionModuleOptions& options_)
+ClusteredAttentionImpl::ClusteredAttentionImpl(const ClusteredAttentionOptions& options_)
     : options(options_) {
   reset();
 }
@@ -36,7 +36,7 @@ torch::Tensor ClusteredAttentionImpl::forward(const torch::Tensor& q, const torc
   const int64_t L = q.size(2), S = k.size(2);
   const int64_t seed = next_seed();
   auto out = clustered_attention(q, k, v,
-                                 ClusteredAttentionOptions()
+                                 ClusteredAttentionFuncOptions()
                                      .clusters(std::max<int64_t>(1, std::min(options.clusters(), L)))
                                      .bits(options.bits())
                                      .iterations(options.iterations())

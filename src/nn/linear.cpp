@@ -111,7 +111,7 @@ torch::Tensor GatedLinearAttentionImpl::forward(const torch::Tensor& hidden,
   detail::check_dim(module, "queries", queries, 0, hidden.size(0), "batch size N");
   // One head: (N, T, dim) -> (N, 1, T, dim).
   const auto f = features(hidden).unsqueeze(1);
-  return linear_attention(queries.unsqueeze(1), f, f, LinearAttentionOptions().causal(causal))
+  return linear_attention(queries.unsqueeze(1), f, f, LinearAttentionFuncOptions().causal(causal))
       .squeeze(1);
 }
 

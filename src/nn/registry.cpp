@@ -186,8 +186,8 @@ std::shared_ptr<MechanismImpl> make_functional(const MechanismSpec& spec) {
 
 // full ------------------------------------------------------------------------------
 
-SoftmaxAttentionOptions softmax_options(const AttendArgs& a) {
-  return SoftmaxAttentionOptions().causal(a.causal).key_lengths(a.key_lengths);
+SoftmaxAttentionFuncOptions softmax_options(const AttendArgs& a) {
+  return SoftmaxAttentionFuncOptions().causal(a.causal).key_lengths(a.key_lengths);
 }
 
 MechanismInfo full_entry() {
@@ -216,8 +216,8 @@ MechanismInfo full_entry() {
 
 // linear, causal-linear ---------------------------------------------------------------
 
-LinearAttentionOptions linear_options(const MechanismSpec& spec, bool causal) {
-  return LinearAttentionOptions()
+LinearAttentionFuncOptions linear_options(const MechanismSpec& spec, bool causal) {
+  return LinearAttentionFuncOptions()
       .feature_map(feature_map_from_string(spec.get("feature_map", "elu")))
       .normalize(spec.get_bool("normalize", true))
       .eps(spec.get_double("eps", 1e-6))
@@ -268,20 +268,20 @@ MechanismInfo gated_linear_entry() {
   // lets the number of queries differ from the document length.
   m.run = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
     const auto f = torch::sigmoid(x[1]) * x[2];
-    return linear_attention(x[0], f, f, LinearAttentionOptions().causal(a.causal));
+    return linear_attention(x[0], f, f, LinearAttentionFuncOptions().causal(a.causal));
   };
   m.dispatch = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
-    return linear_attention_dispatch(x[0], x[1], x[2], LinearAttentionOptions().causal(a.causal));
+    return linear_attention_dispatch(x[0], x[1], x[2], LinearAttentionFuncOptions().causal(a.causal));
   };
   // Its definition is the recurrence C_t = C_{t-1} + f_t f_t^T read out by q
   // (a different computation from the one above), where L = S allows it.
   m.reference = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
     const auto f = torch::sigmoid(x[1]) * x[2];
     if (x[0].size(2) != f.size(2))
-      return reference::linear_attention(x[0], f, f, LinearAttentionOptions().causal(a.causal));
+      return reference::linear_attention(x[0], f, f, LinearAttentionFuncOptions().causal(a.causal));
     const auto ones = torch::ones({f.size(0), f.size(1), f.size(2)}, f.options());
     return reference::gated_linear_attention(f, x[0], ones, ones,
-                                             GatedLinearAttentionOptions().causal(a.causal));
+                                             GatedLinearAttentionFuncOptions().causal(a.causal));
   };
   m.flops = [](const AttentionShape& s, bool, const MechanismSpec&) -> c10::optional<double> {
     return 2.0 * s.N * s.H * (s.S + s.L) * s.E * s.E;
@@ -291,9 +291,9 @@ MechanismInfo gated_linear_entry() {
 
 // clustered, improved-clustered -------------------------------------------------------
 
-ClusteredAttentionModuleOptions clustered_module_options(const MechanismSpec& spec) {
+ClusteredAttentionOptions clustered_module_options(const MechanismSpec& spec) {
   const bool improved = spec.name == "improved-clustered";
-  return ClusteredAttentionModuleOptions()
+  return ClusteredAttentionOptions()
       .clusters(spec.get_int("clusters", 100))
       .bits(spec.get_int("bits", 63))
       .iterations(spec.get_int("iterations", 10))
@@ -304,11 +304,11 @@ ClusteredAttentionModuleOptions clustered_module_options(const MechanismSpec& sp
 }
 
 /// The op's options for one call: the module's, capped at what the input has.
-ClusteredAttentionOptions clustered_options(const MechanismSpec& spec, const Inputs& x,
+ClusteredAttentionFuncOptions clustered_options(const MechanismSpec& spec, const Inputs& x,
                                             const AttendArgs& a) {
   const auto o = clustered_module_options(spec);
   const int64_t L = x[0].size(2), S = x[1].size(2);
-  return ClusteredAttentionOptions()
+  return ClusteredAttentionFuncOptions()
       .clusters(std::max<int64_t>(1, std::min(o.clusters(), L)))
       .bits(o.bits())
       .iterations(o.iterations())
@@ -387,7 +387,7 @@ MechanismInfo agglomerative_entry() {
             torch::randn({s.N, s.H, s.S, s.M}, o)};
   };
   auto options = [](const AttendArgs& a, const MechanismSpec& spec) {
-    return AgglomerativeOptions().causal(a.causal).clip(spec.get_double("clip", 1e-3));
+    return AgglomerativeAttentionFuncOptions().causal(a.causal).clip(spec.get_double("clip", 1e-3));
   };
   m.run = [options](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
     return agglomerative_attention(x[0], x[1], x[2], options(a, spec));

@@ -108,7 +108,7 @@ class AgglomerativeFunction : public torch::autograd::Function<AgglomerativeFunc
 }  // namespace
 
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
-                                      const torch::Tensor& v, const AgglomerativeOptions& options) {
+                                      const torch::Tensor& v, const AgglomerativeAttentionFuncOptions& options) {
   constexpr const char* op = "agglomerative_attention";
   detail::check_float_tensor(op, "cq", cq, 3);
   detail::check_float_tensor(op, "cr", cr, 3);
@@ -137,7 +137,7 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
 }
 
 Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::Tensor& cr,
-                                          const torch::Tensor& v, const AgglomerativeOptions&) {
+                                          const torch::Tensor& v, const AgglomerativeAttentionFuncOptions&) {
   return detail::float32_kernel_or_composite({{"cq", &cq}, {"cr", &cr}, {"v", &v}});
 }
 

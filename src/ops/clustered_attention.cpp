@@ -25,7 +25,7 @@ const int64_t* data_or_null(const torch::Tensor& t) {
 
 /// Labels (N, H, L) of the queries: LSH bits from the options' seed, then
 /// Hamming K-means; -1 for padded queries.
-torch::Tensor cluster_labels(const torch::Tensor& q, const ClusteredAttentionOptions& o,
+torch::Tensor cluster_labels(const torch::Tensor& q, const ClusteredAttentionFuncOptions& o,
                              const torch::Tensor& query_lengths) {
   auto labels = torch::empty({q.size(0), q.size(1), q.size(2)}, torch::kLong);
   kernels::ClusterParams p;
@@ -123,7 +123,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
 }  // namespace
 
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v, const ClusteredAttentionOptions& options) {
+                                  const torch::Tensor& v, const ClusteredAttentionFuncOptions& options) {
   constexpr const char* op = "clustered_attention";
   detail::check_qkv(op, q, k, v);
   const int64_t L = q.size(2), S = k.size(2);
@@ -160,7 +160,7 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
 }
 
 Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
-                                      const torch::Tensor& v, const ClusteredAttentionOptions&) {
+                                      const torch::Tensor& v, const ClusteredAttentionFuncOptions&) {
   return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 

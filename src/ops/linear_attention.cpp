@@ -27,7 +27,7 @@ kernels::FeatureMapKind kernel_feature_map(FeatureMap map) {
 kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, const torch::Tensor& k,
                                                      const torch::Tensor& v, torch::Tensor& out,
                                                      torch::Tensor& den,
-                                                     const LinearAttentionOptions& o) {
+                                                     const LinearAttentionFuncOptions& o) {
   kernels::LinearAttentionBackwardParams p;
   detail::bind(p.q, p.q_stride, q);
   detail::bind(p.k, p.k_stride, k);
@@ -47,9 +47,9 @@ kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, con
   return p;
 }
 
-LinearAttentionOptions options_from(const AutogradContext* ctx) {
+LinearAttentionFuncOptions options_from(const AutogradContext* ctx) {
   const auto& d = ctx->saved_data;
-  return LinearAttentionOptions()
+  return LinearAttentionFuncOptions()
       .feature_map(d.at("elu").toBool() ? FeatureMap::elu : FeatureMap::identity)
       .normalize(d.at("normalize").toBool())
       .causal(d.at("causal").toBool())
@@ -59,7 +59,7 @@ LinearAttentionOptions options_from(const AutogradContext* ctx) {
 class LinearAttentionFunction : public torch::autograd::Function<LinearAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionOptions& o) {
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& o) {
     auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
     auto den = o.normalize() ? torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())
                              : torch::Tensor();
@@ -157,7 +157,7 @@ FeatureMap feature_map_from_string(const std::string& name) {
 std::string to_string(FeatureMap map) { return map == FeatureMap::elu ? "elu" : "identity"; }
 
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionOptions& options) {
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& options) {
   constexpr const char* op = "linear_attention";
   detail::check_qkv(op, q, k, v);
   detail::check_finite(op, "eps", options.eps());
@@ -168,13 +168,13 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
-                                   const torch::Tensor& v, const LinearAttentionOptions&) {
+                                   const torch::Tensor& v, const LinearAttentionFuncOptions&) {
   return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
-                                     const GatedLinearAttentionOptions& options) {
+                                     const GatedLinearAttentionFuncOptions& options) {
   constexpr const char* op = "gated_linear_attention";
   detail::check_float_tensor(op, "f", f, 4);
   detail::check_float_tensor(op, "q", q, 4);
@@ -199,7 +199,7 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
 
 Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Tensor& q,
                                          const torch::Tensor& alpha, const torch::Tensor& beta,
-                                         const GatedLinearAttentionOptions&) {
+                                         const GatedLinearAttentionFuncOptions&) {
   return detail::float32_kernel_or_composite(
       {{"f", &f}, {"q", &q}, {"alpha", &alpha}, {"beta", &beta}});
 }

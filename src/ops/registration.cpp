@@ -13,7 +13,7 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                    const torch::Tensor& v, c10::optional<double> scale,
                                    bool causal, const c10::optional<torch::Tensor>& key_lengths,
                                    const c10::optional<torch::Tensor>& bias) {
-  return softmax_attention(q, k, v, SoftmaxAttentionOptions()
+  return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
                                         .key_lengths(key_lengths.value_or(torch::Tensor()))
@@ -23,7 +23,7 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
 torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, c10::string_view feature_map,
                                   bool normalize, bool causal, double eps) {
-  return linear_attention(q, k, v, LinearAttentionOptions()
+  return linear_attention(q, k, v, LinearAttentionFuncOptions()
                                        .feature_map(feature_map_from_string(std::string(feature_map)))
                                        .normalize(normalize)
                                        .causal(causal)
@@ -33,12 +33,12 @@ torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k
 torch::Tensor gated_linear_attention_op(const torch::Tensor& f, const torch::Tensor& q,
                                         const torch::Tensor& alpha, const torch::Tensor& beta,
                                         bool causal) {
-  return gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionOptions().causal(causal));
+  return gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionFuncOptions().causal(causal));
 }
 
 torch::Tensor agglomerative_attention_op(const torch::Tensor& cq, const torch::Tensor& cr,
                                          const torch::Tensor& v, bool causal, double clip) {
-  return agglomerative_attention(cq, cr, v, AgglomerativeOptions().causal(causal).clip(clip));
+  return agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(causal).clip(clip));
 }
 
 torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor& k,
@@ -47,7 +47,7 @@ torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor
                                      int64_t seed, c10::optional<double> scale,
                                      const c10::optional<torch::Tensor>& key_lengths,
                                      const c10::optional<torch::Tensor>& query_lengths) {
-  return clustered_attention(q, k, v, ClusteredAttentionOptions()
+  return clustered_attention(q, k, v, ClusteredAttentionFuncOptions()
                                           .clusters(clusters)
                                           .bits(bits)
                                           .iterations(iterations)
@@ -62,7 +62,7 @@ torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor
 torch::Tensor sparse_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& offsets,
                                   const torch::Tensor& columns, c10::optional<double> scale) {
-  return sparse_attention(q, k, v, EdgeList{offsets, columns}, SparseAttentionOptions().scale(scale));
+  return sparse_attention(q, k, v, EdgeList{offsets, columns}, SparseAttentionFuncOptions().scale(scale));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> edge_pattern_op(c10::string_view name, int64_t n,

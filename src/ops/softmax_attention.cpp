@@ -48,7 +48,7 @@ std::string dtype_name(torch::ScalarType type) {
 }
 
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const SoftmaxAttentionOptions& options) {
+                     const SoftmaxAttentionFuncOptions& options) {
   detail::check_qkv(kOp, q, k, v);
   detail::check_scale(kOp, options.scale());
   detail::check_lengths(kOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
@@ -158,7 +158,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
 }  // namespace
 
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
-                                    const torch::Tensor& v, const SoftmaxAttentionOptions& options) {
+                                    const torch::Tensor& v, const SoftmaxAttentionFuncOptions& options) {
   check_arguments(q, k, v, options);
   // check_qkv and check_bias made q, k, v and the bias one floating dtype.
   if (q.scalar_type() != torch::kFloat)
@@ -169,7 +169,7 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
 }
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const SoftmaxAttentionOptions& options) {
+                                const torch::Tensor& v, const SoftmaxAttentionFuncOptions& options) {
   if (!softmax_attention_dispatch(q, k, v, options).uses_kernel())
     return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();

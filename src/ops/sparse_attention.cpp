@@ -7,7 +7,7 @@ namespace attnkit {
 
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
-                               const SparseAttentionOptions& options) {
+                               const SparseAttentionFuncOptions& options) {
   constexpr const char* op = "sparse_attention";
   detail::check_qkv(op, q, k, v);
   detail::check_scale(op, options.scale());
@@ -18,7 +18,7 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 Dispatch sparse_attention_dispatch(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                   const EdgeList&, const SparseAttentionOptions&) {
+                                   const EdgeList&, const SparseAttentionFuncOptions&) {
   return Dispatch::composite(
       "sparse_attention has no kernel yet: the composite builds a dense L x S mask and score "
       "matrix per head, O(L S) time and memory whatever the number of edges");

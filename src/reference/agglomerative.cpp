@@ -5,7 +5,7 @@
 namespace attnkit::reference {
 
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
-                                      const torch::Tensor& v, const AgglomerativeOptions& o) {
+                                      const torch::Tensor& v, const AgglomerativeAttentionFuncOptions& o) {
   const int64_t L = cq.size(2), S = cr.size(2);
   auto weighted = cr.unsqueeze(-1) * v;  // u_t = cr_t v_t, (N,H,S,M)
   // The clip max(den, clip) with zero gradient where active (den < clip).

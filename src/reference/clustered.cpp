@@ -178,7 +178,7 @@ torch::Tensor clustered_attention_given_labels(const torch::Tensor& q, const tor
 }
 
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v, const ClusteredAttentionOptions& o,
+                                  const torch::Tensor& v, const ClusteredAttentionFuncOptions& o,
                                   torch::Tensor* weights) {
   const int64_t E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));

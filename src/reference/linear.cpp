@@ -11,7 +11,7 @@ torch::Tensor apply_feature_map(const torch::Tensor& x, FeatureMap map) {
 }  // namespace
 
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionOptions& o) {
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& o) {
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2);
   auto fq = apply_feature_map(q, o.feature_map());
   auto fk = apply_feature_map(k, o.feature_map());
@@ -39,7 +39,7 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
-                                     const GatedLinearAttentionOptions& o) {
+                                     const GatedLinearAttentionFuncOptions& o) {
   const int64_t N = f.size(0), H = f.size(1), L = f.size(2), E = f.size(3);
   auto C = torch::zeros({N, H, E, E}, f.options());
   std::vector<torch::Tensor> outs;

@@ -20,21 +20,21 @@ using detail::visibility;
 
 /// "Exact softmax attention". Also the attention matrix when `weights` is non-null.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const SoftmaxAttentionOptions& o,
+                                const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
                                 torch::Tensor* weights = nullptr);
 
 /// "Linear attention": quadratic masked form when causal (obviously correct, O(L S)).
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionOptions& o);
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& o);
 
 /// "Gated linear attention": the recurrence step by step, C_t kept only for the current t.
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
-                                     const GatedLinearAttentionOptions& o);
+                                     const GatedLinearAttentionFuncOptions& o);
 
 /// "Agglomerative attention" on class weights: cq (N,H,L), cr (N,H,S), v (N,H,S,M).
 torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tensor& cr,
-                                      const torch::Tensor& v, const AgglomerativeOptions& o);
+                                      const torch::Tensor& v, const AgglomerativeAttentionFuncOptions& o);
 
 // --- "Clustered attention" and its improved form, in separate steps --------------
 
@@ -67,7 +67,7 @@ torch::Tensor clustered_attention_given_labels(const torch::Tensor& q, const tor
 
 /// All steps: planes, hashes, K-means, attention.
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v, const ClusteredAttentionOptions& o,
+                                  const torch::Tensor& v, const ClusteredAttentionFuncOptions& o,
                                   torch::Tensor* weights = nullptr);
 
 // --- "Sparse attention" -----------------------------------------------------------
@@ -77,7 +77,7 @@ torch::Tensor edge_mask(const EdgeList& edges, int64_t H, int64_t L, int64_t S);
 
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
-                               const SparseAttentionOptions& o,
+                               const SparseAttentionFuncOptions& o,
                                torch::Tensor* weights = nullptr);
 
 }  // namespace attnkit::reference

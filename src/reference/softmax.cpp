@@ -6,7 +6,7 @@
 namespace attnkit::reference {
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const SoftmaxAttentionOptions& o,
+                                const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
                                 torch::Tensor* weights) {
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));

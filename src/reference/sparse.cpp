@@ -21,7 +21,7 @@ torch::Tensor edge_mask(const EdgeList& edges, int64_t H, int64_t L, int64_t S) 
 
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
-                               const SparseAttentionOptions& o, torch::Tensor* weights) {
+                               const SparseAttentionFuncOptions& o, torch::Tensor* weights) {
   const int64_t H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;

@@ -23,10 +23,9 @@
 
 namespace attnkit::nn {
 
-/// The settings of attnkit::ClusteredAttentionOptions that do not depend on
-/// the call, plus the seed policy. (A distinct name, so that code in namespace
-/// attnkit::nn can still name the op's options unqualified.)
-struct ClusteredAttentionModuleOptions {
+/// The settings of attnkit::ClusteredAttentionFuncOptions that do not depend on
+/// the call, plus the seed policy.
+struct ClusteredAttentionOptions {
   TORCH_ARG(int64_t, clusters) = 100;
   TORCH_ARG(int64_t, bits) = 63;
   TORCH_ARG(int64_t, iterations) = 10;
@@ -42,7 +41,7 @@ struct ClusteredAttentionModuleOptions {
 
 class ClusteredAttentionImpl : public torch::nn::Cloneable<ClusteredAttentionImpl> {
  public:
-  explicit ClusteredAttentionImpl(const ClusteredAttentionModuleOptions& options = {});
+  explicit ClusteredAttentionImpl(const ClusteredAttentionOptions& options = {});
   /// Checks the options and (re)registers the `calls` buffer at 0.
   void reset() override;
 
@@ -57,7 +56,7 @@ class ClusteredAttentionImpl : public torch::nn::Cloneable<ClusteredAttentionImp
 
   void pretty_print(std::ostream& stream) const override;
 
-  ClusteredAttentionModuleOptions options;
+  ClusteredAttentionOptions options;
   torch::Tensor calls;  // int64 scalar buffer: training-mode calls so far
 };
 TORCH_MODULE(ClusteredAttention);

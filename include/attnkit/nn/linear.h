@@ -53,6 +53,10 @@ class LinearAttentionState {
   int64_t steps_ = 0;
 };
 
+/// The module's options are the op's (libtorch's idiom when a module adds
+/// nothing to its functional form, e.g. torch::nn::functional::DropoutFuncOptions).
+using LinearAttentionOptions = attnkit::LinearAttentionFuncOptions;
+
 /// Linear attention without parameters, (N, H, L, E) queries, (N, H, S, E)
 /// keys, (N, H, S, M) values -> (N, H, L, M): linear_attention with these options.
 class LinearAttentionImpl : public torch::nn::Cloneable<LinearAttentionImpl> {

@@ -31,7 +31,7 @@ std::vector<torch::Tensor> grads_of(const std::function<torch::Tensor(const Inpu
 // ---------------------------------------------------------------------------
 
 void check_softmax(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M,
-                   const SoftmaxAttentionOptions& o) {
+                   const SoftmaxAttentionFuncOptions& o) {
   expect_gradients_match(
       [&](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], o); },
       {rnd({N, H, L, E}), rnd({N, H, S, E}), rnd({N, H, S, M})});
@@ -44,26 +44,26 @@ TEST(GradientSoftmax, Plain) {
 
 TEST(GradientSoftmax, CausalFewerQueriesThanKeys) {
   torch::manual_seed(101);
-  check_softmax(1, 1, 2, 4, 3, 2, SoftmaxAttentionOptions().causal(true));
+  check_softmax(1, 1, 2, 4, 3, 2, SoftmaxAttentionFuncOptions().causal(true));
 }
 
 TEST(GradientSoftmax, CausalMoreQueriesThanKeys) {
   // L = 4, S = 2: queries 0 and 1 see no key (output 0, gradient 0).
   torch::manual_seed(102);
-  check_softmax(1, 1, 4, 2, 2, 3, SoftmaxAttentionOptions().causal(true));
-  auto g = grads_of([](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionOptions().causal(true)); },
+  check_softmax(1, 1, 4, 2, 2, 3, SoftmaxAttentionFuncOptions().causal(true));
+  auto g = grads_of([](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionFuncOptions().causal(true)); },
                     {rnd({1, 1, 4, 2}), rnd({1, 1, 2, 2}), rnd({1, 1, 2, 3})});
   EXPECT_TRUE(torch::equal(g[0][0][0].narrow(0, 0, 2), torch::zeros({2, 2}, f64())));
 }
 
 TEST(GradientSoftmax, CustomScale) {
   torch::manual_seed(103);
-  check_softmax(2, 1, 3, 3, 2, 2, SoftmaxAttentionOptions().scale(0.37));
+  check_softmax(2, 1, 3, 3, 2, 2, SoftmaxAttentionFuncOptions().scale(0.37));
 }
 
 TEST(GradientSoftmax, KeyLengthsIncludingZeroGiveZeroNotNaN) {
   torch::manual_seed(104);
-  auto o = SoftmaxAttentionOptions().key_lengths(i64({2, 0, 3}));
+  auto o = SoftmaxAttentionFuncOptions().key_lengths(i64({2, 0, 3}));
   check_softmax(3, 1, 2, 3, 2, 2, o);
   auto g = grads_of([&](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], o); },
                     {rnd({3, 1, 2, 2}), rnd({3, 1, 3, 2}), rnd({3, 1, 3, 2})});
@@ -81,7 +81,7 @@ TEST(GradientSoftmax, BiasGetsItsGradientToo) {
   // bias (N, 1, L, S) broadcast over heads, so its gradient sums over H.
   torch::manual_seed(105);
   expect_gradients_match(
-      [](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionOptions().bias(x[3])); },
+      [](const Inputs& x) { return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionFuncOptions().bias(x[3])); },
       {rnd({2, 2, 3, 2}), rnd({2, 2, 4, 2}), rnd({2, 2, 4, 3}), rnd({2, 1, 3, 4})});
 }
 
@@ -93,7 +93,7 @@ TEST(GradientSoftmax, BiasWithMinusInfinityAndCausalMask) {
   bias[0][0][2][1] = -std::numeric_limits<double>::infinity();
   bias[0][0][1].fill_(-std::numeric_limits<double>::infinity());
   auto f = [](const Inputs& x) {
-    return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionOptions().bias(x[3]).causal(true));
+    return softmax_attention(x[0], x[1], x[2], SoftmaxAttentionFuncOptions().bias(x[3]).causal(true));
   };
   Inputs in{rnd({1, 1, 3, 2}), rnd({1, 1, 3, 2}), rnd({1, 1, 3, 2}), bias};
   expect_gradients_match(f, in);
@@ -121,7 +121,7 @@ TEST(GradientLinear, EveryFeatureMapNormalizationAndMask) {
           if (!causal && L == 4) continue;  // one non-causal shape is enough
           SCOPED_TRACE(to_string(map) + (normalize ? " normalize" : "") + (causal ? " causal" : "") +
                        " L=" + std::to_string(L) + " S=" + std::to_string(S));
-          auto o = LinearAttentionOptions().feature_map(map).normalize(normalize).causal(causal);
+          auto o = LinearAttentionFuncOptions().feature_map(map).normalize(normalize).causal(causal);
           // Identity + normalisation divides by q.z: keep q and k positive so the
           // denominator stays away from 0 (the function is smooth there).
           auto draw = [&](std::vector<int64_t> shape) {
@@ -140,7 +140,7 @@ TEST(GradientGated, AllInputsCausalAndNot) {
   torch::manual_seed(300);
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "non-causal");
-    auto o = GatedLinearAttentionOptions().causal(causal);
+    auto o = GatedLinearAttentionFuncOptions().causal(causal);
     expect_gradients_match(
         [&](const Inputs& x) { return gated_linear_attention(x[0], x[1], x[2], x[3], o); },
         {rnd({1, 2, 3, 2}), rnd({1, 2, 3, 2}), torch::rand({1, 2, 3}, f64()) + 0.25, rnd({1, 2, 3})});
@@ -157,7 +157,7 @@ TEST(GradientAgglomerative, FullAndCausal) {
     for (const auto& ls : {std::pair<int64_t, int64_t>{3, 3}, {2, 4}, {4, 2}}) {
       const int64_t L = ls.first, S = ls.second;
       SCOPED_TRACE(std::string(causal ? "causal" : "full") + " L=" + std::to_string(L) + " S=" + std::to_string(S));
-      auto o = AgglomerativeOptions().causal(causal);
+      auto o = AgglomerativeAttentionFuncOptions().causal(causal);
       // Class weights are softmax outputs in practice: positive, sums well above the clip.
       expect_gradients_match(
           [&](const Inputs& x) { return agglomerative_attention(x[0], x[1], x[2], o); },
@@ -171,7 +171,7 @@ TEST(GradientAgglomerative, ActiveClipHasNoDenominatorGradient) {
   torch::manual_seed(401);
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "full");
-    auto o = AgglomerativeOptions().causal(causal);
+    auto o = AgglomerativeAttentionFuncOptions().causal(causal);
     auto f = [&](const Inputs& x) { return agglomerative_attention(x[0], x[1], x[2], o); };
     Inputs in{torch::rand({1, 1, 3}, f64()), (torch::rand({1, 1, 3}, f64()) + 0.5) * 1e-4, rnd({1, 1, 3, 2})};
     expect_gradients_match(f, in);
@@ -204,7 +204,7 @@ TEST(GradientClustered, PlainAndImproved) {
   torch::manual_seed(500);
   for (int64_t topk : {0, 2, 4}) {
     SCOPED_TRACE("topk " + std::to_string(topk));
-    auto o = ClusteredAttentionOptions().clusters(2).bits(15).iterations(5).topk(topk).hash_bias(false).seed(1);
+    auto o = ClusteredAttentionFuncOptions().clusters(2).bits(15).iterations(5).topk(topk).hash_bias(false).seed(1);
     expect_gradients_match([&](const Inputs& x) { return clustered_attention(x[0], x[1], x[2], o); },
                            {grouped_queries(1, 2), rnd({1, 2, 4, 3}), rnd({1, 2, 4, 2})});
   }
@@ -212,7 +212,7 @@ TEST(GradientClustered, PlainAndImproved) {
 
 TEST(GradientClustered, ImprovedWithPaddingAndHiddenKeys) {
   torch::manual_seed(501);
-  auto o = ClusteredAttentionOptions().clusters(2).bits(15).iterations(5).topk(2).hash_bias(false).seed(2)
+  auto o = ClusteredAttentionFuncOptions().clusters(2).bits(15).iterations(5).topk(2).hash_bias(false).seed(2)
                .key_lengths(i64({3, 4})).query_lengths(i64({6, 4}));
   Inputs in{grouped_queries(2, 1), rnd({2, 1, 4, 3}), rnd({2, 1, 4, 2})};
   auto f = [&](const Inputs& x) { return clustered_attention(x[0], x[1], x[2], o); };
@@ -245,7 +245,7 @@ TEST(GradientSparse, PerHeadListsAndScale) {
   // Offsets per head index one flat column list: head 1 starts where head 0 ends.
   EdgeList edges{i64({0, 2, 5, 6, 6, 6, 7, 11}).view({2, 4}), i64({0, 1, 1, 2, 3, 3, 0, 0, 1, 2, 3})};
   expect_gradients_match(
-      [&](const Inputs& x) { return sparse_attention(x[0], x[1], x[2], edges, SparseAttentionOptions().scale(0.8)); },
+      [&](const Inputs& x) { return sparse_attention(x[0], x[1], x[2], edges, SparseAttentionFuncOptions().scale(0.8)); },
       {rnd({1, 2, 3, 2}), rnd({1, 2, 4, 2}), rnd({1, 2, 4, 3})});
 }
 
@@ -262,11 +262,11 @@ struct KernelOp {
 /// Every op whose float32 path is a kernel-backed autograd Function.
 std::vector<KernelOp> kernel_ops() {
   torch::manual_seed(700);
-  const auto lin = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
-  const auto gated = GatedLinearAttentionOptions().causal(true);
-  const auto agg = AgglomerativeOptions().causal(true);
+  const auto lin = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto gated = GatedLinearAttentionFuncOptions().causal(true);
+  const auto agg = AgglomerativeAttentionFuncOptions().causal(true);
   const auto clu =
-      ClusteredAttentionOptions().clusters(2).bits(15).iterations(5).topk(2).hash_bias(false).seed(1);
+      ClusteredAttentionFuncOptions().clusters(2).bits(15).iterations(5).topk(2).hash_bias(false).seed(1);
   return {
       {"linear_attention", [=](const Inputs& x) { return linear_attention(x[0], x[1], x[2], lin); },
        {rnd({1, 2, 4, 3}), rnd({1, 2, 5, 3}), rnd({1, 2, 5, 2})}},
@@ -337,7 +337,7 @@ TEST(GradientKernels, InPlaceChangeOfASavedInputBeforeBackwardRaises) {
 TEST(GradientKernels, InPlaceChangeOfClusteredKeyLengthsBeforeBackwardRaises) {
   torch::manual_seed(701);
   auto key_lengths = i64({3, 4});
-  auto o = ClusteredAttentionOptions().clusters(2).bits(15).topk(2).key_lengths(key_lengths);
+  auto o = ClusteredAttentionFuncOptions().clusters(2).bits(15).topk(2).key_lengths(key_lengths);
   auto q = grouped_queries(2, 1).to(torch::kFloat).requires_grad_(true);
   auto out = clustered_attention(q, torch::randn({2, 1, 4, 3}), torch::randn({2, 1, 4, 2}), o);
   key_lengths.fill_(1);

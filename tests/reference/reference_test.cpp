@@ -44,7 +44,7 @@ TEST(ReferenceSoftmax, ExplicitScaleOneGivesQuarterThreeQuarters) {
   auto k = t64({0, kLn3}, {1, 1, 2, 1});
   auto v = t64({4, 8, 8, 0}, {1, 1, 2, 2});
   torch::Tensor w;
-  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().scale(1.0), &w);
+  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().scale(1.0), &w);
   expect_close(out, t64({7, 2}, {1, 1, 1, 2}));
   expect_close(w, t64({0.25, 0.75}, {1, 1, 1, 2}));
 }
@@ -63,7 +63,7 @@ TEST(ReferenceSoftmax, CustomScaleMultipliesScores) {
   auto q = t64({4}, {1, 1, 1, 1});
   auto k = t64({0, kLn3}, {1, 1, 2, 1});
   auto v = t64({4, 8}, {1, 1, 2, 1});
-  expect_close(reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().scale(0.25)),
+  expect_close(reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().scale(0.25)),
                t64({7}, {1, 1, 1, 1}));
 }
 
@@ -74,7 +74,7 @@ TEST(ReferenceSoftmax, CausalFewerQueriesThanKeysIsBottomRightAligned) {
   auto k = t64({1, 2, 3}, {1, 1, 3, 1});
   auto v = t64({3, 6, 9}, {1, 1, 3, 1});
   torch::Tensor w;
-  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(true), &w);
+  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true), &w);
   expect_close(out, t64({4.5, 6}, {1, 1, 2, 1}));
   expect_close(w, t64({0.5, 0.5, 0, 1. / 3, 1. / 3, 1. / 3}, {1, 1, 2, 3}));
 }
@@ -86,7 +86,7 @@ TEST(ReferenceSoftmax, CausalMoreQueriesThanKeysLeavesEarlyRowsEmpty) {
   auto k = t64({1, 2}, {1, 1, 2, 1});
   auto v = t64({3, 6}, {1, 1, 2, 1});
   torch::Tensor w;
-  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(true), &w);
+  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true), &w);
   expect_close(out, t64({0, 3, 4.5}, {1, 1, 3, 1}));
   EXPECT_EQ(out[0][0][0][0].item<double>(), 0.0);
   EXPECT_TRUE(torch::equal(w[0][0][0], torch::zeros({2}, f64())));
@@ -98,7 +98,7 @@ TEST(ReferenceSoftmax, KeyLengthsHideTrailingKeysAndZeroLengthGivesZero) {
   auto q = torch::zeros({3, 1, 1, 1}, f64());
   auto k = torch::ones({3, 1, 3, 1}, f64());
   auto v = t64({3, 6, 9}, {1, 1, 3, 1}).expand({3, 1, 3, 1}).contiguous();
-  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().key_lengths(i64({1, 3, 0})));
+  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().key_lengths(i64({1, 3, 0})));
   expect_close(out, t64({3, 6, 0}, {3, 1, 1, 1}));
   EXPECT_EQ(out[2][0][0][0].item<double>(), 0.0);
 }
@@ -110,7 +110,7 @@ TEST(ReferenceSoftmax, BiasIsAddedToScoresAndBroadcasts) {
   auto k = torch::ones({1, 1, 2, 1}, f64());
   auto v = t64({4, 8}, {1, 1, 2, 1});
   auto bias = t64({0, kLn3, kLn3, 0}, {2, 2});  // broadcasts as (1, 1, 2, 2)
-  expect_close(reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(bias)),
+  expect_close(reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(bias)),
                t64({7, 5}, {1, 1, 2, 1}));
 }
 
@@ -122,7 +122,7 @@ TEST(ReferenceSoftmax, MinusInfinityBiasHidesKeysAndFullyMaskedRowIsExactlyZero)
   auto v = t64({3, 6, 9}, {1, 1, 3, 1});
   auto bias = t64({-kInf, 0, 0, -kInf, -kInf, -kInf}, {1, 1, 2, 3});
   torch::Tensor w;
-  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(bias), &w);
+  auto out = reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(bias), &w);
   expect_close(out, t64({7.5, 0}, {1, 1, 2, 1}));
   EXPECT_EQ(out[0][0][1][0].item<double>(), 0.0);
   EXPECT_TRUE(torch::equal(w[0][0][1], torch::zeros({3}, f64())));
@@ -147,10 +147,10 @@ TEST(ReferenceLinear, IdentityNormalizedDividesByScoreSum) {
   auto q = t64({1, 1}, {1, 1, 1, 2});
   auto k = t64({1, 0, 0, 1}, {1, 1, 2, 2});
   auto v = t64({2, 4}, {1, 1, 2, 1});
-  auto o = LinearAttentionOptions().normalize(true).eps(0.0);
+  auto o = LinearAttentionFuncOptions().normalize(true).eps(0.0);
   expect_close(reference::linear_attention(q, k, v, o), t64({3}, {1, 1, 1, 1}));
   // With the default eps = 1e-6 the denominator is 2 + 1e-6.
-  expect_close(reference::linear_attention(q, k, v, LinearAttentionOptions().normalize(true)),
+  expect_close(reference::linear_attention(q, k, v, LinearAttentionFuncOptions().normalize(true)),
                t64({6 / (2 + 1e-6)}, {1, 1, 1, 1}));
 }
 
@@ -162,7 +162,7 @@ TEST(ReferenceLinear, EluFeatureMapIsEluPlusOne) {
   auto q = t64({0}, {1, 1, 1, 1});
   auto k = t64({1, -1}, {1, 1, 2, 1});
   auto v = t64({1, 5}, {1, 1, 2, 1});
-  auto elu = LinearAttentionOptions().feature_map(FeatureMap::elu);
+  auto elu = LinearAttentionFuncOptions().feature_map(FeatureMap::elu);
   expect_close(reference::linear_attention(q, k, v, elu), t64({2 + 5 / kE}, {1, 1, 1, 1}));
   expect_close(reference::linear_attention(q, k, v, elu.normalize(true).eps(0.0)),
                t64({(2 + 5 / kE) / (2 + 1 / kE)}, {1, 1, 1, 1}));
@@ -175,7 +175,7 @@ TEST(ReferenceLinear, CausalPrefixWithFewerQueriesThanKeys) {
   auto q = t64({1, 2}, {1, 1, 2, 1});
   auto k = t64({1, 1, 1}, {1, 1, 3, 1});
   auto v = t64({1, 2, 4}, {1, 1, 3, 1});
-  auto o = LinearAttentionOptions().causal(true);
+  auto o = LinearAttentionFuncOptions().causal(true);
   expect_close(reference::linear_attention(q, k, v, o), t64({3, 14}, {1, 1, 2, 1}));
   expect_close(reference::linear_attention(q, k, v, o.normalize(true).eps(0.0)),
                t64({1.5, 7. / 3}, {1, 1, 2, 1}));
@@ -188,7 +188,7 @@ TEST(ReferenceLinear, CausalPrefixWithMoreQueriesThanKeys) {
   auto q = t64({5, 1, 2}, {1, 1, 3, 1});
   auto k = t64({1, 1}, {1, 1, 2, 1});
   auto v = t64({1, 2}, {1, 1, 2, 1});
-  auto o = LinearAttentionOptions().causal(true);
+  auto o = LinearAttentionFuncOptions().causal(true);
   expect_close(reference::linear_attention(q, k, v, o), t64({0, 1, 6}, {1, 1, 3, 1}));
   // Normalised, eps 1e-6: 0/1e-6 = 0, 1/(1 + 1e-6), 6/(4 + 1e-6).
   expect_close(reference::linear_attention(q, k, v, o.normalize(true)),
@@ -202,7 +202,7 @@ TEST(ReferenceLinear, QueryThatSeesNoKeyIsZeroEvenWithEpsZero) {
   auto q = t64({5, 1, 2}, {1, 1, 3, 1}).requires_grad_();
   auto k = t64({1, 1}, {1, 1, 2, 1}).requires_grad_();
   auto v = t64({1, 2}, {1, 1, 2, 1});
-  auto o = LinearAttentionOptions().causal(true).normalize(true).eps(0.0);
+  auto o = LinearAttentionFuncOptions().causal(true).normalize(true).eps(0.0);
   auto out = reference::linear_attention(q, k, v, o);
   expect_close(out, t64({0, 1, 1.5}, {1, 1, 3, 1}));
   out.sum().backward();
@@ -211,7 +211,7 @@ TEST(ReferenceLinear, QueryThatSeesNoKeyIsZeroEvenWithEpsZero) {
   EXPECT_EQ(q.grad()[0][0][0][0].item<double>(), 0.0);
   auto none = torch::zeros({1, 1, 0, 1}, torch::kDouble);
   for (bool causal : {false, true})
-    expect_close(reference::linear_attention(q.detach(), none, none, LinearAttentionOptions(o).causal(causal)),
+    expect_close(reference::linear_attention(q.detach(), none, none, LinearAttentionFuncOptions(o).causal(causal)),
                  torch::zeros({1, 1, 3, 1}, torch::kDouble));
 }
 
@@ -229,7 +229,7 @@ TEST(ReferenceGated, ScalarRecurrenceThreeSteps) {
   auto q = t64({1, 1, 2}, {1, 1, 3, 1});
   auto alpha = t64({0.5, 0.5, 2}, {1, 1, 3});
   auto beta = t64({1, 2, 1}, {1, 1, 3});
-  expect_close(reference::gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionOptions().causal(true)),
+  expect_close(reference::gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionFuncOptions().causal(true)),
                t64({1, 8.5, 52}, {1, 1, 3, 1}));
   expect_close(reference::gated_linear_attention(f, q, alpha, beta, {}), t64({26, 26, 52}, {1, 1, 3, 1}));
 }
@@ -248,7 +248,7 @@ TEST(ReferenceGated, OuterProductRecurrenceTwoSteps) {
   auto q = t64({1, 1, 1, -1}, {1, 1, 2, 2}).expand({1, 2, 2, 2}).contiguous();
   auto alpha = t64({3, 0.5, 1, 1}, {1, 2, 2});
   auto beta = t64({2, 1, 1, 1}, {1, 2, 2});
-  expect_close(reference::gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionOptions().causal(true)),
+  expect_close(reference::gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionFuncOptions().causal(true)),
                t64({2, 0, 1, 0, 1, 0, 1, 0}, {1, 2, 2, 2}));
   expect_close(reference::gated_linear_attention(f, q, alpha, beta, {}),
                t64({3, 2, 1, 0, 3, 2, 1, 0}, {1, 2, 2, 2}));
@@ -273,7 +273,7 @@ TEST(ReferenceAgglomerative, CausalUsesPrefixSums) {
   auto cq = t64({1, 2, 1}, {1, 1, 3});
   auto cr = t64({1, 2, 1}, {1, 1, 3});
   auto v = t64({4, 2, 0}, {1, 1, 3, 1});
-  expect_close(reference::agglomerative_attention(cq, cr, v, AgglomerativeOptions().causal(true)),
+  expect_close(reference::agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(true)),
                t64({4, 16. / 3, 2}, {1, 1, 3, 1}));
 }
 
@@ -282,7 +282,7 @@ TEST(ReferenceAgglomerative, CausalWithLNotEqualSIsBottomRightAligned) {
   // L = 2, S = 3: query i reads prefix i + 1 -> (8/3, 2).
   auto cr = t64({1, 2, 1}, {1, 1, 3});
   auto v = t64({4, 2, 0}, {1, 1, 3, 1});
-  auto causal = AgglomerativeOptions().causal(true);
+  auto causal = AgglomerativeAttentionFuncOptions().causal(true);
   expect_close(reference::agglomerative_attention(torch::ones({1, 1, 2}, f64()), cr, v, causal),
                t64({8. / 3, 2}, {1, 1, 2, 1}));
   // L = 3, S = 2 (first two keys): query 0 sees nothing -> 0, then prefixes 0, 1 -> (4, 8/3).
@@ -300,11 +300,11 @@ TEST(ReferenceAgglomerative, ClipBoundsTheDenominator) {
   auto v = t64({1, 4}, {1, 1, 2, 1});
   expect_close(reference::agglomerative_attention(cq, cr, v, {}), t64({0.9}, {1, 1, 1, 1}));
   // A custom clip 1e-4 is inactive: 9e-4 / 3e-4 = 3.
-  expect_close(reference::agglomerative_attention(cq, cr, v, AgglomerativeOptions().clip(1e-4)),
+  expect_close(reference::agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().clip(1e-4)),
                t64({3}, {1, 1, 1, 1}));
   // Causal (L = S = 2): prefix 0: 1e-4 / max(1e-4, 1e-3) = 0.1; prefix 1: 0.9.
   expect_close(reference::agglomerative_attention(torch::ones({1, 1, 2}, f64()), cr, v,
-                                                  AgglomerativeOptions().causal(true)),
+                                                  AgglomerativeAttentionFuncOptions().causal(true)),
                t64({0.1, 0.9}, {1, 1, 2, 1}));
 }
 
@@ -638,7 +638,7 @@ TEST(ReferenceSparse, SoftmaxOverNeighboursAndEmptyRowIsZero) {
   auto k = t64({0, 5, 1}, {1, 1, 3, 1});
   auto v = t64({3, 6, 9}, {1, 1, 3, 1});
   torch::Tensor w;
-  auto out = reference::sparse_attention(q, k, v, edges, SparseAttentionOptions().scale(1.0), &w);
+  auto out = reference::sparse_attention(q, k, v, edges, SparseAttentionFuncOptions().scale(1.0), &w);
   expect_close(out, t64({7.5, 6, 0}, {1, 1, 3, 1}));
   EXPECT_EQ(out[0][0][2][0].item<double>(), 0.0);
   expect_close(w, t64({0.25, 0, 0.75, 0, 1, 0, 0, 0, 0}, {1, 1, 3, 3}));

@@ -272,14 +272,14 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
   auto same = [](const torch::Tensor& a, const torch::Tensor& b) { return rel_err(a, b) < kSameMathTol; };
 
   EXPECT_TRUE(same(attend("full", q, k, v, {true, lens}),
-                   softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(true).key_lengths(lens))));
+                   softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true).key_lengths(lens))));
   // linear: elu feature map, normalised by default; causal-linear is causal regardless of the flag.
-  auto lin = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true);
+  auto lin = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true);
   EXPECT_TRUE(same(attend("linear", q, k, v), linear_attention(q, k, v, lin)));
   EXPECT_TRUE(same(attend("linear", q, k, v, {true}),
-                   linear_attention(q, k, v, LinearAttentionOptions(lin).causal(true))));
+                   linear_attention(q, k, v, LinearAttentionFuncOptions(lin).causal(true))));
   EXPECT_TRUE(same(attend("causal-linear", q, k, v),
-                   linear_attention(q, k, v, LinearAttentionOptions(lin).causal(true))));
+                   linear_attention(q, k, v, LinearAttentionFuncOptions(lin).causal(true))));
   EXPECT_TRUE(same(attend("linear:feature_map=identity,normalize=false", q, k, v),
                    linear_attention(q, k, v)));
   // gated-linear: the cheap-linear-attention paper's gate f = sigmoid(k) * v,
@@ -289,19 +289,19 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
   auto f = torch::sigmoid(k) * v3;
   EXPECT_TRUE(same(attend("gated-linear", q, k, v3), linear_attention(q, f, f)));
   EXPECT_TRUE(same(attend("gated-linear", q, k, v3, {true}),
-                   linear_attention(q, f, f, LinearAttentionOptions().causal(true))));
+                   linear_attention(q, f, f, LinearAttentionFuncOptions().causal(true))));
   // clustered: clusters clamped to L, the other options passed through.
-  auto clus = ClusteredAttentionOptions().clusters(3).bits(16).iterations(2).seed(9).key_lengths(lens);
+  auto clus = ClusteredAttentionFuncOptions().clusters(3).bits(16).iterations(2).seed(9).key_lengths(lens);
   EXPECT_TRUE(same(attend("clustered:clusters=3,bits=16,iterations=2,seed=9", q, k, v,
                           {false, lens}),
                    clustered_attention(q, k, v, clus)));
   EXPECT_TRUE(same(attend("improved-clustered:clusters=3,bits=16,iterations=2,seed=9,topk=2", q,
                           k, v, {false, lens}),
-                   clustered_attention(q, k, v, ClusteredAttentionOptions(clus).topk(2))));
+                   clustered_attention(q, k, v, ClusteredAttentionFuncOptions(clus).topk(2))));
   EXPECT_TRUE(same(attend("clustered:clusters=50", q, k, v),
-                   clustered_attention(q, k, v, ClusteredAttentionOptions().clusters(L))));
+                   clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(L))));
   EXPECT_TRUE(same(attend("improved-clustered:clusters=50,topk=50", q, k, v),
-                   clustered_attention(q, k, v, ClusteredAttentionOptions().clusters(L).topk(L))));
+                   clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(L).topk(L))));
   // sparse-<pattern>: the pattern over L nodes with pattern_param; bp-tree over (L+1)/2
   // tokens and star over L-1 satellites, so that the node count is L.
   for (const std::string p : {"full", "causal", "local", "local-causal", "segments", "segments-causal", "strided"}) {

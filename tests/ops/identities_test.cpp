@@ -92,10 +92,10 @@ TEST(Identities, ClusteredWithOneQueryPerClusterIsExact) {
         ASSERT_TRUE(hashes_distinct(q, 63, 9, true)) << s;
         auto lengths = padded ? random_lengths(s.N, s.S) : torch::Tensor();
         auto out = clustered_attention(
-            q, k, v, ClusteredAttentionOptions().clusters(s.L).seed(9).iterations(3).key_lengths(lengths));
+            q, k, v, ClusteredAttentionFuncOptions().clusters(s.L).seed(9).iterations(3).key_lengths(lengths));
         auto exact = reference::softmax_attention(q.to(torch::kDouble), k.to(torch::kDouble),
                                                   v.to(torch::kDouble),
-                                                  SoftmaxAttentionOptions().key_lengths(lengths));
+                                                  SoftmaxAttentionFuncOptions().key_lengths(lengths));
         expect_close(out, exact, tol_for(d), label(s, d, padded ? "key_lengths" : ""));
       }
 }
@@ -110,10 +110,10 @@ TEST(Identities, ImprovedClusteredWithAllKeysIsExact) {
              v = rand_in({s.N, s.H, s.S, s.M}, d);
         const int64_t clusters = std::uniform_int_distribution<int64_t>(1, s.L)(gen);
         auto lengths = padded ? random_lengths(s.N, s.S) : torch::Tensor();
-        auto o = ClusteredAttentionOptions().clusters(clusters).bits(17).topk(s.S).key_lengths(lengths);
+        auto o = ClusteredAttentionFuncOptions().clusters(clusters).bits(17).topk(s.S).key_lengths(lengths);
         auto out = clustered_attention(q, k, v, o);
         auto exact = softmax_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
-                                       SoftmaxAttentionOptions().key_lengths(lengths));
+                                       SoftmaxAttentionFuncOptions().key_lengths(lengths));
         expect_close(out, exact, tol_for(d),
                      label(s, d, "clusters " + std::to_string(clusters) + (padded ? " key_lengths" : "")));
       }
@@ -129,13 +129,13 @@ TEST(Identities, SparseWithFullEdgesIsExactAndCausalEdgesIsCausalExact) {
       expect_close(sparse_attention(q, k, v, edges::full(s.L, s.S)),
                    reference::softmax_attention(q64, k64, v64, {}), tol_for(d), label(s, d, "full"));
       expect_close(sparse_attention(q, k, v, edges::causal(s.L, s.S)),
-                   reference::softmax_attention(q64, k64, v64, SoftmaxAttentionOptions().causal(true)),
+                   reference::softmax_attention(q64, k64, v64, SoftmaxAttentionFuncOptions().causal(true)),
                    tol_for(d), label(s, d, "causal"));
       // The same lists given once per head, with a custom scale on both sides.
       auto full = edges::full(s.L, s.S);
       EdgeList per_head{full.offsets.unsqueeze(0).repeat({s.H, 1}), full.columns};
-      expect_close(sparse_attention(q, k, v, per_head, SparseAttentionOptions().scale(0.7)),
-                   reference::softmax_attention(q64, k64, v64, SoftmaxAttentionOptions().scale(0.7)),
+      expect_close(sparse_attention(q, k, v, per_head, SparseAttentionFuncOptions().scale(0.7)),
+                   reference::softmax_attention(q64, k64, v64, SoftmaxAttentionFuncOptions().scale(0.7)),
                    tol_for(d), label(s, d, "per-head full"));
     }
 }
@@ -156,7 +156,7 @@ TEST(Identities, AgglomerativeWithOneClassIsAMeanOfValues) {
         const int64_t last = i + s.S - s.L;
         if (last >= 0) causal.select(2, i).copy_(v64.narrow(2, 0, last + 1).mean(2));
       }
-      expect_close(agglomerative_attention(cq, cr, v, AgglomerativeOptions().causal(true)), causal,
+      expect_close(agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(true)), causal,
                    tol_for(d), label(s, d, "causal"));
     }
 }
@@ -179,7 +179,7 @@ TEST(Identities, LinearAttentionIsHTransposeHTimesQ) {
         auto Ci = torch::matmul(hp.transpose(-2, -1), hp);
         causal.select(2, i).copy_(torch::matmul(Ci, q64.select(2, i).unsqueeze(-1)).squeeze(-1));
       }
-      expect_close(linear_attention(q, h, h, LinearAttentionOptions().causal(true)), causal, tol_for(d),
+      expect_close(linear_attention(q, h, h, LinearAttentionFuncOptions().causal(true)), causal, tol_for(d),
                    label(s, d, "causal"));
     }
 }
@@ -204,7 +204,7 @@ TEST(Identities, ImprovedClusteredIsCloserToExactThanClustered) {
       auto labels = reference::hamming_kmeans(reference::pack_bits(reference::hash_bits(q, planes)),
                                               clusters, 10, 5, rep, {});
       torch::Tensor A, Ac, At;
-      reference::softmax_attention(q, k, v, SoftmaxAttentionOptions().key_lengths(lengths), &A);
+      reference::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().key_lengths(lengths), &A);
       reference::clustered_attention_given_labels(q, k, v, labels, clusters, 0, scale, lengths, &Ac);
       reference::clustered_attention_given_labels(q, k, v, labels, clusters, topk, scale, lengths, &At);
       auto improved = (At - A).abs().sum(-1), plain = (Ac - A).abs().sum(-1);
@@ -226,7 +226,7 @@ TEST(Identities, ClusteredIsDeterministicPerSeed) {
   auto q = torch::randn({2, 2, 40, 6}, f64()), k = torch::randn({2, 2, 13, 6}, f64()),
        v = torch::randn({2, 2, 13, 5}, f64());
   for (int64_t topk : {0, 4}) {
-    auto o = ClusteredAttentionOptions().clusters(5).bits(31).iterations(5).topk(topk);
+    auto o = ClusteredAttentionFuncOptions().clusters(5).bits(31).iterations(5).topk(topk);
     auto a = clustered_attention(q, k, v, o.seed(3));
     EXPECT_TRUE(torch::equal(a, clustered_attention(q, k, v, o.seed(3))));
     auto q32 = q.to(torch::kFloat), k32 = k.to(torch::kFloat), v32 = v.to(torch::kFloat);
@@ -250,7 +250,7 @@ TEST(Identities, ClusteredPaddedQueriesOutputExactlyZero) {
              v = rand_in({s.N, s.H, s.S, s.M}, d);
         auto qlen = random_lengths(s.N, s.L);
         auto out = clustered_attention(
-            q, k, v, ClusteredAttentionOptions().clusters(std::min<int64_t>(3, s.L)).bits(12).topk(topk)
+            q, k, v, ClusteredAttentionFuncOptions().clusters(std::min<int64_t>(3, s.L)).bits(12).topk(topk)
                          .query_lengths(qlen));
         ASSERT_TRUE(all_finite(out)) << label(s, d);
         for (int64_t n = 0; n < s.N; ++n) {

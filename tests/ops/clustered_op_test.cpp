@@ -29,7 +29,7 @@ namespace {
 constexpr double kF32Tol = 1e-5;
 
 /// The labels the op computes for q under options o (float32 q, any strides).
-torch::Tensor op_labels(const torch::Tensor& q, const ClusteredAttentionOptions& o) {
+torch::Tensor op_labels(const torch::Tensor& q, const ClusteredAttentionFuncOptions& o) {
   auto labels = torch::empty({q.size(0), q.size(1), q.size(2)}, torch::kLong);
   auto qlen = o.query_lengths().defined() ? o.query_lengths().contiguous() : torch::Tensor();
   kernels::ClusterParams p;
@@ -89,7 +89,7 @@ TEST(ClusteredOp, MatchesReferenceGivenItsLabels) {
     SCOPED_TRACE(describe(c));
     auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
     auto k = torch::randn({c.N, c.H, c.S, c.E}, f32()), v = torch::randn({c.N, c.H, c.S, c.M}, f32());
-    auto o = ClusteredAttentionOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(3);
+    auto o = ClusteredAttentionFuncOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(3);
     if (c.lengths) {
       auto key_lengths = torch::randint(std::min<int64_t>(c.S, c.topk + 1), c.S + 1, {c.N}, torch::kLong);
       key_lengths[0] = std::max<int64_t>(1, c.topk / 2);  // fewer keys than topk: padded top keys
@@ -121,7 +121,7 @@ TEST(ClusteredOp, ClusteringMatchesReferenceAwayFromPlanes) {
   torch::manual_seed(701);
   const int64_t N = 2, H = 2, L = 40, E = 8, B = 12;
   for (bool bias : {true, false}) {
-    auto o = ClusteredAttentionOptions().clusters(5).bits(B).iterations(10).seed(9).hash_bias(bias)
+    auto o = ClusteredAttentionFuncOptions().clusters(5).bits(B).iterations(10).seed(9).hash_bias(bias)
                  .query_lengths(torch::tensor({int64_t{40}, int64_t{23}}));
     auto planes = reference::hash_planes(B, E, o.seed(), bias).to(torch::kFloat).to(torch::kDouble);
     torch::Tensor q;
@@ -145,7 +145,7 @@ TEST(ClusteredOp, OneQueryPerClusterIsExactAttention) {
        v = torch::randn({N, H, S, M}, f32());
   auto key_lengths = torch::tensor({int64_t{33}, int64_t{20}});
   for (int64_t topk : {0, 3}) {
-    auto o = ClusteredAttentionOptions().clusters(L).topk(topk).seed(4).key_lengths(key_lengths);
+    auto o = ClusteredAttentionFuncOptions().clusters(L).topk(topk).seed(4).key_lengths(key_lengths);
     // Precondition: distinct hashes, so K-means puts every query alone.
     auto labels = op_labels(q, o);
     ASSERT_TRUE(torch::equal(std::get<0>(labels.sort(-1)), torch::arange(L).expand({N, H, L})));
@@ -153,7 +153,7 @@ TEST(ClusteredOp, OneQueryPerClusterIsExactAttention) {
     auto fast = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v, cot);
     auto exact = run(
         [&](auto& a, auto& b, auto& d) {
-          return reference::softmax_attention(a, b, d, SoftmaxAttentionOptions().key_lengths(key_lengths));
+          return reference::softmax_attention(a, b, d, SoftmaxAttentionFuncOptions().key_lengths(key_lengths));
         },
         q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), cot);
     EXPECT_LE(rel_err(fast.out, exact.out), kF32Tol) << "topk " << topk;
@@ -174,13 +174,13 @@ TEST(ClusteredOp, TopkEqualToKeyCountIsExactAttention) {
   auto query_lengths = torch::tensor({int64_t{45}, int64_t{30}, int64_t{45}});
   auto valid = torch::arange(L).view({1, 1, L, 1}).lt(query_lengths.view({N, 1, 1, 1})).to(torch::kFloat);
   for (int64_t clusters : {1, 4}) {
-    auto o = ClusteredAttentionOptions().clusters(clusters).topk(S).key_lengths(key_lengths)
+    auto o = ClusteredAttentionFuncOptions().clusters(clusters).topk(S).key_lengths(key_lengths)
                  .query_lengths(query_lengths);
     auto cot = torch::randn({N, H, L, M}, f32()) * valid;  // no gradient from padded rows
     auto fast = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v, cot);
     auto exact = run(
         [&](auto& a, auto& b, auto& d) {
-          return reference::softmax_attention(a, b, d, SoftmaxAttentionOptions().key_lengths(key_lengths));
+          return reference::softmax_attention(a, b, d, SoftmaxAttentionFuncOptions().key_lengths(key_lengths));
         },
         q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), cot);
     EXPECT_LE(rel_err(fast.out, exact.out * valid), kF32Tol) << "clusters " << clusters;
@@ -208,13 +208,13 @@ TEST(ClusteredOp, Proposition2HoldsOnEveryQuery) {
     auto key_lengths = torch::tensor({S, S - 11 * (trial % 3)});
     for (int64_t clusters : {2, 5, 12})
       for (int64_t topk : {1, 4, 16}) {
-        auto o = ClusteredAttentionOptions().clusters(clusters).topk(topk).seed(trial)
+        auto o = ClusteredAttentionFuncOptions().clusters(clusters).topk(topk).seed(trial)
                      .key_lengths(key_lengths);
         auto improved = clustered_attention(q, k, eye, o);
-        auto plain = clustered_attention(q, k, eye, ClusteredAttentionOptions(o).topk(0));
+        auto plain = clustered_attention(q, k, eye, ClusteredAttentionFuncOptions(o).topk(0));
         auto exact = reference::softmax_attention(q.to(torch::kDouble), k.to(torch::kDouble),
                                                   eye.to(torch::kDouble),
-                                                  SoftmaxAttentionOptions().key_lengths(key_lengths));
+                                                  SoftmaxAttentionFuncOptions().key_lengths(key_lengths));
         auto dist_t = (improved.to(torch::kDouble) - exact).abs().sum(-1);
         auto dist_c = (plain.to(torch::kDouble) - exact).abs().sum(-1);
         EXPECT_TRUE(dist_t.le(dist_c + kSlack).all().item<bool>())
@@ -234,7 +234,7 @@ TEST(ClusteredOp, SameSeedSameResultOnOneOrTwoThreads) {
   auto cot = torch::randn({N, H, L, M}, f32());
   const int previous = num_threads();
   for (int64_t topk : {0, 8}) {
-    auto o = ClusteredAttentionOptions().clusters(20).topk(topk).seed(12)
+    auto o = ClusteredAttentionFuncOptions().clusters(20).topk(topk).seed(12)
                  .key_lengths(torch::tensor({S, S / 2}))
                  .query_lengths(torch::tensor({L, L - 50}));
     std::vector<Grads> results;
@@ -260,7 +260,7 @@ TEST(ClusteredOp, PaddingGivesZerosAndNoGradients) {
   auto q = torch::randn({N, H, L, E}, f32()), k = torch::randn({N, H, S, E}, f32()),
        v = torch::randn({N, H, S, M}, f32());
   for (int64_t topk : {0, 4}) {
-    auto o = ClusteredAttentionOptions().clusters(3).topk(topk)
+    auto o = ClusteredAttentionFuncOptions().clusters(3).topk(topk)
                  .key_lengths(torch::tensor({int64_t{0}, int64_t{9}}))
                  .query_lengths(torch::tensor({int64_t{20}, int64_t{12}}));
     auto r = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v,
@@ -287,7 +287,7 @@ TEST(ClusteredOp, EmptyDimensionsMatchFloat64) {
       torch::manual_seed(711);
       auto q = torch::randn({N, 2, L, 3}, f32()), k = torch::randn({N, 2, S, 3}, f32()),
            v = torch::randn({N, 2, S, 4}, f32()), cot = torch::randn({N, 2, L, 4}, f32());
-      auto o = ClusteredAttentionOptions().clusters(1).bits(8).topk(topk);
+      auto o = ClusteredAttentionFuncOptions().clusters(1).bits(8).topk(topk);
       auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
       auto fast = run(f, q, k, v, cot);
       auto ref = run(f, q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), cot);
@@ -312,7 +312,7 @@ TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
   auto k = torch::randn({N, S, H, E}, f32()).transpose(1, 2);
   auto v = torch::randn({N, S, H, M}, f32()).transpose(1, 2);
   auto cot = torch::randn({N, H, L, M}, f32());
-  auto o = ClusteredAttentionOptions().clusters(7).topk(5).seed(2);
+  auto o = ClusteredAttentionFuncOptions().clusters(7).topk(5).seed(2);
   auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
   auto strided = run(f, q, k, v, cot);
   auto packed = run(f, q.contiguous(), k.contiguous(), v.contiguous(), cot);
@@ -326,7 +326,7 @@ TEST(ClusteredOp, DispatchNamesTheBackendThatRuns) {
   torch::manual_seed(710);
   auto q = torch::randn({1, 2, 12, 4}, f32()).requires_grad_(), k = torch::randn({1, 2, 10, 4}, f32()),
        v = torch::randn({1, 2, 10, 3}, f32());
-  auto o = ClusteredAttentionOptions().clusters(3).bits(20).topk(2).seed(5);
+  auto o = ClusteredAttentionFuncOptions().clusters(3).bits(20).topk(2).seed(5);
   expect_kernel(clustered_attention_dispatch(q, k, v, o));
   EXPECT_NE(grad_fn_name(clustered_attention(q, k, v, o)).find("ClusteredAttentionFunction"),
             std::string::npos);
@@ -341,7 +341,7 @@ TEST(ClusteredOp, Float64UsesTheReference) {
   torch::manual_seed(708);
   auto q = torch::randn({1, 2, 12, 4}, f64()), k = torch::randn({1, 2, 10, 4}, f64()),
        v = torch::randn({1, 2, 10, 3}, f64());
-  auto o = ClusteredAttentionOptions().clusters(3).bits(20).topk(2).seed(5);
+  auto o = ClusteredAttentionFuncOptions().clusters(3).bits(20).topk(2).seed(5);
   EXPECT_TRUE(torch::equal(clustered_attention(q, k, v, o), reference::clustered_attention(q, k, v, o)));
 }
 
@@ -355,9 +355,9 @@ TEST(ClusteredModule, ForwardIsTheOpWithClustersAndTopkFittedToTheCall) {
        v = torch::randn({2, 2, 5, 3}, f32());
   auto key_lengths = torch::tensor({int64_t{5}, int64_t{3}});
   auto query_lengths = torch::tensor({int64_t{6}, int64_t{4}});
-  nn::ClusteredAttention module(nn::ClusteredAttentionModuleOptions().clusters(100).topk(32).seed(8));
+  nn::ClusteredAttention module(nn::ClusteredAttentionOptions().clusters(100).topk(32).seed(8));
   auto expected = clustered_attention(
-      q, k, v, ClusteredAttentionOptions().clusters(6).topk(5).seed(8).key_lengths(key_lengths)
+      q, k, v, ClusteredAttentionFuncOptions().clusters(6).topk(5).seed(8).key_lengths(key_lengths)
                    .query_lengths(query_lengths));
   EXPECT_TRUE(torch::equal(module->forward(q, k, v, key_lengths, query_lengths), expected));
   EXPECT_TRUE(module->parameters().empty());
@@ -367,14 +367,14 @@ TEST(ClusteredModule, AdvanceSeedMovesOnInTrainingOnly) {
   torch::manual_seed(710);
   auto q = torch::randn({1, 2, 30, 8}, f32()), k = torch::randn({1, 2, 30, 8}, f32()),
        v = torch::randn({1, 2, 30, 8}, f32());
-  auto base = ClusteredAttentionOptions().clusters(4).topk(3);
-  auto with_seed = [&](int64_t seed) { return clustered_attention(q, k, v, ClusteredAttentionOptions(base).seed(seed)); };
+  auto base = ClusteredAttentionFuncOptions().clusters(4).topk(3);
+  auto with_seed = [&](int64_t seed) { return clustered_attention(q, k, v, ClusteredAttentionFuncOptions(base).seed(seed)); };
 
-  nn::ClusteredAttention fixed(nn::ClusteredAttentionModuleOptions().clusters(4).topk(3).seed(20));
+  nn::ClusteredAttention fixed(nn::ClusteredAttentionOptions().clusters(4).topk(3).seed(20));
   EXPECT_TRUE(torch::equal(fixed->forward(q, k, v), with_seed(20)));
   EXPECT_TRUE(torch::equal(fixed->forward(q, k, v), with_seed(20))) << "fixed seed by default";
 
-  nn::ClusteredAttention moving(nn::ClusteredAttentionModuleOptions().clusters(4).topk(3).seed(20).advance_seed(true));
+  nn::ClusteredAttention moving(nn::ClusteredAttentionOptions().clusters(4).topk(3).seed(20).advance_seed(true));
   EXPECT_TRUE(torch::equal(moving->forward(q, k, v), with_seed(20)));
   EXPECT_TRUE(torch::equal(moving->forward(q, k, v), with_seed(21)));
   EXPECT_EQ(moving->next_seed(), 22);
@@ -384,7 +384,7 @@ TEST(ClusteredModule, AdvanceSeedMovesOnInTrainingOnly) {
   EXPECT_EQ(moving->next_seed(), 22) << "eval calls do not count";
 
   // The call count is state: a copy loaded from it continues the sequence.
-  nn::ClusteredAttention resumed(nn::ClusteredAttentionModuleOptions().clusters(4).topk(3).seed(20).advance_seed(true));
+  nn::ClusteredAttention resumed(nn::ClusteredAttentionOptions().clusters(4).topk(3).seed(20).advance_seed(true));
   for (auto& item : resumed->named_buffers()) item.value().copy_(moving->named_buffers()[item.key()]);
   EXPECT_EQ(resumed->next_seed(), 22);
 }

@@ -44,7 +44,7 @@ TEST(LinearState, StepsEqualTheCausalOpTokenByToken) {
       auto q = torch::randn({N, H, L, E}, opts), k = torch::randn({N, H, L, E}, opts);
       auto v = torch::randn({N, H, L, M}, opts);
       LinearAttention module(
-          LinearAttentionOptions().feature_map(map).normalize(normalize).causal(true));
+          LinearAttentionFuncOptions().feature_map(map).normalize(normalize).causal(true));
       auto whole = module(q, k, v);  // float32: the chunked kernels; float64: the reference
       auto steps = stream(module->state(), q, k, v);
       EXPECT_LT(rel_err(steps, whole), dtype == torch::kDouble ? kSameMathTol64 : kSameMathTol32);
@@ -56,7 +56,7 @@ TEST(LinearState, StepsAreDifferentiableLikeTheOp) {
   const int64_t L = 9, E = 3, M = 2;
   auto q = torch::randn({1, 2, L, E}, f64()), k = torch::randn({1, 2, L, E}, f64());
   auto v = torch::randn({1, 2, L, M}, f64());
-  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto o = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
   testing::expect_gradients_match(
       [&](const std::vector<torch::Tensor>& x) {
         return stream(LinearAttention(o)->state(), x[0], x[1], x[2]);
@@ -93,7 +93,7 @@ TEST(LinearModule, IsTheOpWithItsOptions) {
   torch::manual_seed(3);
   auto q = torch::randn({2, 2, 5, 3}), k = torch::randn({2, 2, 7, 3}),
        v = torch::randn({2, 2, 7, 4});
-  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true);
+  const auto o = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true);
   LinearAttention module(o);
   EXPECT_TRUE(torch::equal(module(q, k, v), linear_attention(q, k, v, o)));
   EXPECT_TRUE(module->parameters().empty());
@@ -120,7 +120,7 @@ TEST(LinearGatedModule, IsTheSeedsGatedRecurrence) {
   auto ones = torch::ones({N, 1, n}, f64());
   for (bool causal : {false, true}) {
     auto want = gated_linear_attention(f.unsqueeze(1), q.unsqueeze(1), ones, ones,
-                                       attnkit::GatedLinearAttentionOptions().causal(causal));
+                                       attnkit::GatedLinearAttentionFuncOptions().causal(causal));
     EXPECT_LT(rel_err(m->forward(h, q, causal), want.squeeze(1)), kSameMathTol64);
   }
 }
@@ -200,7 +200,7 @@ TEST(LinearMultihead, GatedLinearGatesTheValueProjectionWithTheKeyProjection) {
   auto ones = torch::ones({N, H, L}, f64());
   for (bool causal : {false, true}) {
     auto per_head = gated_linear_attention(f, q, ones, ones,
-                                           attnkit::GatedLinearAttentionOptions().causal(causal));
+                                           attnkit::GatedLinearAttentionFuncOptions().causal(causal));
     auto want = mha->out_proj(per_head.transpose(1, 2).reshape({N, L, D}));
     EXPECT_LT(rel_err(mha->forward(x, x, x, {}, causal), want), kSameMathTol64);
   }

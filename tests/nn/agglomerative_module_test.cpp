@@ -28,7 +28,7 @@ constexpr double kDoubleTol = 1e-10;
 // wrong index, block or gradient shows up at 1e-2 or more.
 constexpr double kFloatTol = 1e-5;
 
-const double kClip = AgglomerativeOptions().clip();
+const double kClip = AgglomerativeAttentionFuncOptions().clip();
 
 /// A layer with random biases too (reset() zeroes them), in `dtype`.
 AgglomerativeAttention make_layer(int64_t d, int64_t m, torch::Dtype dtype, uint64_t seed) {

@@ -21,7 +21,7 @@
 
 namespace {
 
-using attnkit::SoftmaxAttentionOptions;
+using attnkit::SoftmaxAttentionFuncOptions;
 using attnkit::testing::f32;
 using attnkit::testing::f64;
 
@@ -101,7 +101,7 @@ Grads run(const std::vector<torch::Tensor>& inputs, const OpCase& c, const torch
   auto q = inputs[0].detach().requires_grad_(true), k = inputs[1].detach().requires_grad_(true),
        v = inputs[2].detach().requires_grad_(true);
   torch::Tensor bias;
-  SoftmaxAttentionOptions o;
+  SoftmaxAttentionFuncOptions o;
   o.causal(c.causal);
   if (inputs[3].defined()) {
     bias = inputs[3].detach().requires_grad_(true);
@@ -148,7 +148,7 @@ void check_case(const OpCase& c) {
   // Error scales (see kTolerance), in float64 from the reference's weights.
   torch::NoGradGuard no_grad;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.E));
-  SoftmaxAttentionOptions o;
+  SoftmaxAttentionFuncOptions o;
   o.causal(c.causal);
   if (bias64.defined()) o.bias(bias64);
   if (!c.key_lengths.empty()) o.key_lengths(torch::tensor(c.key_lengths, torch::kLong));
@@ -280,7 +280,7 @@ TEST(SoftmaxAttentionOp, BiasGradientIndependentOfThreadCount) {
       attnkit::set_num_threads(t);
       auto b = bias.clone().requires_grad_(true);
       auto out = attnkit::softmax_attention(
-          q, k, v, SoftmaxAttentionOptions().causal(true).bias(b).key_lengths(
+          q, k, v, SoftmaxAttentionFuncOptions().causal(true).bias(b).key_lengths(
               torch::tensor(std::vector<int64_t>{S, 200, 17})));
       out.backward(dout);
       grads.push_back(b.grad());
@@ -301,7 +301,7 @@ TEST(SoftmaxAttentionOp, DispatchNamesTheBackendAndWhy) {
   EXPECT_TRUE(attnkit::softmax_attention_dispatch(q, k, v).uses_kernel());
   auto bias = torch::randn({3, 5}, f32()).requires_grad_(true);
   EXPECT_TRUE(
-      attnkit::softmax_attention_dispatch(q, k, v, SoftmaxAttentionOptions().bias(bias)).uses_kernel());
+      attnkit::softmax_attention_dispatch(q, k, v, SoftmaxAttentionFuncOptions().bias(bias)).uses_kernel());
   const auto d = attnkit::softmax_attention_dispatch(q.to(torch::kDouble), k.to(torch::kDouble),
                                                      v.to(torch::kDouble));
   EXPECT_EQ(d.backend, attnkit::Backend::composite);
@@ -317,9 +317,9 @@ TEST(SoftmaxAttentionOp, ParameterBiasUnderNoGradTakesTheKernel) {
   auto v = torch::randn({2, 2, 11, 3}, f32());
   auto bias = torch::randn({9, 11}, f32()).requires_grad_(true);  // as a Parameter is
   const auto constant = attnkit::softmax_attention(
-      q, k, v, SoftmaxAttentionOptions().bias(bias.detach()));  // the kernel with a constant bias
+      q, k, v, SoftmaxAttentionFuncOptions().bias(bias.detach()));  // the kernel with a constant bias
   torch::NoGradGuard no_grad;
-  const SoftmaxAttentionOptions o = SoftmaxAttentionOptions().bias(bias);
+  const SoftmaxAttentionFuncOptions o = SoftmaxAttentionFuncOptions().bias(bias);
   EXPECT_TRUE(attnkit::softmax_attention_dispatch(q, k, v, o).uses_kernel());
   const auto out = attnkit::softmax_attention(q, k, v, o);
   EXPECT_FALSE(out.requires_grad());
@@ -341,9 +341,9 @@ TEST(SoftmaxAttentionOp, NaNScoresPropagateToTheirRowsOnBothPaths) {
   bias[4][5] = nan;     // row 4, key 5: hidden by the causal mask, so no effect
   bias[5].fill_(-kInf);
   bias[5][0] = nan;     // row 5: its only non -inf score is NaN
-  const auto o = SoftmaxAttentionOptions().causal(true).bias(bias);
+  const auto o = SoftmaxAttentionFuncOptions().causal(true).bias(bias);
   const auto want = attnkit::softmax_attention(q, k, v, o);
-  auto o32 = SoftmaxAttentionOptions().causal(true).bias(bias.to(torch::kFloat));
+  auto o32 = SoftmaxAttentionFuncOptions().causal(true).bias(bias.to(torch::kFloat));
   const auto got =
       attnkit::softmax_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), o32);
   const auto nan_rows = torch::isnan(want).all(-1);
@@ -368,7 +368,7 @@ TEST(SoftmaxAttentionOp, DoubleBackwardThroughTheKernelRaises) {
   auto k = torch::randn({1, 2, 5, 3}, f32()).requires_grad_(true);
   auto v = torch::randn({1, 2, 5, 3}, f32()).requires_grad_(true);
   auto bias = torch::randn({4, 5}, f32()).requires_grad_(true);
-  auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(bias));
+  auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(bias));
   // First-order gradients with create_graph are still right...
   auto first = torch::autograd::grad({out.pow(2).sum()}, {q, k, v, bias}, {}, /*retain_graph=*/true,
                                      /*create_graph=*/true);
@@ -391,20 +391,20 @@ TEST(SoftmaxAttentionOp, InPlaceChangeBetweenForwardAndBackwardRaises) {
   auto k = torch::randn({2, 2, 5, 3}, f32()), v = torch::randn({2, 2, 5, 3}, f32());
   {  // a constant bias
     auto bias = torch::randn({4, 5}, f32());
-    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(bias));
+    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(bias));
     bias.add_(1.0);
     expect_error([&] { out.sum().backward(); }, {"modified by an inplace operation"});
   }
   {  // a bias that needs its gradient
     auto leaf = torch::randn({4, 5}, f32()).requires_grad_(true);
     auto bias = leaf * 1.0;
-    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(bias));
+    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(bias));
     bias.mul_(2.0);
     expect_error([&] { out.sum().backward(); }, {"modified by an inplace operation"});
   }
   {  // key lengths
     auto lengths = torch::tensor({5, 3}, torch::kLong);
-    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionOptions().key_lengths(lengths));
+    auto out = attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().key_lengths(lengths));
     lengths[1] = 1;
     expect_error([&] { out.sum().backward(); }, {"modified by an inplace operation"});
   }

@@ -52,7 +52,7 @@ struct Grads {
 
 /// Forward and backward of the linear kernels on float32 tensors of any strides.
 Grads linear_kernels(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const torch::Tensor& dout, const LinearAttentionOptions& o, int64_t chunk) {
+                     const torch::Tensor& dout, const LinearAttentionFuncOptions& o, int64_t chunk) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   const int64_t E = q.size(3), M = v.size(3);
   Grads g{empty_like_f32({N, H, L, M}), empty_like_f32({N, H, L, E}), empty_like_f32({N, H, S, E}),
@@ -111,7 +111,7 @@ void expect_matches(const std::vector<torch::Tensor>& got, const std::vector<tor
   }
 }
 
-std::string describe(const LinearAttentionOptions& o, int64_t L, int64_t S, int64_t chunk) {
+std::string describe(const LinearAttentionFuncOptions& o, int64_t L, int64_t S, int64_t chunk) {
   return "L=" + std::to_string(L) + " S=" + std::to_string(S) + " chunk=" + std::to_string(chunk) +
          " map=" + to_string(o.feature_map()) + (o.normalize() ? " normalize" : "") +
          (o.causal() ? " causal" : "");
@@ -150,7 +150,7 @@ TEST(LinearKernel, MatchesFloat64ReferenceInValuesAndGradients) {
                                     {FeatureMap::elu, true}})
         for (bool causal : {false, true}) {
           const auto o =
-              LinearAttentionOptions().feature_map(map).normalize(normalize).causal(causal);
+              LinearAttentionFuncOptions().feature_map(map).normalize(normalize).causal(causal);
           // The identity map with the normaliser needs a positive denominator.
           const bool positive = map == FeatureMap::identity && normalize;
           const auto qq = positive ? q.abs() : q, kk = positive ? k.abs() : k;
@@ -189,7 +189,7 @@ TEST(LinearKernel, StridedInputsAndGradientsGiveTheContiguousResult) {
   ASSERT_FALSE(q.is_contiguous());
   for (bool causal : {false, true})
     for (auto map : {FeatureMap::identity, FeatureMap::elu}) {
-      const auto o = LinearAttentionOptions()
+      const auto o = LinearAttentionFuncOptions()
                          .feature_map(map)
                          .normalize(map == FeatureMap::elu)
                          .causal(causal);
@@ -209,7 +209,7 @@ TEST(LinearKernel, ThreadCountDoesNotChangeResults) {
   const int64_t N = 3, H = 2, L = 50, E = 4, M = 6;
   auto q = torch::randn({N, H, L, E}, f32()), k = torch::randn({N, H, L, E}, f32());
   auto v = torch::randn({N, H, L, M}, f32()), dout = torch::randn({N, H, L, M}, f32());
-  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto o = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
   const int saved = num_threads();
   set_num_threads(1);
   auto one = linear_kernels(q, k, v, dout, o, 16);
@@ -230,7 +230,7 @@ TEST(LinearKernel, QueriesThatSeeNoKeyGetZerosEvenWithoutEps) {
   auto q = torch::randn({1, 1, L, E}, f32()), k = torch::randn({1, 1, S, E}, f32());
   auto v = torch::randn({1, 1, S, M}, f32()), dout = torch::randn({1, 1, L, M}, f32());
   const auto o =
-      LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true).eps(0);
+      LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(true).eps(0);
   auto g = linear_kernels(q, k, v, dout, o, 4);
   EXPECT_TRUE(testing::all_finite(g.out) && testing::all_finite(g.dq) && testing::all_finite(g.dk));
   EXPECT_EQ(testing::max_abs(g.out.narrow(2, 0, L - S)), 0.0);
@@ -252,7 +252,7 @@ TEST(LinearOp, RowsThatSeeNoKeyAreZeroWithoutEpsInFloat64AndFloat32) {
     auto q = torch::randn({2, 1, L, 3}, f64()), k = torch::randn({2, 1, S, 3}, f64());
     auto v = torch::randn({2, 1, S, 2}, f64()), dout = torch::randn({2, 1, L, 2}, f64());
     const auto o =
-        LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(causal).eps(0);
+        LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(causal).eps(0);
     auto op = [&](const std::vector<torch::Tensor>& x) { return linear_attention(x[0], x[1], x[2], o); };
     const auto r64 = autograd_run(op, {q, k, v}, dout);
     const auto r32 = autograd_run(op, to_f32({q, k, v}), dout);
@@ -277,7 +277,7 @@ TEST(LinearOp, Float32GoesThroughTheKernelsWithAutograd) {
   auto v = torch::randn({N, H, S, M}, f64()), dout = torch::randn({N, H, L, M}, f64());
   for (bool causal : {false, true}) {
     const auto o =
-        LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(causal);
+        LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(causal);
     auto op = [&](const std::vector<torch::Tensor>& x) {
       return linear_attention(x[0], x[1], x[2], o);
     };
@@ -301,7 +301,7 @@ TEST(LinearOp, EmptyDimensionsGiveEmptyOrZeroResults) {
       auto q = torch::randn({N, 2, L, 3}, f32()).requires_grad_(true);
       auto k = torch::randn({N, 2, S, 3}, f32()).requires_grad_(true);
       auto v = torch::randn({N, 2, S, 4}, f32()).requires_grad_(true);
-      auto out = linear_attention(q, k, v, LinearAttentionOptions().normalize(true).causal(causal));
+      auto out = linear_attention(q, k, v, LinearAttentionFuncOptions().normalize(true).causal(causal));
       ASSERT_EQ(out.sizes(), (std::vector<int64_t>{N, 2, L, 4}));
       EXPECT_EQ(testing::max_abs(out), 0.0);
       out.sum().backward();
@@ -317,7 +317,7 @@ TEST(LinearOp, DispatchNamesTheBackendThatRuns) {
   torch::manual_seed(11);
   auto q = torch::randn({1, 2, 5, 3}, f64()), k = torch::randn({1, 2, 6, 3}, f64());
   auto v = torch::randn({1, 2, 6, 4}, f64());
-  const auto o = LinearAttentionOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
+  const auto o = LinearAttentionFuncOptions().feature_map(FeatureMap::elu).normalize(true).causal(true);
   const auto q32 = q.to(torch::kFloat).requires_grad_(), k32 = k.to(torch::kFloat),
              v32 = v.to(torch::kFloat);
   testing::expect_kernel(linear_attention_dispatch(q32, k32, v32, o));
@@ -373,7 +373,7 @@ std::vector<torch::Tensor> gated_reference(const std::vector<torch::Tensor>& in,
   return autograd_run(
       [&](const std::vector<torch::Tensor>& x) {
         return reference::gated_linear_attention(x[0], x[1], x[2], x[3],
-                                                 GatedLinearAttentionOptions().causal(causal));
+                                                 GatedLinearAttentionFuncOptions().causal(causal));
       },
       in, dout);
 }
@@ -405,7 +405,7 @@ TEST(LinearGated, MatchesFloat64ReferenceInValuesAndGradients) {
         const auto magnitudes = testing::term_magnitudes(
             [&](const std::vector<torch::Tensor>& x) {
               return reference::gated_linear_attention(x[0], x[1], x[2], x[3],
-                                                       GatedLinearAttentionOptions().causal(causal));
+                                                       GatedLinearAttentionFuncOptions().causal(causal));
             },
             in, dout);
         for (int64_t chunk : {1, 7, 16, 64})
@@ -443,7 +443,7 @@ TEST(LinearGated, OpUsesTheKernelsAndComputesGateGradientsOnlyWhenAsked) {
     const auto got = autograd_run(
         [&](const std::vector<torch::Tensor>& x) {
           return gated_linear_attention(x[0], x[1], x[2], x[3],
-                                        GatedLinearAttentionOptions().causal(causal));
+                                        GatedLinearAttentionFuncOptions().causal(causal));
         },
         to_f32({f, q, alpha, beta}), dout);
     expect_matches(got, want, f32_ref, causal ? "op causal" : "op");
@@ -454,14 +454,14 @@ TEST(LinearGated, OpUsesTheKernelsAndComputesGateGradientsOnlyWhenAsked) {
     const auto f32_fixed = gated_reference(to_f32({f, q, ones, ones}), dout, causal);
     auto fl = f.to(torch::kFloat).requires_grad_(true), ql = q.to(torch::kFloat).requires_grad_(true);
     auto gates = ones.to(torch::kFloat);
-    gated_linear_attention(fl, ql, gates, gates, GatedLinearAttentionOptions().causal(causal))
+    gated_linear_attention(fl, ql, gates, gates, GatedLinearAttentionFuncOptions().causal(causal))
         .backward(dout.to(torch::kFloat));
     expect_matches({fl.grad(), ql.grad()}, {want_fixed[1], want_fixed[2]},
                    {f32_fixed[1], f32_fixed[2]}, causal ? "fixed gates causal" : "fixed gates");
     auto al = alpha.to(torch::kFloat).requires_grad_(true);
     auto bl = beta.to(torch::kFloat);
     gated_linear_attention(f.to(torch::kFloat), q.to(torch::kFloat), al, bl,
-                           GatedLinearAttentionOptions().causal(causal))
+                           GatedLinearAttentionFuncOptions().causal(causal))
         .backward(dout.to(torch::kFloat));
     EXPECT_FALSE(bl.grad().defined());
     expect_matches({al.grad()}, {want[3]}, {f32_ref[3]}, causal ? "alpha only causal" : "alpha only");
@@ -481,7 +481,7 @@ TEST(LinearGated, EmptyDimensionsGiveEmptyOrZeroResults) {
         auto opt = torch::TensorOptions().dtype(dtype).requires_grad(true);
         auto f = torch::randn({N, 2, L, 3}, opt), q = torch::randn({N, 2, L, 3}, opt);
         auto alpha = torch::rand({N, 2, L}, opt), beta = torch::rand({N, 2, L}, opt);
-        auto out = gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionOptions().causal(causal));
+        auto out = gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionFuncOptions().causal(causal));
         ASSERT_EQ(out.sizes(), f.sizes());
         ASSERT_EQ(out.scalar_type(), dtype);
         out.sum().backward();
@@ -497,7 +497,7 @@ TEST(LinearGated, DispatchNamesTheBackendThatRuns) {
   const int64_t N = 1, H = 2, L = 6, E = 3;
   auto f = torch::randn({N, H, L, E}, f64()), q = torch::randn({N, H, L, E}, f64());
   auto alpha = torch::rand({N, H, L}, f64()), beta = torch::rand({N, H, L}, f64());
-  const auto o = GatedLinearAttentionOptions().causal(true);
+  const auto o = GatedLinearAttentionFuncOptions().causal(true);
   const auto x = to_f32({f, q, alpha, beta});
   const auto f_leaf = x[0].clone().requires_grad_();
   testing::expect_kernel(gated_linear_attention_dispatch(f_leaf, x[1], x[2], x[3], o));

@@ -56,7 +56,7 @@ Result run(const Inputs& in, const torch::Tensor& cotangent, bool causal, torch:
   // Fresh leaves each call, so gradients never accumulate across runs.
   auto leaf = [&](const torch::Tensor& x) { return x.detach().to(dtype).requires_grad_(); };
   auto cq = leaf(in.cq), cr = leaf(in.cr), v = leaf(in.v);
-  const auto o = AgglomerativeOptions().causal(causal);
+  const auto o = AgglomerativeAttentionFuncOptions().causal(causal);
   auto out = use_reference ? reference::agglomerative_attention(cq, cr, v, o)
                            : agglomerative_attention(cq, cr, v, o);
   (out * cotangent.to(dtype)).sum().backward();
@@ -88,7 +88,7 @@ void expect_float_matches_reference(const Inputs& in, bool causal, const std::st
   // denominator is a sum of positive terms, so it at most doubles the bound's
   // rounding count.) dcr is a difference (v_t minus the average) and has no
   // such scale.
-  const auto o = AgglomerativeOptions().causal(causal);
+  const auto o = AgglomerativeAttentionFuncOptions().causal(causal);
   const auto mag = testing::term_magnitudes(
       [&](const std::vector<torch::Tensor>& x) {
         return reference::agglomerative_attention(x[0], x[1], x[2], o);
@@ -137,7 +137,7 @@ TEST(AgglomerativeKernel, ClipActiveHasZeroGradientThere) {
   // d sum(out) / d cr_t = (sum_i cq_i / clip) (sum_m v_tm).
   auto cr = (base.cr * 1e-5).to(torch::kFloat).requires_grad_();
   agglomerative_attention(base.cq.to(torch::kFloat), cr, base.v.to(torch::kFloat)).sum().backward();
-  const double clip = AgglomerativeOptions().clip();
+  const double clip = AgglomerativeAttentionFuncOptions().clip();
   auto expected = base.cq.sum(2, /*keepdim=*/true) / clip * base.v.sum(-1);
   EXPECT_LT(rel_err(cr.grad(), expected), kFloatTol);
 }
@@ -150,7 +150,7 @@ TEST(AgglomerativeKernel, ReferenceGradientsMatchFiniteDifferences) {
     SCOPED_TRACE("causal " + std::to_string(causal));
     testing::expect_gradients_match(
         [&](const std::vector<torch::Tensor>& x) {
-          return agglomerative_attention(x[0], x[1], x[2], AgglomerativeOptions().causal(causal));
+          return agglomerative_attention(x[0], x[1], x[2], AgglomerativeAttentionFuncOptions().causal(causal));
         },
         {in.cq, in.cr, in.v}, kFdEps);
   }
@@ -164,7 +164,7 @@ TEST(AgglomerativeKernel, OneClassIsTheMeanOfTheValues) {
   auto v = torch::randn({N, 1, L, M}, f32());
   auto full = agglomerative_attention(ones, ones, v);
   EXPECT_LT(rel_err(full, v.to(torch::kDouble).mean(2, /*keepdim=*/true).expand({N, 1, L, M})), kFloatTol);
-  auto causal = agglomerative_attention(ones, ones, v, AgglomerativeOptions().causal(true));
+  auto causal = agglomerative_attention(ones, ones, v, AgglomerativeAttentionFuncOptions().causal(true));
   auto counts = torch::arange(1, L + 1, f64()).view({1, 1, L, 1});
   EXPECT_LT(rel_err(causal, v.to(torch::kDouble).cumsum(2) / counts), kFloatTol);
 }
@@ -201,7 +201,7 @@ TEST(AgglomerativeKernel, StridedInputsGiveTheContiguousResult) {
     // Contiguous float32 inputs.
     auto cq = in.cq.to(torch::kFloat).requires_grad_(), cr = in.cr.to(torch::kFloat).requires_grad_(),
          v = in.v.to(torch::kFloat).requires_grad_();
-    auto out = agglomerative_attention(cq, cr, v, AgglomerativeOptions().causal(causal));
+    auto out = agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(causal));
     (out * cotangent).sum().backward();
     // The same values as the layer's views: classes last for cq and cr,
     // (N, S, H, M) storage for v; and v with a non-unit last stride.
@@ -213,7 +213,7 @@ TEST(AgglomerativeKernel, StridedInputsGiveTheContiguousResult) {
       SCOPED_TRACE(rows ? "v as (N, S, H, M)" : "v as (N, H, M, S)");
       auto v_view = rows ? v_rows.transpose(1, 2) : v_cols.transpose(2, 3);
       auto out_view = agglomerative_attention(cq_t.transpose(1, 2), cr_t.transpose(1, 2), v_view,
-                                              AgglomerativeOptions().causal(causal));
+                                              AgglomerativeAttentionFuncOptions().causal(causal));
       (out_view * cotangent.transpose(2, 3).contiguous().transpose(2, 3)).sum().backward();
       EXPECT_LT(rel_err(out_view, out), kLayoutTol);
       EXPECT_LT(rel_err(cq_t.grad().transpose(1, 2), cq.grad()), kLayoutTol);
@@ -226,9 +226,9 @@ TEST(AgglomerativeKernel, StridedInputsGiveTheContiguousResult) {
     // A broadcast (stride 0) query weight.
     auto cq_b = torch::rand({N, H, 1}, f32());
     auto broadcast = agglomerative_attention(cq_b.expand({N, H, L}), cr.detach(), v.detach(),
-                                             AgglomerativeOptions().causal(causal));
+                                             AgglomerativeAttentionFuncOptions().causal(causal));
     auto dense = agglomerative_attention(cq_b.expand({N, H, L}).contiguous(), cr.detach(), v.detach(),
-                                         AgglomerativeOptions().causal(causal));
+                                         AgglomerativeAttentionFuncOptions().causal(causal));
     EXPECT_LT(rel_err(broadcast, dense), kLayoutTol);
   }
 }
@@ -249,7 +249,7 @@ TEST(AgglomerativeKernel, InferenceAndTrainingPathsAgree) {
   // is the same.
   const auto in = make_inputs(2, 3, 65, 65, 8, 7);
   for (bool causal : {false, true}) {
-    const auto o = AgglomerativeOptions().causal(causal);
+    const auto o = AgglomerativeAttentionFuncOptions().causal(causal);
     auto cq = in.cq.to(torch::kFloat), cr = in.cr.to(torch::kFloat), v = in.v.to(torch::kFloat);
     torch::Tensor plain;
     {
@@ -264,7 +264,7 @@ TEST(AgglomerativeKernel, InferenceAndTrainingPathsAgree) {
 
 TEST(AgglomerativeKernel, DispatchNamesTheBackendThatRuns) {
   const auto in = make_inputs(1, 3, 7, 5, 2, 12);
-  const auto o = AgglomerativeOptions().causal(true);
+  const auto o = AgglomerativeAttentionFuncOptions().causal(true);
   auto cq = in.cq.to(torch::kFloat).requires_grad_(), cr = in.cr.to(torch::kFloat),
        v = in.v.to(torch::kFloat);
   testing::expect_kernel(agglomerative_attention_dispatch(cq, cr, v, o));
@@ -281,7 +281,7 @@ TEST(AgglomerativeKernel, DispatchNamesTheBackendThatRuns) {
 
 TEST(AgglomerativeKernel, EmptySequences) {
   for (bool causal : {false, true}) {
-    const auto o = AgglomerativeOptions().causal(causal);
+    const auto o = AgglomerativeAttentionFuncOptions().causal(causal);
     // No keys: every query reads an empty average and outputs zeros.
     auto cq = torch::rand({1, 2, 3}, f32()).requires_grad_();
     auto cr = torch::rand({1, 2, 0}, f32()).requires_grad_();
@@ -304,11 +304,11 @@ TEST(AgglomerativeKernel, EmptySequences) {
 TEST(AgglomerativeKernel, RejectsAClipThatVanishesInFloat32) {
   auto cq = torch::rand({1, 1, 2}, f32()), cr = torch::rand({1, 1, 2}, f32());
   auto v = torch::rand({1, 1, 2, 3}, f32());
-  expect_error([&] { agglomerative_attention(cq, cr, v, AgglomerativeOptions().clip(1e-40)); },
+  expect_error([&] { agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().clip(1e-40)); },
                {"agglomerative_attention", "clip", "float32", "1e-40"});
   // float64 represents it: the reference runs.
   auto out = agglomerative_attention(cq.to(torch::kDouble), cr.to(torch::kDouble),
-                                     v.to(torch::kDouble), AgglomerativeOptions().clip(1e-40));
+                                     v.to(torch::kDouble), AgglomerativeAttentionFuncOptions().clip(1e-40));
   EXPECT_TRUE(testing::all_finite(out));
 }
 

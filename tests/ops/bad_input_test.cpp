@@ -88,20 +88,20 @@ TEST(BadInputSoftmax, TensorsAndSizes) {
 TEST(BadInputSoftmax, NonFiniteScale) {
   auto q = Q(), k = K(), v = V();
   for (double s : {kNaN, kInf, -kInf})
-    expect_error([&] { softmax_attention(q, k, v, SoftmaxAttentionOptions().scale(s)); },
+    expect_error([&] { softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().scale(s)); },
                  {"softmax_attention", "scale", "finite"});
 }
 
 TEST(BadInputSoftmax, KeyLengths) {
   auto q = Q(), k = K(), v = V();
   expect_lengths_errors("softmax_attention", "key_lengths", S, [&](const torch::Tensor& l) {
-    softmax_attention(q, k, v, SoftmaxAttentionOptions().key_lengths(l));
+    softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().key_lengths(l));
   });
 }
 
 TEST(BadInputSoftmax, BiasNotBroadcastable) {
   auto q = Q(), k = K(), v = V();
-  auto call = [&](const torch::Tensor& b) { softmax_attention(q, k, v, SoftmaxAttentionOptions().bias(b)); };
+  auto call = [&](const torch::Tensor& b) { softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().bias(b)); };
   ASSERT_NO_THROW(call(torch::zeros({L, S}, f64())));
   ASSERT_NO_THROW(call(torch::zeros({N, 1, 1, S}, f64())));
   ASSERT_NO_THROW(call(torch::zeros({1, H, L, 1}, f64())));
@@ -124,7 +124,7 @@ TEST(BadInputLinear, TensorsAndSizes) {
 TEST(BadInputLinear, BadEps) {
   auto q = Q(), k = K(), v = V();
   for (double eps : {kNaN, kInf, -1e-6})
-    expect_error([&] { linear_attention(q, k, v, LinearAttentionOptions().normalize(true).eps(eps)); },
+    expect_error([&] { linear_attention(q, k, v, LinearAttentionFuncOptions().normalize(true).eps(eps)); },
                  {"linear_attention", "eps"});
 }
 
@@ -200,7 +200,7 @@ TEST(BadInputAgglomerative, BadClip) {
   auto cq = torch::rand({N, H, L}, f64()), cr = torch::rand({N, H, S}, f64());
   auto v = V();
   for (double clip : {0.0, -1e-3, kNaN, kInf})
-    expect_error([&] { agglomerative_attention(cq, cr, v, AgglomerativeOptions().clip(clip)); },
+    expect_error([&] { agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().clip(clip)); },
                  {"agglomerative_attention", "clip"});
 }
 
@@ -208,45 +208,45 @@ TEST(BadInputAgglomerative, BadClip) {
 
 TEST(BadInputClustered, TensorsAndSizes) {
   expect_qkv_errors("clustered_attention", [](const auto& q, const auto& k, const auto& v) {
-    return clustered_attention(q, k, v, ClusteredAttentionOptions().clusters(2).bits(8));
+    return clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(2).bits(8));
   });
 }
 
 TEST(BadInputClustered, OptionsOutOfRange) {
   const std::string op = "clustered_attention";
   auto q = Q(), k = K(), v = V();
-  auto base = ClusteredAttentionOptions().clusters(2).bits(8).iterations(2);
-  auto call = [&](const ClusteredAttentionOptions& o) { clustered_attention(q, k, v, o); };
+  auto base = ClusteredAttentionFuncOptions().clusters(2).bits(8).iterations(2);
+  auto call = [&](const ClusteredAttentionFuncOptions& o) { clustered_attention(q, k, v, o); };
   // Boundary values are accepted.
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).clusters(L)));
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).clusters(1)));
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).bits(1)));
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).bits(63)));
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).iterations(0)));
-  ASSERT_NO_THROW(call(ClusteredAttentionOptions(base).topk(S)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).clusters(L)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).clusters(1)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).bits(1)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).bits(63)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).iterations(0)));
+  ASSERT_NO_THROW(call(ClusteredAttentionFuncOptions(base).topk(S)));
   // And everything beyond them rejected.
-  expect_error([&] { call(ClusteredAttentionOptions(base).clusters(L + 1)); }, {op, "clusters"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).clusters(0)); }, {op, "clusters"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).clusters(-3)); }, {op, "clusters"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).bits(0)); }, {op, "bits"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).bits(64)); }, {op, "bits"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).bits(-1)); }, {op, "bits"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).iterations(-1)); }, {op, "iterations"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).topk(S + 1)); }, {op, "topk"});
-  expect_error([&] { call(ClusteredAttentionOptions(base).topk(-1)); }, {op, "topk"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).clusters(L + 1)); }, {op, "clusters"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).clusters(0)); }, {op, "clusters"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).clusters(-3)); }, {op, "clusters"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).bits(0)); }, {op, "bits"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).bits(64)); }, {op, "bits"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).bits(-1)); }, {op, "bits"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).iterations(-1)); }, {op, "iterations"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).topk(S + 1)); }, {op, "topk"});
+  expect_error([&] { call(ClusteredAttentionFuncOptions(base).topk(-1)); }, {op, "topk"});
   for (double s : {kNaN, kInf})
-    expect_error([&] { call(ClusteredAttentionOptions(base).scale(s)); }, {op, "scale", "finite"});
+    expect_error([&] { call(ClusteredAttentionFuncOptions(base).scale(s)); }, {op, "scale", "finite"});
 }
 
 TEST(BadInputClustered, KeyAndQueryLengths) {
   const std::string op = "clustered_attention";
   auto q = Q(), k = K(), v = V();
-  auto base = ClusteredAttentionOptions().clusters(2).bits(8).iterations(2);
+  auto base = ClusteredAttentionFuncOptions().clusters(2).bits(8).iterations(2);
   expect_lengths_errors(op, "key_lengths", S, [&](const torch::Tensor& l) {
-    clustered_attention(q, k, v, ClusteredAttentionOptions(base).key_lengths(l));
+    clustered_attention(q, k, v, ClusteredAttentionFuncOptions(base).key_lengths(l));
   });
   expect_lengths_errors(op, "query_lengths", L, [&](const torch::Tensor& l) {
-    clustered_attention(q, k, v, ClusteredAttentionOptions(base).query_lengths(l));
+    clustered_attention(q, k, v, ClusteredAttentionFuncOptions(base).query_lengths(l));
   });
 }
 
@@ -261,7 +261,7 @@ TEST(BadInputSparse, TensorsAndSizes) {
 TEST(BadInputSparse, NonFiniteScale) {
   auto q = Q(), k = K(), v = V();
   for (double s : {kNaN, -kInf})
-    expect_error([&] { sparse_attention(q, k, v, edges::full(L, S), SparseAttentionOptions().scale(s)); },
+    expect_error([&] { sparse_attention(q, k, v, edges::full(L, S), SparseAttentionFuncOptions().scale(s)); },
                  {"sparse_attention", "scale", "finite"});
 }
 
@@ -363,7 +363,7 @@ TEST(BadInputDispatcher, SoftmaxThroughTorchOps) {
                                      const c10::optional<torch::Tensor>&)>();
   auto q = Q(), k = K(), v = V();
   auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt);
-  EXPECT_TRUE(torch::equal(good, softmax_attention(q, k, v, SoftmaxAttentionOptions().causal(true))));
+  EXPECT_TRUE(torch::equal(good, softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true))));
   expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt); },
                {"softmax_attention", "'k'", "feature size"});
   expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt); },
