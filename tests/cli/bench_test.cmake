@@ -1,5 +1,5 @@
 # Runs the CLI as a user would and checks its output and JSON schema.
-include(${CMAKE_CURRENT_LIST_DIR}/cli_common.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/common.cmake)
 
 run_ok(${CLI} --version)
 if(NOT out MATCHES "^attnkit [0-9]+\\.[0-9]+\\.[0-9]+")

@@ -2,7 +2,7 @@
 # their help, their refusals and their JSON (fields, mechanism names from the
 # registry: "full", never "exact"; identities that tie the numbers to the
 # mechanisms). Variables: CLI (the attnkit binary), OUT_DIR (scratch folder).
-include(${CMAKE_CURRENT_LIST_DIR}/cli_common.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/common.cmake)
 
 function(require_no_exact json what)
   string(FIND "${json}" "exact" at)
