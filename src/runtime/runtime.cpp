@@ -6,6 +6,10 @@
 #include <algorithm>
 #include <atomic>
 #include <ctime>
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
+
 #include <fstream>
 #include <mutex>
 #include <vector>
@@ -63,18 +67,14 @@ double sgemm_peak_gflops(Clock clock, int64_t size, int repeats) {
 }
 
 std::string torch_blas_library() {
-  // libtorch links libblas.so.3 (Debian's alternatives pick netlib, OpenBLAS,
-  // BLIS, ...): the mapped file's resolved path names the implementation.
-  std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) {
-    const auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string path = line.substr(slash);
-    if (path.find("libblas.so") != std::string::npos || path.find("libopenblas") != std::string::npos ||
-        path.find("libblis") != std::string::npos || path.find("libmkl") != std::string::npos)
-      return path;
-  }
-  return "unknown";
+  // libtorch calls the Fortran symbol sgemm_; the dynamic linker binds it to
+  // the first loaded library that defines it (Debian's alternatives choose
+  // libblas.so.3: netlib, OpenBLAS, BLIS, ...). Ask where that symbol lives.
+  void* symbol = dlsym(RTLD_DEFAULT, "sgemm_");
+  Dl_info info{};
+  if (!symbol || !dladdr(symbol, &info) || !info.dli_fname) return "unknown";
+  char resolved[PATH_MAX];
+  return realpath(info.dli_fname, resolved) ? std::string(resolved) : std::string(info.dli_fname);
 }
 
 namespace memory {
