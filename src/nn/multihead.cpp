@@ -22,6 +22,20 @@ void MultiheadAttentionImpl::reset() {
   attention = register_module("attention", make_mechanism(options.attention()));
 }
 
+std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
+    const c10::optional<torch::Device>& device) const {
+  auto copy = std::dynamic_pointer_cast<MultiheadAttentionImpl>(
+      torch::nn::Cloneable<MultiheadAttentionImpl>::clone(device));
+  // Cloneable rebuilt `attention` from options and could not copy its state.
+  copy->attention = copy->replace_module("attention", attention->copy(device));
+  return copy;
+}
+
+void MultiheadAttentionImpl::set_attention(const std::string& spec) {
+  attention = replace_module("attention", make_mechanism(spec));
+  options.attention(spec);
+}
+
 torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
                                               const torch::Tensor& value,
                                               const torch::Tensor& key_lengths, bool causal) {

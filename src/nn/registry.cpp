@@ -169,6 +169,9 @@ class FunctionalMechanism : public MechanismImpl {
     check_supports(*info_, q, k, v, args);
     return info_->run({q, k, v}, args, spec_);
   }
+  std::shared_ptr<MechanismImpl> copy(const c10::optional<torch::Device>&) const override {
+    return std::make_shared<FunctionalMechanism>(info_, spec_);  // stateless
+  }
   void pretty_print(std::ostream& stream) const override {
     stream << "attnkit::nn::Mechanism(" << spec_.str() << ")";
   }
@@ -232,7 +235,8 @@ MechanismInfo linear_entry(const std::string& name) {
   m.options = {{"feature_map", "elu", "identity or elu (elu(x) + 1)"},
                {"normalize", "true", "divide by phi(q) . sum phi(k) + eps"},
                {"eps", "1e-6", "added to the normaliser"}};
-  m.supports = {true, false, true, true, name == "causal-linear"};
+  // Decoding state: LinearAttentionState, for "linear" when called causal.
+  m.supports = {true, false, true, true, true};
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
@@ -322,8 +326,16 @@ ClusteredAttentionFuncOptions clustered_options(const MechanismSpec& spec, const
 /// policy (fresh planes per training step) and `calls` buffer come along.
 class ClusteredMechanism : public MechanismImpl {
  public:
-  ClusteredMechanism(const MechanismInfo* info, const MechanismSpec& spec) : info_(info) {
+  ClusteredMechanism(const MechanismInfo* info, const MechanismSpec& spec) : info_(info), spec_(spec) {
     module_ = register_module("clustered", ClusteredAttention(clustered_module_options(spec)));
+  }
+  /// A deep copy: the inner module's clone carries the `calls` counter.
+  std::shared_ptr<MechanismImpl> copy(const c10::optional<torch::Device>& device) const override {
+    auto copy = std::make_shared<ClusteredMechanism>(info_, spec_);
+    copy->module_ = copy->replace_module(
+        "clustered", ClusteredAttention(std::dynamic_pointer_cast<ClusteredAttentionImpl>(
+                         module_->clone(device))));
+    return copy;
   }
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const AttendArgs& args) override {
@@ -334,6 +346,7 @@ class ClusteredMechanism : public MechanismImpl {
 
  private:
   const MechanismInfo* info_;
+  MechanismSpec spec_;
   ClusteredAttention module_{nullptr};
 };
 
@@ -487,8 +500,11 @@ std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::stri
     } else if (d.find_first_of(".e") != std::string::npos) {
       spec.get_double(o.key, 0);
     } else {
-      TORCH_CHECK(spec.get_int(o.key, 0) >= (o.key == "seed" ? 0 : 1), "mechanism '", spec.str(),
-                  "': option '", o.key, "' must be ", o.key == "seed" ? ">= 0" : ">= 1");
+      // Counts of things (clusters, bits, topk, spans) need one; seeds and
+      // K-means iterations may be 0 (0 iterations: the initial assignment).
+      const int64_t least = o.key == "seed" || o.key == "iterations" ? 0 : 1;
+      TORCH_CHECK(spec.get_int(o.key, 0) >= least, "mechanism '", spec.str(), "': option '", o.key,
+                  "' must be >= ", least);
     }
   }
   return {&info, spec};

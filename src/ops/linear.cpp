@@ -36,9 +36,13 @@ void check_linear(const torch::Tensor& x, const torch::Tensor& weight, const tor
               weight.size(0), ") like weight's out, got ", detail::shape_str(bias));
 }
 
-/// A 2-D view the kernel can read: unit column stride, row stride >= columns.
+/// t (..., columns) as a 2-D (rows, columns) matrix the kernel can read: unit
+/// column stride, row stride >= columns. A view when the layout allows it,
+/// else a contiguous copy. Rows are counted explicitly, so empty sizes work.
 torch::Tensor as_rows(const torch::Tensor& t, int64_t columns) {
-  auto m = t.reshape({-1, columns});  // a view when the layout allows it
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  auto m = t.reshape({rows, columns});
   const bool readable = m.stride(1) == 1 && (m.size(0) <= 1 || m.stride(0) >= columns);
   return readable ? m : m.contiguous();
 }
@@ -73,27 +77,32 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const auto x2 = as_rows(x, in);
     const auto w2 = as_rows(weight, in);
     const auto b = bias.defined() ? bias.contiguous() : bias;
-    auto y = torch::empty({x2.size(0), out}, x.options());
-    kernels::linear_forward(make_params(x2, w2, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
-    ctx->save_for_backward({x2, w2});
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["x_sizes"] = x.sizes();
+    // Allocated in its final shape (not a view of a 2-D result): a view made
+    // inside a custom Function could not be modified in place by the caller.
     auto sizes = x.sizes().vec();
     sizes.back() = out;
-    return y.view(sizes);
+    auto y = torch::empty(sizes, x.options());
+    kernels::linear_forward(make_params(x2, w2, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
+    // The originals, not x2 / w2: they carry the autograd edges that
+    // once_differentiable attaches its error node to (and the version checks).
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.defined();
+    return y;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &w2 = saved[1];
+    const auto &x = saved[0], &weight = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const int64_t rows = x2.size(0), in = x2.size(1), out = w2.size(0);
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const auto x2 = as_rows(x, in), w2 = as_rows(weight, in);
+    const int64_t rows = x2.size(0);
     // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
     const auto dy = as_rows(grads[0], out);
     torch::Tensor dx, dw, db;
     kernels::LinearGradients g;
     if (ctx->needs_input_grad(0)) {  // in x's shape; the kernel sees (rows, in) rows
-      dx = torch::empty(ctx->saved_data["x_sizes"].toIntVector(), x2.options());
+      dx = torch::empty(x.sizes(), x2.options());
       g.dx = dx.data_ptr<float>();
     }
     if (ctx->needs_input_grad(1)) {
@@ -106,7 +115,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     }
     const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
     kernels::linear_backward(make_params(x2, w2, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
-    return detail::once_differentiable(kOp, {dx, dw, db}, {x2, w2, grads[0]});
+    return detail::once_differentiable(kOp, {dx, dw, db}, {x, weight, grads[0]});
   }
 };
 

@@ -593,7 +593,7 @@ TEST(LinearGated, ReverseRecomputationDriftsFromCheckpointsOver10kSteps) {
   // alpha_t, so rounding accumulates, and grows like prod 1/alpha for alpha < 1.
   // The chunk checkpoints recompute C forwards instead. Over 10^4 steps both are
   // measured against float64; the numbers are printed and recorded as test
-  // properties (docs/performance/linear.md quotes them). Only dq and dalpha
+  // properties (docs/PERFORMANCE.md, "Gated recurrence", quotes them). Only dq and dalpha
   // read the recomputed C; df and dbeta need the adjoint alone. Asserted:
   // checkpoints are accurate everywhere; the reverse method is as accurate for
   // df and dbeta, and for every gradient when alpha = 1 (no division grows the

@@ -210,10 +210,10 @@ TEST(MultiheadTest, FullGradientsMatchFiniteDifferences) {
 /// The same module (same parameters) under another mechanism.
 torch::Tensor run_as(MultiheadAttention& m, const std::string& spec, const torch::Tensor& x,
                      const torch::Tensor& lengths = {}, bool causal = false) {
-  auto saved = m->attention;
-  m->attention = m->replace_module("attention", make_mechanism(spec));
+  const std::string saved = m->options.attention();
+  m->set_attention(spec);
   auto out = m->forward(x, x, x, lengths, causal);
-  m->attention = m->replace_module("attention", saved);
+  m->set_attention(saved);
   return out;
 }
 

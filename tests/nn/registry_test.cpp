@@ -146,3 +146,58 @@ TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
 
 }  // namespace
 }  // namespace attnkit::nn
+
+namespace attnkit::nn {
+namespace {
+
+TEST(MultiheadClone, KeepsTheSwappedMechanismAndItsState) {
+  torch::manual_seed(12);
+  MultiheadAttention m(MultiheadAttentionOptions(8, 2));
+  m->set_attention("clustered:clusters=2,bits=8");
+  EXPECT_EQ(m->options.attention(), "clustered:clusters=2,bits=8");
+  m->train();
+  auto x = torch::randn({1, 5, 8});
+  m->forward(x, x, x);
+  m->forward(x, x, x);
+  auto c = std::dynamic_pointer_cast<MultiheadAttentionImpl>(m->clone());
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->options.attention(), "clustered:clusters=2,bits=8");
+  auto calls = c->named_buffers()["attention.clustered.calls"];
+  EXPECT_EQ(calls.item<int64_t>(), 2) << "the copy continues the seed sequence";
+  // Same parameters, same next seed: the same output; and the copy is independent.
+  EXPECT_TRUE(torch::equal(c->forward(x, x, x), m->forward(x, x, x)));
+  c->forward(x, x, x);
+  EXPECT_EQ(m->named_buffers()["attention.clustered.calls"].item<int64_t>(), 3);
+  EXPECT_EQ(calls.item<int64_t>(), 4);
+}
+
+/// The float32 functional form (kernels) against the float64 definition, with
+/// L == S and L != S where supported; clustered forms are covered by their own
+/// tests (float32 and float64 hashing may split a query differently).
+TEST(Registry, Float32FormsMatchTheirFloat64Definitions) {
+  for (const auto& m : mechanisms()) {
+    if (m.approximates_exact) continue;
+    for (const bool cross : {false, true}) {
+      if (cross && !m.supports.cross) continue;
+      SCOPED_TRACE(m.name + (cross ? " L != S" : " L == S"));
+      torch::manual_seed(6);
+      AttentionShape s{2, 2, 7, cross ? 9 : 7, 8, m.supports.value_dim ? 5 : 8};
+      const auto spec = resolve_mechanism(m.name).second;
+      const auto x64 = m.sample(s, torch::kDouble);
+      MechanismInputs x32;
+      for (const auto& t : x64) x32.push_back(t.to(torch::kFloat));
+      for (const bool causal : {false, true}) {
+        if (causal && !m.supports.causal) continue;
+        const AttendArgs args{causal, {}};
+        // float32 takes each op's kernel; sparse attention has none yet.
+        const bool sparse = m.name.rfind("sparse-", 0) == 0;
+        EXPECT_EQ(m.dispatch(x32, args, spec).backend, sparse ? Backend::composite : Backend::kernel);
+        EXPECT_LT(testing::rel_err(m.run(x32, args, spec), m.reference(x64, args, spec)), 1e-5)
+            << (causal ? "causal" : "non-causal");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnkit::nn

@@ -64,8 +64,9 @@ void check_case(const Case& c) {
   auto dy64 = dy32.to(torch::kDouble);
   y32.backward(dy32);
   y64.backward(dy64);
-  const int64_t rows = x32.numel() / std::max<int64_t>(in, 1);
-  const auto dy2 = dy64.reshape({-1, c.out}), x2 = x64.detach().reshape({-1, in});
+  int64_t rows = 1;  // explicit: reshape(-1, 0) is ambiguous for empty tensors
+  for (size_t d = 0; d + 1 < c.x_shape.size(); ++d) rows *= c.x_shape[d];
+  const auto dy2 = dy64.reshape({rows, c.out}), x2 = x64.detach().reshape({rows, in});
   expect_within_dot_bound(x32.grad(), x64.grad(),
                           torch::matmul(dy2.abs(), w64.detach().abs()).view(x64.sizes()), c.out, "dx");
   expect_within_dot_bound(w32.grad(), w64.grad(), torch::matmul(dy2.abs().t(), x2.abs()), rows, "dW");
@@ -78,7 +79,8 @@ TEST(DenseOp, MatchesFloat64OnEveryRankAndAwkwardSizes) {
       {{5, 7}, 4, true},          {{5, 7}, 4, false},       {{2, 3, 7}, 5, true},
       {{2, 3, 2, 7}, 3, true},    {{1, 7}, 4, true},        {{9}, 4, true},
       {{6, 1}, 4, true},          {{6, 3}, 1, true},        {{0, 7}, 4, true},
-      {{37, 129}, 65, true},      {{3, 0, 5}, 2, true},
+      {{37, 129}, 65, true},      {{3, 0, 5}, 2, true},     {{4, 0}, 3, true},
+      {{4, 5}, 0, true},
   };
   for (const auto& c : cases) check_case(c);
 }
@@ -105,6 +107,21 @@ TEST(DenseOp, NonContiguousInputsBindWithoutChangingTheResult) {
   EXPECT_TRUE(torch::allclose(y, torch::matmul(x, wt) + b, 1e-5, 1e-5));
   y.sum().backward();
   EXPECT_TRUE(torch::allclose(wt.grad(), torch::matmul(x.t(), torch::ones({4, 6})), 1e-5, 1e-5));
+}
+
+TEST(DenseOp, OutputCanBeModifiedInPlace) {
+  // As with torch::nn::functional::linear: y.relu_() and friends must work
+  // (an output that were a view made inside the autograd Function could not).
+  auto x = torch::randn({2, 3, 5}).requires_grad_();
+  auto w = torch::randn({4, 5}).requires_grad_();
+  auto y = attnkit::linear(x, w);
+  y.relu_();
+  y.sum().backward();
+  auto x64 = x.detach().to(torch::kDouble).requires_grad_();
+  auto w64 = w.detach().to(torch::kDouble).requires_grad_();
+  torch::matmul(x64, w64.t()).relu().sum().backward();
+  EXPECT_LT(testing::rel_err(x.grad(), x64.grad()), 1e-5);
+  EXPECT_LT(testing::rel_err(w.grad(), w64.grad()), 1e-5);
 }
 
 TEST(DenseOp, WeightSharedByTwoCallsAccumulatesBothGradients) {
@@ -144,14 +161,20 @@ TEST(DenseOp, DispatchNamesTheBackendAndWhy) {
 TEST(DenseOp, DoubleBackwardThroughTheKernelIsRefused) {
   auto x = torch::randn({3, 5}).requires_grad_();
   auto w = torch::randn({4, 5}).requires_grad_();
-  auto y = attnkit::linear(x, w).pow(2).sum();
-  // First-order gradients under create_graph are fine; their own gradient is refused.
-  auto g = torch::autograd::grad({y}, {x, w}, {}, /*retain_graph=*/true, /*create_graph=*/true);
-  auto plain = torch::autograd::grad({y}, {x, w}, {}, /*retain_graph=*/true);
-  EXPECT_TRUE(torch::equal(g[0], plain[0]) && torch::equal(g[1], plain[1]));
-  for (const auto& gi : g)
-    expect_error([&] { torch::autograd::grad({gi.sum()}, {x, w}, {}, true, false, true); },
-                 {"linear", "double backward", "float64"});
+  // Both a cotangent that needs a gradient (pow) and a constant one (sum):
+  // the error must reach x and w either way, never a silently missing term.
+  for (const bool constant_cotangent : {false, true}) {
+    SCOPED_TRACE(constant_cotangent ? "sum" : "pow(2).sum");
+    auto y = constant_cotangent ? attnkit::linear(x, w).sum() : attnkit::linear(x, w).pow(2).sum();
+    // First-order gradients under create_graph are fine; their own gradient is refused.
+    auto g = torch::autograd::grad({y}, {x, w}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    auto plain = torch::autograd::grad({y}, {x, w}, {}, /*retain_graph=*/true);
+    EXPECT_TRUE(torch::equal(g[0], plain[0]) && torch::equal(g[1], plain[1]));
+    for (const auto& gi : g)
+      for (const auto& wrt : {x, w})
+        expect_error([&] { torch::autograd::grad({(gi * gi).sum()}, {wrt}, {}, true, false, true); },
+                     {"linear", "double backward", "float64"});
+  }
 }
 
 TEST(DenseOp, BadInputGetsOneClearError) {

@@ -54,7 +54,10 @@ class LinearAttentionState {
 };
 
 /// The module's options are the op's (libtorch's idiom when a module adds
-/// nothing to its functional form, e.g. torch::nn::functional::DropoutFuncOptions).
+/// nothing to its functional form, e.g. torch::nn::functional::DropoutFuncOptions),
+/// defaults included: the identity map without normaliser. The registry's
+/// "linear" mechanism (MultiheadAttention, attnkit bench) defaults instead to
+/// the normalised elu form of Katharopoulos et al.: "linear:feature_map=elu,normalize=true".
 using LinearAttentionOptions = attnkit::LinearAttentionFuncOptions;
 
 /// Linear attention without parameters, (N, H, L, E) queries, (N, H, S, E)

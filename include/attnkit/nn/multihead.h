@@ -30,6 +30,13 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
  public:
   explicit MultiheadAttentionImpl(const MultiheadAttentionOptions& options);
   void reset() override;
+  /// Cloneable's copy of the parameters, plus a deep copy of the current
+  /// mechanism (also one swapped in with set_attention) and its state.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
+  /// Swaps the mechanism behind the same projections (e.g. into a trained
+  /// model): updates options.attention and the `attention` submodule.
+  void set_attention(const std::string& spec);
   /// query (N, L, D), key and value (N, S, D) -> (N, L, D).
   torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key,
                         const torch::Tensor& value, const torch::Tensor& key_lengths = {},

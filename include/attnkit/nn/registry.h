@@ -81,6 +81,10 @@ class MechanismImpl : public torch::nn::Module {
   using torch::nn::Module::Module;
   virtual torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const AttendArgs& args = {}) = 0;
+  /// A deep copy, state (buffers) included: what a module holding this
+  /// mechanism uses in its own clone().
+  virtual std::shared_ptr<MechanismImpl> copy(
+      const c10::optional<torch::Device>& device = c10::nullopt) const = 0;
 };
 
 /// The tensors a mechanism consumes in its functional form: q, k, v for every
