@@ -47,15 +47,35 @@ torch::Tensor as_rows(const torch::Tensor& t, int64_t columns) {
   return readable ? m : m.contiguous();
 }
 
-kernels::LinearParams make_params(const torch::Tensor& x2, const torch::Tensor& w2,
+/// The weight (out, in) as the kernel reads it: as stored when its rows or
+/// its columns are contiguous (the latter is the .t() view of an (in, out)
+/// parameter: no copy), else a contiguous copy.
+struct WeightView {
+  torch::Tensor stored;  // (out, in), or (in, out) when transposed
+  bool transposed = false;
+};
+WeightView bind_weight(const torch::Tensor& weight) {
+  const int64_t out = weight.size(0), in = weight.size(1);
+  if (weight.stride(1) == 1 && (out <= 1 || weight.stride(0) >= in)) return {weight, false};
+  if (weight.stride(0) == 1 && (in <= 1 || weight.stride(1) >= out)) return {weight.t(), true};
+  return {weight.contiguous(), false};
+}
+
+int64_t row_stride(const torch::Tensor& m) {
+  return m.size(0) <= 1 ? std::max<int64_t>(m.size(1), 1) : m.stride(0);
+}
+
+kernels::LinearParams make_params(const torch::Tensor& x2, const WeightView& w,
                                   const torch::Tensor& bias) {
   kernels::LinearParams p;
   p.x = x2.data_ptr<float>();
-  p.x_row_stride = x2.size(0) <= 1 ? std::max<int64_t>(x2.size(1), 1) : x2.stride(0);
-  p.weight = w2.data_ptr<float>();
-  p.weight_row_stride = w2.size(0) <= 1 ? std::max<int64_t>(w2.size(1), 1) : w2.stride(0);
+  p.x_row_stride = row_stride(x2);
+  p.weight = w.stored.data_ptr<float>();
+  p.weight_row_stride = row_stride(w.stored);
+  p.weight_transposed = w.transposed;
   p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  p.rows = x2.size(0), p.in = x2.size(1), p.out = w2.size(0);
+  p.rows = x2.size(0), p.in = x2.size(1);
+  p.out = w.transposed ? w.stored.size(1) : w.stored.size(0);
   return p;
 }
 
@@ -75,15 +95,15 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                                const torch::Tensor& weight, const torch::Tensor& bias) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto x2 = as_rows(x, in);
-    const auto w2 = as_rows(weight, in);
+    const auto w = bind_weight(weight);
     const auto b = bias.defined() ? bias.contiguous() : bias;
     // Allocated in its final shape (not a view of a 2-D result): a view made
     // inside a custom Function could not be modified in place by the caller.
     auto sizes = x.sizes().vec();
     sizes.back() = out;
     auto y = torch::empty(sizes, x.options());
-    kernels::linear_forward(make_params(x2, w2, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
-    // The originals, not x2 / w2: they carry the autograd edges that
+    kernels::linear_forward(make_params(x2, w, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
+    // The originals, not x2 / w.stored: they carry the autograd edges that
     // once_differentiable attaches its error node to (and the version checks).
     ctx->save_for_backward({x, weight});
     ctx->saved_data["has_bias"] = bias.defined();
@@ -95,7 +115,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const auto &x = saved[0], &weight = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const int64_t in = weight.size(1), out = weight.size(0);
-    const auto x2 = as_rows(x, in), w2 = as_rows(weight, in);
+    const auto x2 = as_rows(x, in);
+    const auto w = bind_weight(weight);
     const int64_t rows = x2.size(0);
     // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
     const auto dy = as_rows(grads[0], out);
@@ -105,16 +126,17 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       dx = torch::empty(x.sizes(), x2.options());
       g.dx = dx.data_ptr<float>();
     }
-    if (ctx->needs_input_grad(1)) {
-      dw = torch::empty({out, in}, x2.options());
+    if (ctx->needs_input_grad(1)) {  // in the weight's stored layout: no transposing copy
+      dw = w.transposed ? torch::empty({in, out}, x2.options()) : torch::empty({out, in}, x2.options());
       g.dweight = dw.data_ptr<float>();
+      if (w.transposed) dw = dw.t();
     }
     if (has_bias && ctx->needs_input_grad(2)) {
       db = torch::empty({out}, x2.options());
       g.dbias = db.data_ptr<float>();
     }
     const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
-    kernels::linear_backward(make_params(x2, w2, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
+    kernels::linear_backward(make_params(x2, w, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
     return detail::once_differentiable(kOp, {dx, dw, db}, {x, weight, grads[0]});
   }
 };

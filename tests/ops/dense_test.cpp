@@ -109,6 +109,40 @@ TEST(DenseOp, NonContiguousInputsBindWithoutChangingTheResult) {
   EXPECT_TRUE(torch::allclose(wt.grad(), torch::matmul(x.t(), torch::ones({4, 6})), 1e-5, 1e-5));
 }
 
+TEST(DenseOp, WeightStoredTransposedOrStridedMatchesFloat64) {
+  // An (in, out) parameter used as weight = P.t() binds without a copy (the
+  // kernel's transposed layout); a weight with neither unit stride is copied.
+  torch::manual_seed(6);
+  const int64_t rows = 9, in = 7, out = 5;
+  for (const bool strided : {false, true}) {
+    SCOPED_TRACE(strided ? "strided" : "transposed");
+    auto base = strided ? torch::randn({in, 2 * out}) : torch::randn({in, out});
+    auto p32 = base.requires_grad_();
+    auto weight32 = strided ? p32.slice(1, 0, 2 * out, 2).t() : p32.t();  // (out, in)
+    auto p64 = p32.detach().to(torch::kDouble).requires_grad_();
+    auto weight64 = strided ? p64.slice(1, 0, 2 * out, 2).t() : p64.t();
+    auto x32 = torch::randn({rows, in}).requires_grad_();
+    auto x64 = x32.detach().to(torch::kDouble).requires_grad_();
+    auto b = torch::randn({out});
+    auto y32 = attnkit::linear(x32, weight32, b);
+    auto y64 = torch::matmul(x64, weight64.t()) + b.to(torch::kDouble);
+    expect_within_dot_bound(y32, y64,
+                            torch::matmul(x64.abs(), weight64.abs().t()) + b.to(torch::kDouble).abs(),
+                            in + 1, "y");
+    auto dy = torch::randn({rows, out});
+    y32.backward(dy);
+    y64.backward(dy.to(torch::kDouble));
+    const auto dy64 = dy.to(torch::kDouble);
+    expect_within_dot_bound(x32.grad(), x64.grad(), torch::matmul(dy64.abs(), weight64.detach().abs()),
+                            out, "dx");
+    // dP: the weight gradient mapped back to the parameter by autograd.
+    auto bound = torch::zeros_like(p64);
+    auto dw_bound = torch::matmul(dy64.abs().t(), x64.detach().abs());  // (out, in)
+    (strided ? bound.slice(1, 0, 2 * out, 2) : bound).copy_(dw_bound.t());
+    expect_within_dot_bound(p32.grad(), p64.grad(), bound, rows, "dP");
+  }
+}
+
 TEST(DenseOp, OutputCanBeModifiedInPlace) {
   // As with torch::nn::functional::linear: y.relu_() and friends must work
   // (an output that were a view made inside the autograd Function could not).
