@@ -137,5 +137,37 @@ class OpsTest(unittest.TestCase):
             attnkit.linear_attention(q, q, q, feature_map="relu")
 
 
+class LinearTest(unittest.TestCase):
+    """torch.ops.attnkit.linear: torch.nn.functional.linear's semantics."""
+
+    def test_float32_matches_float64_values_and_gradients(self):
+        torch.manual_seed(3)
+        x = torch.randn(2, 3, 7, dtype=torch.double)
+        w = torch.randn(4, 7, dtype=torch.double)
+        b = torch.randn(4, dtype=torch.double)
+        results = {}
+        for dtype in (torch.float, torch.double):
+            xs = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+            y = torch.ops.attnkit.linear(*xs)
+            torch.manual_seed(4)  # the same cotangent for both dtypes
+            cot = torch.randn(y.shape, dtype=torch.double).to(dtype)
+            results[dtype] = [y.detach()] + list(torch.autograd.grad(y, xs, cot))
+        for i, (a, ref) in enumerate(zip(results[torch.float], results[torch.double])):
+            err = (a.double() - ref).abs().max().item() / ref.abs().max().item()
+            self.assertLessEqual(err, 1e-5, f"result {i} (0 = output)")
+        self.assertTrue(torch.allclose(results[torch.double][0],
+                                       torch.nn.functional.linear(x, w, b)))
+
+    def test_gradcheck_float64_and_no_bias(self):
+        x = torch.randn(3, 5, dtype=torch.double, requires_grad=True)
+        w = torch.randn(2, 5, dtype=torch.double, requires_grad=True)
+        self.assertTrue(torch.autograd.gradcheck(lambda a, c: torch.ops.attnkit.linear(a, c), (x, w)))
+        self.assertEqual(attnkit.linear(x.float(), w.float()).shape, (3, 2))
+
+    def test_bad_shape_names_the_argument(self):
+        with self.assertRaisesRegex(RuntimeError, "linear: argument 'weight'"):
+            torch.ops.attnkit.linear(torch.randn(3, 6), torch.randn(4, 5))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
