@@ -142,7 +142,7 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
   TORCH_CHECK(options.topk() >= 0, op, ": option 'topk' must be >= 0, got ", options.topk());
   TORCH_CHECK(options.topk() <= S, op, ": option 'topk' (", options.topk(),
               ") must not exceed the number of keys S = ", S);
-  detail::check_scale(op, options.scale());
+  detail::check_scale(op, options.scale(), q.scalar_type());
   detail::check_lengths(op, "key_lengths", options.key_lengths(), q.size(0), S);
   detail::check_lengths(op, "query_lengths", options.query_lengths(), q.size(0), L);
   if (!clustered_attention_dispatch(q, k, v, options).uses_kernel())
