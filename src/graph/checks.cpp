@@ -39,6 +39,10 @@ void check_edge_list(const EdgeList& edges, int64_t L, int64_t S, int64_t H, con
                 ", got ", o[0][0], " and ", o[0][L]);
   }
   for (int64_t h = 0; h < o2.size(0); ++h) {
+    // The first offset of every list, checked on its own: with L = 0 the
+    // loop below sees no pair, and a per-head list has no start-at-0 rule.
+    TORCH_CHECK(0 <= o[h][0] && o[h][0] <= nnz, op, ": edge list 'offsets' must lie within [0, ",
+                nnz, "], got offsets[", h, "][0] = ", o[h][0]);
     for (int64_t i = 0; i < L; ++i) {
       const int64_t begin = o[h][i], end = o[h][i + 1];
       TORCH_CHECK(0 <= begin && begin <= end && end <= nnz, op,

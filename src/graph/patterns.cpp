@@ -4,7 +4,9 @@
 #include <attnkit/ops.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace attnkit::edges {
@@ -42,23 +44,46 @@ void check_size(const char* builder, const char* name, int64_t value, int64_t mi
               ", got ", value);
 }
 
+/// The most edges (and, for the grid builders, the most (i, j) cells visited)
+/// a builder makes: every edge is held in memory twice (a vector, then the
+/// columns tensor) at 8 bytes each, so 2^30 edges already take 16 GiB.
+constexpr int64_t kMaxEdges = int64_t{1} << 30;
+
+/// Refuses a pattern whose edge count (an upper bound, computed in double so
+/// that it cannot overflow) exceeds kMaxEdges, before anything is allocated.
+void check_edge_count(const char* builder, const std::string& sizes, double bound) {
+  TORCH_CHECK(bound <= static_cast<double>(kMaxEdges), "edges::", builder, ": ", sizes,
+              " gives up to ", bound, " edges, more than the limit of ", kMaxEdges,
+              " (2^30) edges a pattern may have");
+}
+
+std::string sizes_str(const char* a, int64_t x) { return std::string(a) + " = " + std::to_string(x); }
+std::string sizes_str(const char* a, int64_t x, const char* b, int64_t y) {
+  return sizes_str(a, x) + ", " + sizes_str(b, y);
+}
+
 }  // namespace
 
 EdgeList full(int64_t L, int64_t S) {
   check_size("full", "L", L, 0);
   check_size("full", "S", S, 0);
+  check_edge_count("full", sizes_str("L", L, "S", S), double(L) * double(S));
   return from_predicate(L, S, [](int64_t, int64_t) { return true; });
 }
 
 EdgeList causal(int64_t L, int64_t S) {
   check_size("causal", "L", L, 0);
   check_size("causal", "S", S, 0);
+  check_edge_count("causal", sizes_str("L", L, "S", S), double(L) * double(S));  // cells visited
   return from_predicate(L, S, [&](int64_t i, int64_t j) { return j <= i + (S - L); });
 }
 
 EdgeList local(int64_t n, int64_t span, bool is_causal) {
   check_size("local", "n", n, 0);
   check_size("local", "span", span, 0);
+  check_edge_count("local", sizes_str("n", n, "span", span),
+                   double(n) * std::min(double(n), 2.0 * double(span) + 1.0));
+  span = std::min(span, n);  // the same rows, and i + span cannot overflow
   std::vector<std::vector<int64_t>> rows(n);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = std::max<int64_t>(0, i - span); j <= (is_causal ? i : std::min(n - 1, i + span)); ++j)
@@ -69,6 +94,9 @@ EdgeList local(int64_t n, int64_t span, bool is_causal) {
 EdgeList segments(int64_t n, int64_t segment, bool is_causal) {
   check_size("segments", "n", n, 0);
   check_size("segments", "segment", segment, 1);
+  check_edge_count("segments", sizes_str("n", n, "segment", segment),
+                   double(n) * std::min(double(n), 2.0 * double(segment)));
+  segment = std::min(segment, std::max<int64_t>(n, 1));  // the same rows, no overflow
   std::vector<std::vector<int64_t>> rows(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = i / segment;
@@ -81,6 +109,8 @@ EdgeList segments(int64_t n, int64_t segment, bool is_causal) {
 
 EdgeList bp_tree(int64_t n) {
   check_size("bp_tree", "n", n, 1);
+  // Leaf rows hold their depth (<= ceil(log2 n)) + 1 ids, internal rows 2.
+  check_edge_count("bp_tree", sizes_str("n", n), double(n) * (std::ceil(std::log2(double(n))) + 3.0));
   // Nodes: tokens 0..n-1; internal spans numbered from n in pre-order (root = n).
   std::vector<std::vector<int64_t>> rows(2 * n - 1);
   int64_t next_internal = n;
@@ -113,6 +143,7 @@ EdgeList bp_tree(int64_t n) {
 
 EdgeList star(int64_t n) {
   check_size("star", "n", n, 1);
+  check_edge_count("star", sizes_str("n", n), 5.0 * double(n) + 1.0);
   std::vector<std::vector<int64_t>> rows(n + 1);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = std::max<int64_t>(0, i - 1); j <= std::min(n - 1, i + 1); ++j) rows[i].push_back(j);
@@ -125,6 +156,7 @@ EdgeList star(int64_t n) {
 EdgeList strided(int64_t n, int64_t stride) {
   check_size("strided", "n", n, 0);
   check_size("strided", "stride", stride, 1);
+  check_edge_count("strided", sizes_str("n", n, "stride", stride), double(n) * double(n));  // cells visited
   return from_predicate(n, n, [&](int64_t i, int64_t j) {
     return j <= i && (i - j < stride || (i - j) % stride == 0);
   });

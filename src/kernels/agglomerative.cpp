@@ -89,7 +89,7 @@ struct Forward {
     v = p.v + n * p.v_stride[0] + h * p.v_stride[1];
     out = p.out + n * p.out_stride[0] + h * p.out_stride[1];
     const int64_t rows = agglomerative_saved_rows(p.causal, p.L), s = n * p.H + h;
-    avg = p.avg ? p.avg + s * rows * p.M : nullptr;
+    avg = p.avg ? p.avg + s * rows * p.M : nullptr;  // may be null when M = 0
     den = p.den ? p.den + s * rows : nullptr;
   }
   float q(int64_t i) const { return cq[i * p.cq_stride[2]]; }
@@ -102,8 +102,8 @@ struct Forward {
   const float* cr;
   const float* v;
   float* out;
-  float* avg;  // nullptr when the forward does not save
-  float* den;
+  float* avg;  // nullptr when the forward does not save (or M = 0)
+  float* den;  // nullptr exactly when the forward does not save
 };
 
 struct Backward : Forward {
@@ -157,8 +157,8 @@ inline void write_out_row(const Forward& x, int64_t i, float inv, const float* s
 
 /// Saves a = inv sums and the unclipped count in saved row `row`, if saving.
 inline void save_average(const Forward& x, int64_t row, float inv, const float* sums, float count) {
-  if (!x.avg) return;
-  put_row(sums, x.p.M, x.avg + row * x.p.M, 1, inv);
+  if (!x.den) return;
+  if (x.p.M > 0) put_row(sums, x.p.M, x.avg + row * x.p.M, 1, inv);
   x.den[row] = count;
 }
 
@@ -207,8 +207,8 @@ void forward_causal(const AgglomerativeParams& p) {
         for (int64_t h = 0; h < H; ++h) {
           const Forward x(p, n, h);
           zero_row(M, x.out_row(i), p.out_stride[3]);
-          if (x.avg) {
-            std::fill(x.avg + i * M, x.avg + i * M + M, 0.f);
+          if (x.den) {
+            if (M > 0) std::fill(x.avg + i * M, x.avg + i * M + M, 0.f);
             x.den[i] = 0.f;
           }
         }

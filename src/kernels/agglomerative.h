@@ -36,6 +36,8 @@ struct AgglomerativeParams {
   // averages a the queries read, contiguous (N, H, R, M), and their unclipped
   // denominators, contiguous (N, H, R); R = L when causal (rows with no visible
   // key hold zeros), R = 1 when full (one average serves every query).
+  // den decides whether the forward saves: with M = 0, avg holds nothing and
+  // may be null (an empty tensor's data), while den must still be written.
   float* avg = nullptr;
   float* den = nullptr;
 

@@ -74,15 +74,17 @@ void count_bits(const int64_t* hashes, const int64_t* labels, int64_t n, int64_t
 struct Scratch {
   int64_t* centroids;  // C
   int64_t* positions;  // L: initial shuffle, then the farthest-first order
+  int64_t* previous;   // L: the labels of the previous assignment
   int32_t* count;      // C
   int32_t* ones;       // 64 C
   int32_t* distance;   // L
   int32_t* histogram;  // 65 (distances 0..64)
 };
 
-/// Clusters one sequence of n >= 1 valid hashes into C = min(clusters, n).
-void kmeans_one(const KMeansParams& p, const int64_t* hashes, int64_t n, uint64_t stream,
-                int64_t* labels, const Scratch& w) {
+/// Clusters one sequence of n >= 1 valid hashes into C = min(clusters, n);
+/// returns the iterations run.
+int64_t kmeans_one(const KMeansParams& p, const int64_t* hashes, int64_t n, uint64_t stream,
+                   int64_t* labels, const Scratch& w) {
   const int64_t C = std::min(p.clusters, n);
   const uint64_t seed = static_cast<uint64_t>(p.seed);
   const int64_t kept_bits = static_cast<int64_t>((uint64_t{1} << p.bits) - 1);  // bits <= 63
@@ -95,6 +97,10 @@ void kmeans_one(const KMeansParams& p, const int64_t* hashes, int64_t n, uint64_
 
   for (int64_t it = 0; it < p.iterations; ++it) {
     assign(hashes, n, w.centroids, C, labels);
+    // Converged: the update would give the centroids it gave last time, and
+    // the final assignment these labels. Running `it` iterations gives them too.
+    if (it > 0 && std::equal(labels, labels + n, w.previous)) return it;
+    std::copy(labels, labels + n, w.previous);
     count_bits(hashes, labels, n, C, w.count, w.ones);
     int64_t empty = 0;
     for (int64_t c = 0; c < C; ++c) {
@@ -122,31 +128,35 @@ void kmeans_one(const KMeansParams& p, const int64_t* hashes, int64_t n, uint64_
       if (w.count[c] == 0) w.centroids[c] = hashes[w.positions[next++]];
   }
   assign(hashes, n, w.centroids, C, labels);
+  return p.iterations;
 }
 
 }  // namespace
 
 void hamming_kmeans(const KMeansParams& p) {
   const int64_t heads = p.N * p.H, L = p.L, C = std::min(p.clusters, L);
+  if (L == 0 && p.rounds) std::fill(p.rounds, p.rounds + heads, int64_t{0});
   if (heads == 0 || L == 0) return;
   const int threads = num_threads();
-  const int64_t i64_per_thread = C + L, i32_per_thread = C + 64 * C + L + 65;
+  const int64_t i64_per_thread = C + 2 * L, i32_per_thread = C + 64 * C + L + 65;
   Buffer<int64_t> i64(static_cast<std::size_t>(threads * i64_per_thread));
   Buffer<int32_t> i32(static_cast<std::size_t>(threads * i32_per_thread));
 #pragma omp parallel num_threads(threads)
   {
     int64_t* a = i64.data() + omp_get_thread_num() * i64_per_thread;
     int32_t* b = i32.data() + omp_get_thread_num() * i32_per_thread;
-    const Scratch w{a, a + C, b, b + C, b + C + 64 * C, b + C + 64 * C + L};
+    const Scratch w{a, a + C, a + C + L, b, b + C, b + C + 64 * C, b + C + 64 * C + L};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < heads; ++nh) {
       const int64_t n = nh / p.H;
       const int64_t valid = key_limit(p.query_lengths, n, L);  // padding, as for keys
       int64_t* labels = p.labels + nh * L;
       std::fill(labels + valid, labels + L, int64_t{-1});
-      if (valid > 0)
-        kmeans_one(p, p.hashes + nh * L, valid, random::kInitStream + static_cast<uint64_t>(nh),
-                   labels, w);
+      const int64_t rounds =
+          valid > 0 ? kmeans_one(p, p.hashes + nh * L, valid,
+                                 random::kInitStream + static_cast<uint64_t>(nh), labels, w)
+                    : 0;
+      if (p.rounds) p.rounds[nh] = rounds;
     }
   }
 }

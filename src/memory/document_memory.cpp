@@ -3,6 +3,7 @@
 // representation. Products go through the kernels' sgemm.
 #include <attnkit/document_memory.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -134,10 +135,21 @@ void write_atomically(const std::string& path, const std::vector<unsigned char>&
 }
 
 std::vector<unsigned char> read_file(const std::string& path) {
+  // A directory opens as a stream but fails on the first read, which libstdc++
+  // reports by throwing an ios_base::failure that names no file.
+  struct stat info;
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "DocumentMemory::load: cannot open '", path,
+              "': ", errno_text());
+  TORCH_CHECK(!S_ISDIR(info.st_mode), "DocumentMemory::load: '", path,
+              "' is a directory, not a memory file");
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in, "DocumentMemory::load: cannot open '", path, "': ", errno_text());
-  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)),
-                                   std::istreambuf_iterator<char>());
+  std::vector<unsigned char> bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "DocumentMemory::load: cannot read '", path, "': ", e.what());
+  }
   TORCH_CHECK(!in.bad(), "DocumentMemory::load: cannot read '", path, "': ", errno_text());
   return bytes;
 }

@@ -120,7 +120,7 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_dim(op, "v", v, 0, cq.size(0), "batch size N");
   detail::check_dim(op, "v", v, 1, cq.size(1), "class count H");
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
-  detail::check_finite(op, "clip", options.clip());
+  detail::check_finite_in(op, "clip", options.clip(), cq.scalar_type());
   TORCH_CHECK(options.clip() > 0, op, ": option 'clip' must be > 0, got ", options.clip());
   if (!agglomerative_attention_dispatch(cq, cr, v, options).uses_kernel())
     return reference::agglomerative_attention(cq, cr, v, options);

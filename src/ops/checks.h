@@ -5,7 +5,10 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
+
+#include "ops/dispatch_util.h"
 
 namespace attnkit::detail {
 
@@ -23,6 +26,18 @@ inline void check_strided(const char* op, const char* name, const torch::Tensor&
               "; convert it with .to_dense()");
 }
 
+/// float32 (the kernels), float64 and bfloat16 (the composites). float16 is
+/// refused here rather than deep inside a composite: libtorch's CPU operators
+/// have no float16 forms of most of what the composites call (bmm, softmax,
+/// exp, cumsum), so it would fail with "... not implemented for 'Half'".
+inline void check_supported_dtype(const char* op, const char* name, const torch::Tensor& t) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == torch::kFloat || type == torch::kDouble || type == torch::kBFloat16, op,
+              ": argument '", name, "' has dtype ", dtype_name(type),
+              "; supported dtypes are float32, float64 and bfloat16 (float16 has no CPU "
+              "kernels in libtorch's matmul and softmax: convert with .float())");
+}
+
 /// A defined, dense, floating, CPU tensor of the given rank.
 inline void check_float_tensor(const char* op, const char* name, const torch::Tensor& t,
                                int64_t rank) {
@@ -32,6 +47,7 @@ inline void check_float_tensor(const char* op, const char* name, const torch::Te
               "' must be on the CPU, got device ", t.device());
   TORCH_CHECK(t.is_floating_point(), op, ": argument '", name,
               "' must be a floating tensor, got dtype ", t.scalar_type());
+  check_supported_dtype(op, name, t);
   TORCH_CHECK(t.dim() == rank, op, ": argument '", name, "' must have ", rank,
               " dimensions, got shape ", shape_str(t));
 }
@@ -92,8 +108,31 @@ inline void check_finite(const char* op, const char* name, double value) {
   TORCH_CHECK(std::isfinite(value), op, ": option '", name, "' must be finite, got ", value);
 }
 
-inline void check_scale(const char* op, const c10::optional<double>& scale) {
-  if (scale) check_finite(op, "scale", *scale);
+/// The largest finite value of a floating dtype.
+inline double dtype_max(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Float: return std::numeric_limits<float>::max();
+    case c10::ScalarType::Half: return std::numeric_limits<c10::Half>::max();
+    case c10::ScalarType::BFloat16: return std::numeric_limits<c10::BFloat16>::max();
+    default: return std::numeric_limits<double>::max();
+  }
+}
+
+/// A finite option that the op uses in the inputs' dtype (a float32 kernel
+/// casts it to float): it must stay finite there. 1e39 is finite in float64
+/// but infinite in float32, where a scale of it turns softmax weights into
+/// zeros or NaN.
+inline void check_finite_in(const char* op, const char* name, double value, c10::ScalarType type) {
+  check_finite(op, name, value);
+  const double limit = dtype_max(type);
+  TORCH_CHECK(std::abs(value) <= limit, op, ": option '", name, "' must be finite in ",
+              dtype_name(type), " for ", dtype_name(type), " inputs (|", name, "| <= ", limit,
+              "), got ", value);
+}
+
+/// An optional scale, finite in the inputs' dtype.
+inline void check_scale(const char* op, const c10::optional<double>& scale, c10::ScalarType type) {
+  if (scale) check_finite_in(op, "scale", *scale, type);
 }
 
 inline double scale_or_default(const c10::optional<double>& scale, int64_t E) {

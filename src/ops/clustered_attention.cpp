@@ -133,12 +133,16 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
               options.clusters(), ") must not exceed the number of queries L = ", L);
   TORCH_CHECK(options.bits() >= 1 && options.bits() <= 63, op,
               ": option 'bits' must be in [1, 63], got ", options.bits());
-  TORCH_CHECK(options.iterations() >= 0, op, ": option 'iterations' must be >= 0, got ",
-              options.iterations());
+  // K-means stops at convergence (no label changed); the bound caps the runs
+  // that cycle without converging, whose cost is O(iterations L C) per head.
+  constexpr int64_t kMaxIterations = 1000;
+  TORCH_CHECK(options.iterations() >= 0 && options.iterations() <= kMaxIterations, op,
+              ": option 'iterations' must be in [0, ", kMaxIterations,
+              "] (K-means stops earlier once no label changes), got ", options.iterations());
   TORCH_CHECK(options.topk() >= 0, op, ": option 'topk' must be >= 0, got ", options.topk());
   TORCH_CHECK(options.topk() <= S, op, ": option 'topk' (", options.topk(),
               ") must not exceed the number of keys S = ", S);
-  detail::check_scale(op, options.scale());
+  detail::check_scale(op, options.scale(), q.scalar_type());
   detail::check_lengths(op, "key_lengths", options.key_lengths(), q.size(0), S);
   detail::check_lengths(op, "query_lengths", options.query_lengths(), q.size(0), L);
   if (!clustered_attention_dispatch(q, k, v, options).uses_kernel())

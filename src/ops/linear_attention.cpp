@@ -160,7 +160,7 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const LinearAttentionFuncOptions& options) {
   constexpr const char* op = "linear_attention";
   detail::check_qkv(op, q, k, v);
-  detail::check_finite(op, "eps", options.eps());
+  detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
   if (!linear_attention_dispatch(q, k, v, options).uses_kernel())
     return reference::linear_attention(q, k, v, options);
@@ -185,12 +185,13 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
   detail::check_same_dtype(op, "beta", beta, f);
   TORCH_CHECK(q.sizes() == f.sizes(), op, ": argument 'q' must have the shape of 'f' ",
               detail::shape_str(f), ", got ", detail::shape_str(q));
+  // (N, H, L) from the sizes alone: f.select(3, 0) would itself raise when E = 0.
   const auto nhl = f.sizes().slice(0, 3);
-  TORCH_CHECK(alpha.sizes() == nhl, op,
-              ": argument 'alpha' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
-              ", got ", detail::shape_str(alpha));
-  TORCH_CHECK(beta.sizes() == nhl, op,
-              ": argument 'beta' must have shape (N, H, L) = ", detail::shape_str(f.select(3, 0)),
+  const std::string nhl_str = "(" + std::to_string(nhl[0]) + ", " + std::to_string(nhl[1]) +
+                              ", " + std::to_string(nhl[2]) + ")";
+  TORCH_CHECK(alpha.sizes() == nhl, op, ": argument 'alpha' must have shape (N, H, L) = ",
+              nhl_str, ", got ", detail::shape_str(alpha));
+  TORCH_CHECK(beta.sizes() == nhl, op, ": argument 'beta' must have shape (N, H, L) = ", nhl_str,
               ", got ", detail::shape_str(beta));
   if (!gated_linear_attention_dispatch(f, q, alpha, beta, options).uses_kernel())
     return reference::gated_linear_attention(f, q, alpha, beta, options);

@@ -36,21 +36,10 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
-/// torch's Python name of a dtype ("float64"), which users know.
-std::string dtype_name(torch::ScalarType type) {
-  switch (type) {
-    case torch::kFloat: return "float32";
-    case torch::kDouble: return "float64";
-    case torch::kHalf: return "float16";
-    case torch::kBFloat16: return "bfloat16";
-    default: return c10::toString(type);
-  }
-}
-
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
   detail::check_qkv(kOp, q, k, v);
-  detail::check_scale(kOp, options.scale());
+  detail::check_scale(kOp, options.scale(), q.scalar_type());
   detail::check_lengths(kOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
   check_bias(kOp, options.bias(), q, k.size(2));
 }
@@ -162,7 +151,7 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
   check_arguments(q, k, v, options);
   // check_qkv and check_bias made q, k, v and the bias one floating dtype.
   if (q.scalar_type() != torch::kFloat)
-    return Dispatch::composite("q, k and v are " + dtype_name(q.scalar_type()) +
+    return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +
                                "; the kernel is float32 only (convert them, and the bias, to "
                                "float32 to take it)");
   return Dispatch::kernel();

@@ -10,7 +10,7 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const SparseAttentionFuncOptions& options) {
   constexpr const char* op = "sparse_attention";
   detail::check_qkv(op, q, k, v);
-  detail::check_scale(op, options.scale());
+  detail::check_scale(op, options.scale(), q.scalar_type());
   check_edge_list(edges, q.size(2), k.size(2), q.size(1), op);
   // The only backend today; the dispatch is called so that what it reports is what runs.
   TORCH_INTERNAL_ASSERT(!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel());

@@ -66,8 +66,13 @@ void kmeans_one(const int64_t* hashes, int64_t n, int64_t clusters, int64_t bits
   auto assign = [&] {
     for (int64_t i = 0; i < n; ++i) labels[i] = nearest(hashes[i], centroids);
   };
+  std::vector<int64_t> previous(n);
   for (int64_t it = 0; it < iterations; ++it) {
     assign();
+    // Labels as the previous assignment left them: a fixed point (the update
+    // below depends on the labels only), so later iterations would change nothing.
+    if (it > 0 && std::equal(labels, labels + n, previous.begin())) return;
+    std::copy(labels, labels + n, previous.begin());
     // Majority vote per bit (ties to 0).
     std::vector<int64_t> count(C, 0), ones(C * bits, 0);
     for (int64_t i = 0; i < n; ++i) {

@@ -136,6 +136,31 @@ class OpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "feature_map"):
             attnkit.linear_attention(q, q, q, feature_map="relu")
 
+    def test_issue15_sweep_inputs_raise_clear_runtime_errors(self):
+        # Each of these used to hang, return NaN, pass unchecked or raise
+        # something other than the op's own RuntimeError.
+        ops = torch.ops.attnkit
+        q = torch.randn(1, 2, 5, 4)
+        with self.assertRaisesRegex(RuntimeError, r"clustered_attention: option 'iterations' must be in \[0, 1000\]"):
+            ops.clustered_attention(q, q, q, clusters=1, iterations=10**9)
+        for name, call in [
+                ("softmax_attention", lambda: ops.softmax_attention(q, q, q, scale=1e39)),
+                ("clustered_attention", lambda: ops.clustered_attention(q, q, q, clusters=2, scale=1e39)),
+                ("sparse_attention", lambda: ops.sparse_attention(q, q, q, *ops.edge_pattern("full", 5), scale=1e39))]:
+            with self.assertRaisesRegex(RuntimeError, name + r": option 'scale' must be finite in float32.*1e\+39"):
+                call()
+        q0, k = torch.randn(1, 2, 0, 4), torch.randn(1, 2, 3, 4)
+        with self.assertRaisesRegex(RuntimeError, r"sparse_attention: edge list 'offsets' must lie within"):
+            ops.sparse_attention(q0, k, k, torch.tensor([[-7], [2**62]]), torch.empty(0, dtype=torch.long))
+        f = torch.zeros(2, 3, 4, 0)
+        with self.assertRaisesRegex(RuntimeError, r"argument 'alpha' must have shape \(N, H, L\) = \(2, 3, 4\)"):
+            ops.gated_linear_attention(f, f, torch.rand(2, 3, 5), torch.rand(2, 3, 4))
+        with self.assertRaisesRegex(RuntimeError, r"edges::star: n = 4611686018427387904"):
+            ops.edge_pattern("star", 2**62)
+        h = torch.randn(1, 2, 4, 3).half()
+        with self.assertRaisesRegex(RuntimeError, r"softmax_attention: argument 'q' has dtype float16"):
+            ops.softmax_attention(h, h, h)
+
 
 class LinearTest(unittest.TestCase):
     """torch.ops.attnkit.linear: torch.nn.functional.linear's semantics."""
