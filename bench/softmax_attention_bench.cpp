@@ -10,6 +10,7 @@
 
 #include "kernels/common/gemm.h"
 #include "kernels/memory.h"
+#include "kernels/peak.h"
 #include "kernels/softmax_attention.h"
 
 namespace {
@@ -17,7 +18,7 @@ namespace {
 using attnkit::kernels::Buffer;
 
 double sgemm_peak() {
-  static const double peak = attnkit::kernels::measure_sgemm_gflops();
+  static const double peak = attnkit::kernels::sgemm_peak_gflops();
   return peak;
 }
 

@@ -75,12 +75,6 @@ double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
   return scale > 0 ? diff / scale : diff;
 }
 
-/// The inputs of a row with gradients of the output for forward_backward.
-struct Problem {
-  nn::MechanismInputs inputs;
-  torch::Tensor grad_out;
-};
-
 Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
                const std::string& run, const std::string& pass, int64_t L) {
   const nn::AttentionShape shape{c.batch, c.heads, L, L, c.dim, c.dim};
@@ -99,23 +93,23 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   }
 
   torch::manual_seed(0);
-  Problem p{info.sample(shape, torch::kFloat), {}};
-  for (auto& t : p.inputs) t = t.detach().requires_grad_(backward);
+  nn::MechanismInputs inputs = info.sample(shape, torch::kFloat);
+  for (auto& t : inputs) t = t.detach().requires_grad_(backward);
 
   // What the row runs, and which backend that is.
   std::function<torch::Tensor()> call;
   if (run == "torch") {
     r.impl = "torch";
-    call = [&] { return torch_composite(p.inputs, c.causal); };
+    call = [&] { return torch_composite(inputs, c.causal); };
   } else if (run == "reference") {
     r.impl = "composite";
     r.dispatch_reason = "--impl reference";
-    call = [&] { return info.reference(p.inputs, args, spec); };
+    call = [&] { return info.reference(inputs, args, spec); };
   } else {
-    const Dispatch d = info.dispatch ? info.dispatch(p.inputs, args, spec) : Dispatch::kernel();
+    const Dispatch d = info.dispatch ? info.dispatch(inputs, args, spec) : Dispatch::kernel();
     r.impl = to_string(d.backend);
     r.dispatch_reason = d.reason;
-    call = [&] { return info.run(p.inputs, args, spec); };
+    call = [&] { return info.run(inputs, args, spec); };
   }
 
   torch::Tensor out;
@@ -129,7 +123,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
     peak = std::max(peak, memory::peak_bytes() - held_before);
   };
   auto clear = [&] {
-    for (auto& t : p.inputs)
+    for (auto& t : inputs)
       if (t.grad().defined()) t.mutable_grad().reset();
   };
   try {
@@ -150,7 +144,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   // err: this row's output (and input gradients) against the mechanism's own
   // float64 definition on the same inputs.
   nn::MechanismInputs x64;
-  for (const auto& t : p.inputs) x64.push_back(t.detach().to(torch::kDouble).requires_grad_(backward));
+  for (const auto& t : inputs) x64.push_back(t.detach().to(torch::kDouble).requires_grad_(backward));
   torch::Tensor ref;
   {
     torch::AutoGradMode grad_mode(backward);
@@ -165,8 +159,8 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   double err = relative_max_error(out, ref);
   if (backward)
     for (size_t i = 0; i < x64.size(); ++i)
-      if (p.inputs[i].grad().defined() && x64[i].grad().defined())
-        err = std::max(err, relative_max_error(p.inputs[i].grad(), x64[i].grad()));
+      if (inputs[i].grad().defined() && x64[i].grad().defined())
+        err = std::max(err, relative_max_error(inputs[i].grad(), x64[i].grad()));
   r.err = err;
   // approx_err: distance to exact softmax attention, for approximations of it.
   if (info.approximates_exact) {
@@ -215,7 +209,7 @@ void print_legend() {
       << "            src/reference), torch (plain libtorch matmul-softmax-matmul)\n"
       << "ms          median wall time of --repeats calls after an untimed warm-up\n"
       << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
-      << "%peak       GFLOP/s over the best sgemm peak measured in this run (header)\n"
+      << "%peak       GFLOP/s over the best sgemm peak measured before the row (header: the first)\n"
       << "peak MiB    most memory held during a call beyond the inputs (tensors + scratch)\n"
       << "err         max |x - ref| / max |ref| against the mechanism's own float64 definition,\n"
       << "            worst of the output and (forward_backward) the input gradients\n"

@@ -2,14 +2,8 @@
 
 #include <dnnl.h>
 
-#include <algorithm>
-#include <chrono>
 #include <stdexcept>
 #include <string>
-#include <vector>
-
-#include "kernels/memory.h"
-#include "kernels/threading.h"
 
 namespace attnkit::kernels {
 
@@ -28,26 +22,6 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   if (status != dnnl_success)
     throw std::runtime_error("attnkit: dnnl_sgemm failed with status " +
                              std::to_string(static_cast<int>(status)));
-}
-
-double measure_sgemm_gflops(int64_t size, int repeats) {
-  Buffer<float> a(size * size), b(size * size), c(size * size);
-  for (int64_t i = 0; i < size * size; ++i) {
-    a[i] = static_cast<float>((i * 7 + 3) % 17) / 17.f - 0.5f;
-    b[i] = static_cast<float>((i * 5 + 1) % 13) / 13.f - 0.5f;
-  }
-  ThreadScope scope;  // oneDNN's own threads follow our setting
-  sgemm(false, false, size, size, size, 1.f, a.data(), size, b.data(), size, 0.f, c.data(), size);
-  std::vector<double> seconds;
-  for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    sgemm(false, false, size, size, size, 1.f, a.data(), size, b.data(), size, 0.f, c.data(),
-          size);
-    seconds.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::nth_element(seconds.begin(), seconds.begin() + repeats / 2, seconds.end());
-  return 2.0 * size * size * size / seconds[repeats / 2] / 1e9;
 }
 
 }  // namespace attnkit::kernels

@@ -13,8 +13,4 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
            const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
            int64_t ldc);
 
-/// Measured sgemm throughput in GFLOP/s: median of `repeats` timed products of
-/// size x size matrices on the current thread setting (see threading.h).
-double measure_sgemm_gflops(int64_t size = 1024, int repeats = 7);
-
 }  // namespace attnkit::kernels
