@@ -1,0 +1,189 @@
+// The transformer builder: a decoder-only language model, an encoder, or an
+// encoder-decoder, with the attention of every block taken from the mechanism
+// registry by spec string (include/attnkit/nn/registry.h), and incremental
+// decoding with a per-block state.
+//
+// Layout (seed 003): token embeddings scaled by sqrt(width), a position scheme,
+// then `layers` blocks of self-attention (+ cross-attention in the decoder of
+// an encoder-decoder) and a position-wise feed-forward network, each sub-layer
+// wrapped in a residual connection and layer norm (pre-norm: x + f(LN(x)), with
+// a final LN; post-norm: LN(x + f(x))), dropout on every sub-layer output.
+//
+//   auto model = attnkit::models::Transformer(
+//       attnkit::models::TransformerOptions(27).layers(4).width(256).heads(4)
+//           .attention({"full", "full", "improved-clustered:clusters=25", "causal-linear"}));
+//   auto logits = model->forward(tokens);                   // (N, L) -> (N, L, 27)
+//   auto text = model->generate(prompt, GenerateOptions().tokens(100).top_k(5));
+#pragma once
+
+#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/dense.h>
+#include <attnkit/nn/multihead.h>
+#include <attnkit/nn/zoo.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace attnkit::models {
+
+enum class Architecture {
+  decoder,          ///< causal language model over one token sequence
+  encoder,          ///< every position sees the whole input (e.g. the copy task)
+  encoder_decoder,  ///< encoder over a source, causal decoder with cross-attention
+};
+
+enum class Positions {
+  none,
+  sinusoidal,  ///< fixed PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...), added
+  learned,     ///< a trained (max_length, width) table, added
+  relative,    ///< Shaw et al.: per-block relative key/value tables (exact attention only)
+  conv,        ///< causal 1-D convolution of width conv_width over the embeddings
+               ///< (the agglomerative paper's front end), no position table
+};
+
+enum class Norm { pre, post };
+
+Architecture architecture_from_string(const std::string& name);  ///< decoder|encoder|encoder-decoder
+Positions positions_from_string(const std::string& name);  ///< none|sinusoidal|learned|relative|conv
+Norm norm_from_string(const std::string& name);             ///< pre|post
+std::string to_string(Architecture value);
+std::string to_string(Positions value);
+std::string to_string(Norm value);
+
+struct TransformerOptions {
+  explicit TransformerOptions(int64_t vocab_size = 0) : vocab_size_(vocab_size) {}
+  TORCH_ARG(Architecture, architecture) = Architecture::decoder;
+  /// Token ids in [0, vocab_size) (the decoder's, and the encoder's unless
+  /// source_vocab_size is set).
+  TORCH_ARG(int64_t, vocab_size);
+  /// encoder-decoder only: the source vocabulary; 0 means vocab_size.
+  TORCH_ARG(int64_t, source_vocab_size) = 0;
+  TORCH_ARG(int64_t, layers) = 2;
+  TORCH_ARG(int64_t, width) = 64;
+  TORCH_ARG(int64_t, heads) = 4;
+  TORCH_ARG(int64_t, ffn) = 256;  ///< hidden width of the feed-forward network
+  TORCH_ARG(double, dropout) = 0.1;
+  /// Self-attention of the blocks as registry specs: one spec for every block,
+  /// or one per block (bottom first). "agglomerative[:classes=m]" makes a block
+  /// an agglomerative-attention layer (its own class projections; m defaults to heads).
+  TORCH_ARG(std::vector<std::string>, attention) = {"full"};
+  /// encoder-decoder only: the decoder's cross-attention spec.
+  TORCH_ARG(std::string, cross_attention) = "full";
+  TORCH_ARG(Positions, positions) = Positions::sinusoidal;
+  /// Longest sequence for the learned and sinusoidal tables.
+  TORCH_ARG(int64_t, max_length) = 2048;
+  /// relative positions: offsets are clipped to [-K, K].
+  TORCH_ARG(int64_t, relative_clip) = 16;
+  /// conv positions: filter width over the embeddings (the paper uses 8).
+  TORCH_ARG(int64_t, conv_width) = 8;
+  TORCH_ARG(Norm, norm) = Norm::pre;
+  /// The output layer reuses the (target) embedding matrix.
+  TORCH_ARG(bool, tie_embeddings) = true;
+  /// Universal transformer: one block's weights applied `layers` times
+  /// (requires a single attention spec).
+  TORCH_ARG(bool, shared_weights) = false;
+
+  /// The options as JSON (what a checkpoint stores) and back; from_json
+  /// refuses unknown keys and wrong types with an error naming the key.
+  std::string to_json() const;
+  static TransformerOptions from_json(const std::string& json);
+};
+
+/// Checks `options` as the builder does and throws the builder's error:
+/// width not divisible by heads, a mechanism without causal support in a
+/// decoder, relative positions with a mechanism other than exact attention,
+/// agglomerative classes that do not divide the width, per-block specs whose
+/// count is not `layers`, ...
+void validate(const TransformerOptions& options);
+
+/// Sampling settings of generate().
+struct GenerateOptions {
+  TORCH_ARG(int64_t, tokens) = 100;     ///< new tokens per stream
+  TORCH_ARG(double, temperature) = 1.0; ///< 0 means greedy (argmax)
+  TORCH_ARG(int64_t, top_k) = 0;        ///< sample among the k most likely; 0: all
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+class TransformerBlockImpl;
+struct BlockState;
+
+/// Everything incremental decoding of a batch of streams carries from one
+/// token to the next: per block the mechanism's state (a key/value cache for
+/// exact and windowed sparse attention; (S, z) for causal linear attention; the
+/// running class sums for agglomerative attention), the conv front end's last
+/// inputs, and for an encoder-decoder the encoder's output.
+class DecodingState {
+ public:
+  DecodingState();
+  ~DecodingState();
+  DecodingState(DecodingState&&) noexcept;
+  DecodingState& operator=(DecodingState&&) noexcept;
+  /// Tokens stepped so far.
+  int64_t position() const { return position_; }
+  int64_t batch() const { return batch_; }
+
+ private:
+  friend class TransformerImpl;
+  int64_t position_ = 0, batch_ = 0;
+  std::vector<std::unique_ptr<BlockState>> blocks_;
+  torch::Tensor conv_window_;  // (N, conv_width - 1, width): the last embeddings
+  torch::Tensor memory_, memory_lengths_;
+};
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const TransformerOptions& options);
+
+  /// decoder / encoder: tokens (N, L) -> logits (N, L, vocab_size).
+  /// encoder-decoder: tokens are the decoder's inputs and `source` (N, S) the
+  /// encoder's, `source_lengths` (int64 (N), optional) its padding.
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& source = {},
+                        const torch::Tensor& source_lengths = {});
+
+  /// Replaces the self-attention of every block (`spec`) or of each block
+  /// (one spec per block) behind the same trained projections, e.g. to
+  /// evaluate a trained model with an approximation. Validated as the builder
+  /// validates; agglomerative blocks, whose parameters differ, cannot be
+  /// swapped to or from.
+  void set_attention(const std::vector<std::string>& specs);
+
+  /// Incremental decoding (decoder and encoder-decoder). `start_decoding` runs
+  /// the encoder once for an encoder-decoder. Each step feeds tokens (N) at the
+  /// next position and returns their logits (N, vocab_size); the steps of a
+  /// sequence equal forward() of the whole sequence, position by position.
+  DecodingState start_decoding(int64_t batch, const torch::Tensor& source = {},
+                               const torch::Tensor& source_lengths = {});
+  torch::Tensor step(const torch::Tensor& tokens, DecodingState& state);
+
+  /// prompt (N, P), P >= 1 -> (N, P + options.tokens()): the prompt followed
+  /// by sampled tokens. Runs in eval mode without autograd.
+  torch::Tensor generate(const torch::Tensor& prompt, const GenerateOptions& options = {},
+                         const torch::Tensor& source = {}, const torch::Tensor& source_lengths = {});
+
+  /// Parameters (a tied embedding counted once).
+  int64_t parameter_count() const;
+  const TransformerOptions& options() const { return options_; }
+
+ private:
+  torch::Tensor embed(const torch::Tensor& tokens, bool source, int64_t offset);
+  torch::Tensor encode(const torch::Tensor& source, const torch::Tensor& source_lengths);
+  torch::Tensor logits(const torch::Tensor& hidden);
+
+  TransformerOptions options_;
+  torch::nn::Embedding embedding_{nullptr}, source_embedding_{nullptr};
+  torch::Tensor position_table_;  // learned: (max_length, width) parameter
+  nn::SinusoidalPositionalEncoding sinusoidal_{nullptr};
+  nn::Linear conv_{nullptr}, source_conv_{nullptr};  // (width * conv_width) -> width
+  std::vector<std::shared_ptr<TransformerBlockImpl>> encoder_blocks_, decoder_blocks_;
+  torch::nn::LayerNorm encoder_norm_{nullptr}, decoder_norm_{nullptr};  // pre-norm only
+  nn::Linear output_{nullptr};  // untied output layer
+};
+TORCH_MODULE(Transformer);
+
+}  // namespace attnkit::models
