@@ -13,7 +13,9 @@
 //
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
-// of one head of q, k, v, dout when their columns are not contiguous.
+// of one head of q, k, v, dout when their columns are not contiguous. A
+// forward that splits the keys (see softmax_attention_forward) adds the
+// accumulators of its key chunks, under 128 x 128 x (M + 2) floats.
 #pragma once
 
 #include <cstdint>
