@@ -182,8 +182,8 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
 // With fewer (n, h, query block) items than threads, most threads would idle
 // however long S is. So when there are few items (under kSplitItems), each
 // item's keys are cut into `chunks` chunks of `chunk` keys; each (item, chunk)
-// is computed alone into its own accumulator
-// (u_c, m_c, l_c), and a second loop merges them per row in chunk order:
+// is computed alone into its own accumulator (u_c, m_c, l_c), and a second
+// loop merges them per row in chunk order:
 //   m = max_c m_c,  l = sum_c e^(m_c - m) l_c,  u = sum_c e^(m_c - m) u_c,
 // out = u / l, lse = m + log l: the same log-sum-exp the one sweep computes.
 //
@@ -199,10 +199,11 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
 // A chunk has at least kSplitMinKeys keys (four key blocks) and is a whole
 // number of key blocks, so a chunk costs at least 4 x 2 (E + M) x 256 FLOPs
 // per query row: at L = 1 and E = M = 64, 512 KiB of keys and values to
-// stream, tens of microseconds, against the microsecond or so that scheduling
-// one more item and merging it costs. Hence the threshold: the keys are split
-// only when S >= 2 kSplitMinKeys = 2048 and N H ceil(L / kForwardBlockQ) <
-// kSplitItems.
+// stream, tens of microseconds, against an estimated microsecond or so to
+// schedule one more item and merge it (estimates, not measurements; see
+// docs/PERFORMANCE.md for how to time the split). Hence the threshold: the
+// keys are split only when S >= 2 kSplitMinKeys = 2048 and
+// N H ceil(L / kForwardBlockQ) < kSplitItems.
 constexpr int64_t kSplitItems = 64;
 constexpr int64_t kSplitMinKeys = 4 * kForwardBlockK;
 
@@ -243,7 +244,7 @@ void forward_split(const SoftmaxAttentionParams& p, const KeySplit& split) {
   };
 
   Slicer sizer(nullptr);
-  ForwardScratch(p, sizer, rows_max);
+  ForwardScratch(p, sizer, rows_max);  // counts the per-thread scratch
   parallel_with_scratch(sizer.used(), [&](float* base) {
     Slicer slicer(base);
     const ForwardScratch w(p, slicer, rows_max);
