@@ -32,6 +32,7 @@ struct BenchConfig {
   std::vector<std::string> impl{"fast", "torch"};
   std::vector<std::string> pass{"forward"};
   std::vector<int64_t> lengths{256, 1024};
+  int64_t queries = 0;  // 0: L = S = each length; else L = queries over S = each length keys
   int64_t batch = 1, heads = 8, dim = 64;
   bool causal = false;
   int threads = 0;
@@ -76,9 +77,10 @@ double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
-               const std::string& run, const std::string& pass, int64_t L) {
-  const nn::AttentionShape shape{c.batch, c.heads, L, L, c.dim, c.dim};
-  Result r{spec.str(), run, "", pass, "", shape.N, shape.H, L, L, shape.E, shape.M, c.causal,
+               const std::string& run, const std::string& pass, int64_t length) {
+  const int64_t L = c.queries > 0 ? c.queries : length, S = length;
+  const nn::AttentionShape shape{c.batch, c.heads, L, S, c.dim, c.dim};
+  Result r{spec.str(), run, "", pass, "", shape.N, shape.H, L, S, shape.E, shape.M, c.causal,
            num_threads()};
   const bool backward = pass == "forward_backward";
   const nn::AttendArgs args{c.causal, {}};
@@ -175,7 +177,8 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
 void print_header(const MachineRecord& machine) {
   std::cout << machine.header() << "\n"
             << std::left << std::setw(22) << "attention" << std::setw(11) << "impl" << std::setw(17)
-            << "pass" << std::right << std::setw(7) << "L" << std::setw(11) << "ms" << std::setw(10)
+            << "pass" << std::right << std::setw(7) << "L" << std::setw(7) << "S" << std::setw(11)
+            << "ms" << std::setw(10)
             << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(10) << "peak MiB" << std::setw(10)
             << "err" << std::setw(11) << "approx_err" << "\n";
 }
@@ -191,7 +194,7 @@ std::string opt(const c10::optional<double>& x, int precision, bool scientific =
 void print_row(const Result& r, double peak) {
   std::cout << std::left << std::setw(22) << r.attention << std::setw(11)
             << (r.impl.empty() ? r.run : r.impl) << std::setw(17) << r.pass << std::right
-            << std::setw(7) << r.L;
+            << std::setw(7) << r.L << std::setw(7) << r.S;
   if (!r.note.empty()) {
     std::cout << "   skipped: " << r.note << "\n";
     return;
@@ -248,12 +251,12 @@ void run_bench(const BenchConfig& c) {
   print_header(machine);
   nlohmann::json doc;
   doc["results"] = nlohmann::json::array();
-  for (int64_t L : c.lengths) {
+  for (int64_t length : c.lengths) {
     for (const auto& [info, spec] : mechanisms)
       for (const auto& run : c.impl)
         for (const auto& pass : c.pass) {
           if (run == "torch" && info->name != "full") continue;  // nothing to compare
-          Result r = measure(c, *info, spec, run, pass, L);
+          Result r = measure(c, *info, spec, run, pass, length);
           print_row(r, machine.sgemm_gflops);
           if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
           doc["machine"] = machine.to_json();
@@ -303,7 +306,13 @@ void add_bench_command(CLI::App& app) {
                   "Comma list of fast (the attnkit op), reference (its composite definition), "
                   "torch (plain libtorch, full only) (default: fast,torch)");
   cmd->add_option("--pass", *pass, "Comma list of forward, forward_backward (default: forward)");
-  cmd->add_option("--lengths", *lengths, "Comma list of sequence lengths L = S (default: 256,1024)");
+  cmd->add_option("--lengths", *lengths,
+                  "Comma list of sequence lengths: keys S, and queries L = S unless --queries "
+                  "(default: 256,1024)");
+  cmd->add_option("--queries", config->queries,
+                  "Queries L per sequence against each of --lengths keys (default: L = S); "
+                  "--queries 1 times one decoding step over a cache of S keys")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--batch", config->batch, "Batch size N")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", config->heads, "Heads H")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dim", config->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();

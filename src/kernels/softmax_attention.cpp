@@ -11,6 +11,7 @@
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
+#include "kernels/memory.h"
 
 namespace attnkit::kernels {
 
@@ -76,52 +77,60 @@ void mask_block(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0,
 // Forward
 // ---------------------------------------------------------------------------
 
+/// The online-softmax state of a run of query rows over some of the keys: the
+/// unnormalised output u (rows x M), running max m and sum l (rows each).
+/// Empty (no visible key yet): u = 0, m = -inf, l = 0.
+struct Accumulator {
+  float *u, *m, *l;
+};
+
 struct ForwardScratch {
-  static constexpr int64_t kSpan = kForwardGroup * kForwardBlockQ;  // most rows per item
   float *q, *k, *v;  // packed copies of blocks when the strides need it
   float *s;          // scores, then probabilities: kForwardBlockQ x kForwardBlockK
-  float *o;          // unnormalised output accumulator: kSpan x M
-  float *m, *l;      // running max and sum per row: kSpan
+  Accumulator acc;   // for up to `rows` query rows
 
-  ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer)
-      : q(slicer.take(kSpan * p.E)),
+  /// Scratch for work items of up to `rows` query rows.
+  ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer, int64_t rows)
+      : q(slicer.take(rows * p.E)),
         k(slicer.take(kForwardBlockK * p.E)),
         v(slicer.take(kForwardBlockK * p.M)),
         s(slicer.take(kForwardBlockQ * kForwardBlockK)),
-        o(slicer.take(kSpan * p.M)),
-        m(slicer.take(kSpan)),
-        l(slicer.take(kSpan)) {}
+        acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {}
 };
 
-/// Queries [i0, i0 + rows) of head (n, h), rows <= kSpan: out and lse,
-/// FlashAttention-2 style, one query block of kForwardBlockQ rows at a time
-/// for each key block.
-void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
-                  int64_t rows, const ForwardScratch& w) {
+/// The state `a` of queries [i0, i0 + rows) of head (n, h) over the keys
+/// [j_begin, j_end) (those of them each query sees), FlashAttention-2 style:
+/// for each key block, one query block of kForwardBlockQ rows at a time.
+/// `a` is overwritten, so it needs no initialisation.
+void forward_keys(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
+                  int64_t rows, int64_t j_begin, int64_t j_end, const ForwardScratch& w,
+                  const Accumulator& a) {
   const int64_t E = p.E, M = p.M, BQ = kForwardBlockQ, BK = kForwardBlockK;
   const Visibility visible = visibility_of(p, n);
   const Strided kh = head_matrix(p.k, p.k_stride, n, h), vh = head_matrix(p.v, p.v_stride, n, h);
-  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), i0, rows, E, w.q);
 
-  std::fill(w.o, w.o + rows * M, 0.f);
-  std::fill(w.m, w.m + rows, -kInf);
-  std::fill(w.l, w.l + rows, 0.f);
+  std::fill(a.u, a.u + rows * M, 0.f);
+  std::fill(a.m, a.m + rows, -kInf);
+  std::fill(a.l, a.l + rows, 0.f);
   // Keys at or past a block's key_end are invisible to all its rows (causal:
   // the blocks above the diagonal; padding: past the last valid key): skipped.
   // Keys below its all_see are visible to all its rows: no mask needed there.
-  const int64_t span_end = visible(i0 + rows - 1);
-  for (int64_t j0 = 0; j0 < span_end; j0 += BK) {
+  const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
+  if (j_begin >= span_end) return;  // nothing visible: no need to read q
+  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), i0, rows, E, w.q);
+  for (int64_t j0 = j_begin; j0 < span_end; j0 += BK) {
     const int64_t span_cols = std::min(BK, span_end - j0);
     const Rows k = rows_of(kh, j0, span_cols, E, w.k);
     const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += BQ) {
       const int64_t block_rows = std::min(BQ, rows - b);
-      const int64_t key_end = visible(i0 + b + block_rows - 1), all_see = visible(i0 + b);
+      const int64_t key_end = std::min(j_end, visible(i0 + b + block_rows - 1));
+      const int64_t all_see = visible(i0 + b);
       if (j0 >= key_end) continue;
       const int64_t cols = std::min(BK, key_end - j0);
-      float* o = w.o + b * M;
-      float* m = w.m + b;
-      float* l = w.l + b;
+      float* o = a.u + b * M;
+      float* m = a.m + b;
+      float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
       if (p.bias) add_bias(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
@@ -145,18 +154,135 @@ void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
       sgemm(false, false, block_rows, M, cols, 1.f, w.s, BK, v.data, v.ld, 1.f, o, M);
     }
   }
+}
 
-  // One normalisation at the end. l >= 1 once any key was visible (the maximal
-  // term contributes exp(0)), so l == 0 means a row with no visible key; a
-  // NaN l (a NaN score) passes through to out and lse.
-  float* lse = p.lse + (n * p.H + h) * p.L + i0;
+/// Writes row i of head (n, h): out_i = u / l and lse_i = m + log l. l >= 1
+/// once any key was visible (the maximal term contributes exp(0)), so l == 0
+/// means a row with no visible key: out = 0, lse = -inf. A NaN l (a NaN
+/// score) passes through to out and lse.
+void write_row(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i, const float* u,
+               float m, float l) {
   const int64_t* os = p.out_stride;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* out = p.out + n * os[0] + h * os[1] + (i0 + r) * os[2];
-    const float inv = w.l[r] == 0.f ? 0.f : 1.f / w.l[r];
-    for (int64_t c = 0; c < M; ++c) out[c * os[3]] = w.o[r * M + c] * inv;
-    lse[r] = w.l[r] == 0.f ? -kInf : w.m[r] + std::log(w.l[r]);
-  }
+  float* out = p.out + n * os[0] + h * os[1] + i * os[2];
+  const float inv = l == 0.f ? 0.f : 1.f / l;
+  for (int64_t c = 0; c < p.M; ++c) out[c * os[3]] = u[c] * inv;
+  p.lse[(n * p.H + h) * p.L + i] = l == 0.f ? -kInf : m + std::log(l);
+}
+
+/// Queries [i0, i0 + rows) of head (n, h) over all keys: out and lse.
+void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
+                  int64_t rows, const ForwardScratch& w) {
+  forward_keys(p, n, h, i0, rows, 0, p.S, w, w.acc);
+  for (int64_t r = 0; r < rows; ++r)
+    write_row(p, n, h, i0 + r, w.acc.u + r * p.M, w.acc.m[r], w.acc.l[r]);
+}
+
+// Splitting the keys (decoding: few queries, many keys).
+//
+// With fewer (n, h, query block) items than threads, most threads would idle
+// however long S is. So when there are few items (under kSplitItems), each
+// item's keys are cut into `chunks` chunks of `chunk` keys; each (item, chunk)
+// is computed alone into its own accumulator (u_c, m_c, l_c), and a second
+// loop merges them per row in chunk order:
+//   m = max_c m_c,  l = sum_c e^(m_c - m) l_c,  u = sum_c e^(m_c - m) u_c,
+// out = u / l, lse = m + log l: the same log-sum-exp the one sweep computes.
+//
+// The chunking is a function of the shape alone (N, H, L, S and the block
+// sizes), never of the thread count, and the merge order is fixed, so the
+// result is bitwise the same for any thread count. The split therefore aims at
+// a fixed number of items, kSplitItems (four per thread up to 16 threads),
+// rather than at a multiple of the threads present; on fewer threads the extra
+// chunks cost one merge of a rows x M accumulator per chunk (under 1/1000 of a
+// chunk's own work at chunk >= 1024 keys) and their accumulators' memory,
+// at most 2 kSplitItems x kForwardBlockQ x (M + 2) floats in all.
+//
+// A chunk has at least kSplitMinKeys keys (four key blocks) and is a whole
+// number of key blocks, so a chunk costs at least 4 x 2 (E + M) x 256 FLOPs
+// per query row: at L = 1 and E = M = 64, 512 KiB of keys and values to
+// stream, tens of microseconds, against an estimated microsecond or so to
+// schedule one more item and merge it (estimates, not measurements; see
+// docs/PERFORMANCE.md for how to time the split). Hence the threshold: the
+// keys are split only when S >= 2 kSplitMinKeys = 2048 and
+// N H ceil(L / kForwardBlockQ) < kSplitItems.
+constexpr int64_t kSplitItems = 64;
+constexpr int64_t kSplitMinKeys = 4 * kForwardBlockK;
+
+/// Each item's keys in `chunks` chunks of `chunk` keys (the last one shorter).
+struct KeySplit {
+  int64_t chunk, chunks;
+};
+
+/// The split for p's shape (see above); chunks == 1: none.
+KeySplit key_split(const SoftmaxAttentionParams& p) {
+  const int64_t items = p.N * p.H * ceil_div(p.L, kForwardBlockQ);
+  const int64_t chunks = std::min(ceil_div(kSplitItems, items), p.S / kSplitMinKeys);
+  if (items >= kSplitItems || chunks < 2) return {p.S, 1};
+  // Whole key blocks; S >= 2 kSplitMinKeys keeps at least two chunks.
+  const int64_t chunk = ceil_div(ceil_div(p.S, chunks), kForwardBlockK) * kForwardBlockK;
+  return {chunk, ceil_div(p.S, chunk)};
+}
+
+/// The forward with the keys split: items are (head, query block, key chunk),
+/// then (head, query block) merges its chunks in order.
+void forward_split(const SoftmaxAttentionParams& p, const KeySplit& split) {
+  const int64_t M = p.M, rows_max = std::min(p.L, kForwardBlockQ);
+  const int64_t blocks = ceil_div(p.L, kForwardBlockQ), items = p.N * p.H * blocks;
+  const int64_t chunks = split.chunks;
+  // One accumulator per (item, chunk), laid out as in a Slicer.
+  const int64_t u_size = round_up16(rows_max * M), row_size = round_up16(rows_max);
+  const int64_t acc_size = u_size + 2 * row_size;
+  Buffer<float> accumulators(static_cast<std::size_t>(items * chunks * acc_size));
+  const auto acc_of = [&](int64_t item, int64_t c) {
+    float* base = accumulators.data() + (item * chunks + c) * acc_size;
+    return Accumulator{base, base + u_size, base + u_size + row_size};
+  };
+  // Item -> head and first query; later query blocks (more keys when causal) first.
+  const auto item_rows = [&](int64_t item, int64_t& n, int64_t& h, int64_t& i0) {
+    const int64_t nh = item / blocks;
+    n = nh / p.H, h = nh % p.H, i0 = (blocks - 1 - item % blocks) * kForwardBlockQ;
+    return std::min(kForwardBlockQ, p.L - i0);
+  };
+
+  Slicer sizer(nullptr);
+  ForwardScratch(p, sizer, rows_max);  // counts the per-thread scratch
+  parallel_with_scratch(sizer.used(), [&](float* base) {
+    Slicer slicer(base);
+    const ForwardScratch w(p, slicer, rows_max);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < items * chunks; ++t) {
+      int64_t n, h, i0;
+      const int64_t item = t / chunks, c = t % chunks, rows = item_rows(item, n, h, i0);
+      const int64_t j_begin = c * split.chunk, j_end = std::min(p.S, j_begin + split.chunk);
+      forward_keys(p, n, h, i0, rows, j_begin, j_end, w, acc_of(item, c));
+    }
+    // (the implicit barrier: every chunk is done before any merge reads it)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      int64_t n, h, i0;
+      const int64_t rows = item_rows(item, n, h, i0);
+      float* u = w.acc.u;  // the merged row
+      for (int64_t r = 0; r < rows; ++r) {
+        // The largest m_c; NaN if any m_c is NaN (a NaN score), which makes
+        // every weight, so l and the row, NaN as in the single sweep.
+        float m = -kInf;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float mc = acc_of(item, c).m[r];
+          if (mc > m || std::isnan(mc)) m = mc;
+          if (std::isnan(m)) break;
+        }
+        float l = 0.f;
+        std::fill(u, u + M, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Accumulator a = acc_of(item, c);
+          if (a.m[r] == -kInf) continue;  // no visible key in the chunk: u_c = 0, l_c = 0
+          const float weight = vec::exp(a.m[r] - m);
+          l += weight * a.l[r];
+          vec::axpy(u, weight, a.u + r * M, M);
+        }
+        write_row(p, n, h, i0 + r, u, m, l);
+      }
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -405,6 +531,8 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p) {
 
 void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   if (p.N == 0 || p.H == 0 || p.L == 0) return;
+  const KeySplit split = key_split(p);
+  if (split.chunks > 1) return forward_split(p, split);
   // Fewer blocks per span when there would be under 4 spans per thread to
   // balance. How rows are grouped into spans does not change any result.
   const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kForwardBlockQ);
@@ -415,11 +543,17 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   // Within a head the last spans come first: with causal masking they see
   // the most keys, and the dynamic schedule balances best longest-first.
   parallel_for_scratch(
-      spans * heads, [&](Slicer& s) { return ForwardScratch(p, s); },
+      spans * heads,
+      [&](Slicer& s) { return ForwardScratch(p, s, kForwardGroup * kForwardBlockQ); },
       [&](int64_t t, const ForwardScratch& w) {
         const int64_t nh = t / spans, i0 = (spans - 1 - t % spans) * span;
         forward_span(p, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);
       });
+}
+
+int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p) {
+  if (p.N == 0 || p.H == 0 || p.L == 0) return 1;
+  return key_split(p).chunks;
 }
 
 void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {

@@ -13,7 +13,9 @@
 //
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
-// of one head of q, k, v, dout when their columns are not contiguous.
+// of one head of q, k, v, dout when their columns are not contiguous. A
+// forward that splits the keys (see softmax_attention_forward) adds the
+// accumulators of its key chunks, under 128 x 128 x (M + 2) floats.
 #pragma once
 
 #include <cstdint>
@@ -50,7 +52,23 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// Writes out and lse. Threads: num_threads() over (batch, head, query block).
 /// Each query block is computed by one thread in a fixed order, so the result
 /// is bitwise the same for any thread count.
+///
+/// Few queries over many keys (decoding: L = 1 over a long cache): when
+/// N H ceil(L / 128) < 64 and S >= 2048, each (batch, head, query block) item
+/// also splits its keys into chunks of >= 1024 keys (whole 256-key blocks),
+/// so that up to 64 items share the threads even at N = H = L = 1. Each chunk
+/// keeps its own row max, sum of exponentials and unnormalised output; a
+/// second pass merges the chunks of a row in chunk order with the
+/// log-sum-exp rule, and lse is the merged one (what the backward reads).
+/// How the keys are chunked depends on the shape alone, never on the thread
+/// count, so this path too is bitwise the same for any thread count. Extra
+/// memory: the chunks' accumulators, under 128 x 128 x (M + 2) floats.
 void softmax_attention_forward(const SoftmaxAttentionParams& p);
+
+/// Into how many chunks softmax_attention_forward splits the keys of each
+/// item for p's shape (it reads only N, H, L, S); 1: the keys are not split.
+/// For tests and benchmarks, which need to know which path a shape takes.
+int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p);
 
 /// Writes dq, dk, dv (and dbias). Threads: num_threads() over (batch, head),
 /// so at most N * H threads work; each head is computed by one thread in a
