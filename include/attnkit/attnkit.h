@@ -14,3 +14,6 @@
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/models/transformer.h>
+#include <attnkit/tasks/task.h>
+#include <attnkit/tasks/char_lm.h>
+#include <attnkit/tasks/copy.h>

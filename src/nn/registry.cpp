@@ -215,8 +215,12 @@ MechanismInfo full_entry() {
     return softmax_attention_dispatch(x[0], x[1], x[2], softmax_options(a));
   };
   m.flops = [](const AttentionShape& s, bool causal, const MechanismSpec&) -> c10::optional<double> {
-    // q k^T and P v: 2 L S (E + M) per head, about half of it when causal and L = S.
-    return 2.0 * s.N * s.H * s.L * s.S * (s.E + s.M) * (causal ? 0.5 : 1.0);
+    // q k^T and P v: 2 (E + M) per visible (query, key) pair. Causal, query i
+    // sees the keys j <= i + S - L: L (S - L) + L (L + 1) / 2 pairs when
+    // L <= S, and S (S + 1) / 2 when L > S (the first L - S queries see none).
+    const double L = double(s.L), S = double(s.S);
+    const double pairs = !causal ? L * S : L <= S ? L * (S - L) + L * (L + 1) / 2 : S * (S + 1) / 2;
+    return 2.0 * s.N * s.H * pairs * (s.E + s.M);
   };
   return m;
 }

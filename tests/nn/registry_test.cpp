@@ -201,3 +201,23 @@ TEST(Registry, Float32FormsMatchTheirFloat64Definitions) {
 
 }  // namespace
 }  // namespace attnkit::nn
+
+namespace attnkit::nn {
+namespace {
+
+TEST(Registry, ExactFlopsCountTheVisiblePairs) {
+  // 2 (E + M) flops per visible (query, key) pair; E = 3, M = 2.
+  const auto& full = find_mechanism("full");
+  const MechanismSpec spec = MechanismSpec::parse("full");
+  auto flops = [&](int64_t L, int64_t S, bool causal) {
+    return *full.flops(AttentionShape{1, 1, L, S, 3, 2}, causal, spec) / (2.0 * 5);
+  };
+  EXPECT_EQ(flops(4, 6, false), 24);
+  EXPECT_EQ(flops(4, 4, true), 10);  // 1 + 2 + 3 + 4
+  EXPECT_EQ(flops(1, 5, true), 5);   // one query over a cache sees every key
+  EXPECT_EQ(flops(2, 5, true), 9);   // 4 + 5
+  EXPECT_EQ(flops(5, 3, true), 6);   // 0 + 0 + 1 + 2 + 3
+}
+
+}  // namespace
+}  // namespace attnkit::nn
