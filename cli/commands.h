@@ -32,4 +32,8 @@ void add_approx_command(CLI::App& app);
 /// `attnkit bench-lookup`: softmax lookups over stored states vs DocumentMemory lookups.
 void add_bench_lookup_command(CLI::App& app);
 
+/// `attnkit bench-model`: a Transformer's training step (MFU, libtorch
+/// baseline), token-by-token generation and a training step's peak memory.
+void add_bench_model_command(CLI::App& app);
+
 }  // namespace attnkit::cli
