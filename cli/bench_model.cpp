@@ -102,8 +102,8 @@ LmBatch random_batch(const ModelConfig& c, int64_t batch, int64_t context, uint6
           torch::ones({batch, context})};
 }
 
-/// Mean cross-entropy over the positions with weight 1 (here all of them),
-/// as the trainer computes its loss.
+/// The masked training loss: mean cross-entropy over the positions of weight
+/// 1 (here every position).
 torch::Tensor masked_cross_entropy(const torch::Tensor& logits, const LmBatch& b) {
   const int64_t V = logits.size(-1);
   auto per_position = torch::nn::functional::cross_entropy(
@@ -285,9 +285,9 @@ std::string millions(int64_t n) { return fmt(n / 1e6, 2) + "M"; }
 
 std::string model_line(const ModelConfig& c) {
   std::ostringstream o;
-  o << c.architecture << ", " << c.layers << " layers, width " << c.width << ", " << c.heads
+  o << "model: " << c.architecture << ", " << c.layers << " layers, width " << c.width << ", " << c.heads
     << " heads, ffn " << c.ffn << ", vocab " << c.vocab << ", dropout " << c.dropout << ", "
-    << c.positions << " positions";
+    << c.positions << " positions\n";
   return o.str();
 }
 
@@ -295,9 +295,9 @@ std::string model_line(const ModelConfig& c) {
 
 nlohmann::json run_train(const ModelConfig& c, const std::vector<std::string>& specs, MachineRecord& machine) {
   const double tokens = double(c.batch) * c.context;
-  std::cout << "== train: one step (forward, masked cross-entropy, backward, AdamW) of a "
-            << model_line(c) << "; context " << c.context << ", batch " << c.batch << " ("
-            << int64_t(tokens) << " tokens); median of " << c.repeats << "\n";
+  std::cout << "== train: one step (forward, masked cross-entropy, backward, AdamW); context " << c.context
+            << ", batch " << c.batch << " (" << int64_t(tokens) << " tokens); median of " << c.repeats
+            << "\n" << model_line(c);
   std::cout << std::left << std::setw(34) << "attention" << std::right << std::setw(9) << "params"
             << std::setw(11) << "ms/step" << std::setw(11) << "tokens/s" << std::setw(12)
             << "GFLOP/step" << std::setw(9) << "GFLOP/s" << std::setw(7) << "MFU%" << "\n";
@@ -386,8 +386,8 @@ nlohmann::json run_train(const ModelConfig& c, const std::vector<std::string>& s
 
 nlohmann::json run_generate(const ModelConfig& c, const std::vector<std::string>& specs) {
   const int64_t longest = *std::max_element(c.contexts.begin(), c.contexts.end());
-  std::cout << "== generate: one stream, Transformer::step in eval mode without autograd, " << model_line(c)
-            << "; the context is built by stepping (prefill), then " << c.steps << " steps are timed\n";
+  std::cout << "== generate: one stream, Transformer::step in eval mode without autograd; the context is "
+            << "built by stepping (prefill), then " << c.steps << " steps are timed\n" << model_line(c);
   std::cout << std::left << std::setw(34) << "attention" << std::right << std::setw(9) << "context"
             << std::setw(14) << "prefill tok/s" << std::setw(13) << "step ms med" << std::setw(10)
             << "tokens/s" << "\n";
@@ -566,8 +566,8 @@ double mib_of_kib(int64_t kib) { return kib / 1024.0; }
 
 nlohmann::json run_memory(const ModelConfig& c, const std::vector<std::string>& specs) {
   const int64_t longest = *std::max_element(c.memory_contexts.begin(), c.memory_contexts.end());
-  std::cout << "== memory: one training step of a " << model_line(c) << "; batch " << c.memory_batch
-            << ", each in a fresh process\n";
+  std::cout << "== memory: the peak of one training step, batch " << c.memory_batch
+            << ", each in a fresh process\n" << model_line(c);
   std::cout << std::left << std::setw(34) << "attention" << std::right << std::setw(9) << "context"
             << std::setw(11) << "step MiB" << std::setw(13) << "tensors MiB" << std::setw(12)
             << "peak MiB" << std::setw(12) << "idle MiB" << "\n";
