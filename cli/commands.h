@@ -35,4 +35,8 @@ void add_bench_lookup_command(CLI::App& app);
 /// `attnkit data char-lm`: raw text to the char-lm task's train/valid/test files.
 void add_data_command(CLI::App& app);
 
+/// `attnkit bench-model`: a Transformer's training step (MFU, libtorch
+/// baseline), token-by-token generation and a training step's peak memory.
+void add_bench_model_command(CLI::App& app);
+
 }  // namespace attnkit::cli
