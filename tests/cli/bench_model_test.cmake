@@ -64,10 +64,11 @@ endforeach()
 # FLOPs by hand, 64 tokens, forward + backward = 6 x params of the matrices per token:
 # full: q, k, v, out 4 x 16 x 16 + ffn 2 x 16 x 32 + tied output 27 x 16 = 2480;
 # agglomerative: W_q, W_r 2 x 16 x 2 + P, Q 2 x 16 x 16 + ffn 1024 + output 432 = 2032.
-# Causal full attention: 2 N H L S (E + M) / 2 = 2 x 2 x 2 x 32 x 32 x 16 / 2, x3.
+# Causal full attention: 2 (E + M) per visible pair, L (L + 1) / 2 pairs per (n, h):
+# 2 x 2 x 2 x (32 x 33 / 2) x 16, x3.
 math(EXPR full_dense "6 * 2480 * 64")
 math(EXPR agglomerative_dense "6 * 2032 * 64")
-math(EXPR full_attention "3 * 2 * 2 * 2 * 32 * 32 * 16 / 2")
+math(EXPR full_attention "3 * 2 * 2 * 2 * (32 * 33 / 2) * 16")
 if(NOT dense_0 EQUAL full_dense OR NOT dense_2 EQUAL agglomerative_dense OR NOT attention_0 EQUAL full_attention)
   message(FATAL_ERROR "FLOP counts: full dense ${dense_0} (expected ${full_dense}), attention "
                       "${attention_0} (expected ${full_attention}); agglomerative dense ${dense_2} "
