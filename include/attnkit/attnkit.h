@@ -11,3 +11,6 @@
 #include <attnkit/nn/agglomerative.h>
 #include <attnkit/nn/dense.h>
 #include <attnkit/nn/linear.h>
+#include <attnkit/nn/decoding.h>
+#include <attnkit/nn/registry.h>
+#include <attnkit/models/transformer.h>

@@ -1,6 +1,7 @@
 // The mechanism registry (include/attnkit/nn/registry.h): each mechanism is
 // written down once, here.
 #include <attnkit/nn/clustered.h>
+#include <attnkit/nn/linear.h>
 #include <attnkit/nn/registry.h>
 
 #include <algorithm>
@@ -197,10 +198,13 @@ MechanismInfo full_entry() {
   MechanismInfo m;
   m.name = "full";
   m.summary = "exact softmax attention (tiled kernel)";
-  m.supports = {true, true, true, true, false};
+  m.supports = {true, true, true, true, true};
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
+  m.start_decoding = [](const MechanismSpec&) -> std::unique_ptr<CausalState> {
+    return std::make_unique<CachedSoftmaxState>([](int64_t) { return int64_t{0}; });
+  };
   m.run = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
     return softmax_attention(x[0], x[1], x[2], softmax_options(a));
   };
@@ -218,6 +222,26 @@ MechanismInfo full_entry() {
 }
 
 // linear, causal-linear ---------------------------------------------------------------
+
+/// Causal linear attention decoded through its recurrent state (S, z), O(E M)
+/// per position whatever the context. `gated`: the cheap-linear-attention
+/// paper's form, keys = values = f = sigmoid(k) * v, identity map, no normaliser.
+class LinearCausalState : public CausalState {
+ public:
+  LinearCausalState(const LinearAttentionStateOptions& options, bool gated)
+      : state_(options), gated_(gated) {}
+  torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k,
+                     const torch::Tensor& v) override {
+    if (!gated_) return state_.step(q, k, v);
+    const auto f = torch::sigmoid(k) * v;
+    return state_.step(q, f, f);
+  }
+  int64_t steps() const override { return state_.steps(); }
+
+ private:
+  LinearAttentionState state_;
+  bool gated_;
+};
 
 LinearAttentionFuncOptions linear_options(const MechanismSpec& spec, bool causal) {
   return LinearAttentionFuncOptions()
@@ -237,9 +261,16 @@ MechanismInfo linear_entry(const std::string& name) {
                {"eps", "1e-6", "added to the normaliser"}};
   // Decoding state: LinearAttentionState, for "linear" when called causal.
   m.supports = {true, false, true, true, true};
+  m.always_causal = name == "causal-linear";
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
+  m.start_decoding = [](const MechanismSpec& spec) -> std::unique_ptr<CausalState> {
+    const auto o = linear_options(spec, true);
+    return std::make_unique<LinearCausalState>(
+        LinearAttentionStateOptions().feature_map(o.feature_map()).normalize(o.normalize()).eps(o.eps()),
+        /*gated=*/false);
+  };
   m.run = [](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
     return linear_attention(x[0], x[1], x[2], linear_options(spec, a.causal));
   };
@@ -267,6 +298,9 @@ MechanismInfo gated_linear_entry() {
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
+  m.start_decoding = [](const MechanismSpec&) -> std::unique_ptr<CausalState> {
+    return std::make_unique<LinearCausalState>(LinearAttentionStateOptions(), /*gated=*/true);
+  };
   // The paper's gated form with alpha = beta = 1: C = sum_t f_t f_t^T is linear
   // attention with keys = values = f (identity map, no normaliser), which also
   // lets the number of queries differ from the document length.
@@ -389,7 +423,8 @@ MechanismInfo agglomerative_entry() {
   MechanismInfo m;
   m.name = "agglomerative";
   m.summary = "one head per class: class-weighted value means (layer: nn::AgglomerativeAttention)";
-  m.options = {{"clip", "1e-3", "lower bound of a class's weight sum"}};
+  m.options = {{"clip", "1e-3", "lower bound of a class's weight sum"},
+               {"classes", "0", "layer: class count m (0: the model's head count)"}};
   m.supports = {true, false, true, true, true};
   m.inputs = {"cq", "cr", "v"};
   m.sample = [](const AttentionShape& s, torch::Dtype dtype) -> MechanismInputs {
@@ -425,7 +460,31 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   m.name = std::string("sparse-") + pattern.name;
   m.summary = std::string("attention over a fixed edge list: ") + pattern.help;
   if (pattern.param) m.options = {{pattern.param, "32", "pattern parameter"}};
-  m.supports = {false, false, false, true, false};
+  const std::string name = pattern.name;
+  m.always_causal = name == "causal" || name == "local-causal" || name == "segments-causal" ||
+                    name == "strided";
+  m.supports = {false, false, false, true, m.always_causal};
+  if (m.always_causal) {
+    m.start_decoding = [name, pattern](const MechanismSpec& spec) -> std::unique_ptr<CausalState> {
+      const int64_t p = pattern.param ? spec.get_int(pattern.param, 32) : 0;
+      // The keys of query t, as the pattern's edge list has them (row t does
+      // not depend on the sequence length for these causal patterns).
+      if (name == "causal")
+        return std::make_unique<CachedSoftmaxState>([](int64_t) { return int64_t{0}; });
+      if (name == "local-causal")
+        return std::make_unique<CachedSoftmaxState>([p](int64_t t) { return t - p; });
+      if (name == "segments-causal")
+        return std::make_unique<CachedSoftmaxState>(
+            [p](int64_t t) { return std::max<int64_t>(0, t / p - 1) * p; });
+      return CachedSoftmaxState::gathered([p](int64_t t) {  // strided
+        // j <= t with t - j < p or t - j a multiple of p: O(t / p + p) per query.
+        std::vector<int64_t> seen;
+        for (int64_t j = (t - p) % p; j >= 0 && j <= t - p; j += p) seen.push_back(j);
+        for (int64_t j = std::max<int64_t>(0, t - p + 1); j <= t; ++j) seen.push_back(j);
+        return seen;
+      });
+    };
+  }
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
@@ -502,7 +561,8 @@ std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::stri
     } else {
       // Counts of things (clusters, bits, topk, spans) need one; seeds and
       // K-means iterations may be 0 (0 iterations: the initial assignment).
-      const int64_t least = o.key == "seed" || o.key == "iterations" ? 0 : 1;
+      // classes=0 is agglomerative attention's "the model's head count".
+      const int64_t least = o.key == "seed" || o.key == "iterations" || o.key == "classes" ? 0 : 1;
       TORCH_CHECK(spec.get_int(o.key, 0) >= least, "mechanism '", spec.str(), "': option '", o.key,
                   "' must be >= ", least);
     }
@@ -516,6 +576,10 @@ std::shared_ptr<MechanismImpl> make_mechanism(const std::string& spec_text) {
               "' replaces the whole attention layer (it holds its own class projections); "
               "build nn::AgglomerativeAttention instead of a per-head mechanism");
   return info->make(spec);
+}
+
+bool usable_in_decoder(const MechanismInfo& info) {
+  return info.supports.causal || info.always_causal;
 }
 
 std::vector<std::string> mechanism_names() {

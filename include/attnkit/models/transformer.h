@@ -89,6 +89,7 @@ struct TransformerOptions {
   /// (requires a single attention spec).
   TORCH_ARG(bool, shared_weights) = false;
 
+ public:  // (TORCH_ARG leaves the access private)
   /// The options as JSON (what a checkpoint stores) and back; from_json
   /// refuses unknown keys and wrong types with an error naming the key.
   std::string to_json() const;

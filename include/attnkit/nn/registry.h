@@ -13,6 +13,7 @@
 #pragma once
 
 #include <attnkit/dispatch.h>
+#include <attnkit/nn/decoding.h>
 #include <attnkit/ops.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -59,7 +60,7 @@ struct MechanismSupports {
   bool key_lengths = false;     ///< padding: int64 (N) key lengths
   bool cross = false;           ///< L != S (cross-attention)
   bool value_dim = false;       ///< M != E (values of another width than keys)
-  bool decoding_state = false;  ///< incremental decoding with a state (models issue)
+  bool decoding_state = false;  ///< incremental decoding with a state (nn/decoding.h)
 };
 
 /// Sizes of one per-head call: q (N, H, L, E), k (N, H, S, E), v (N, H, S, M).
@@ -100,6 +101,9 @@ struct MechanismInfo {
   /// True for mechanisms that approximate exact softmax attention (clustered,
   /// improved-clustered); the bench reports their distance to it.
   bool approximates_exact = false;
+  /// True for mechanisms that are causal by construction (causal-linear, the
+  /// causal sparse patterns): usable in a decoder without the causal flag.
+  bool always_causal = false;
   /// Names of the tensors of the functional form, e.g. {"q", "k", "v"}.
   std::vector<std::string> inputs;
 
@@ -120,7 +124,16 @@ struct MechanismInfo {
   /// (agglomerative attention holds its own class projections:
   /// nn::AgglomerativeAttention).
   std::function<std::shared_ptr<MechanismImpl>(const MechanismSpec&)> make;
+  /// A fresh state for decoding causal self-attention token by token (the
+  /// same mechanism, causal, one position at a time); null when the mechanism
+  /// has none. Agglomerative attention decodes through its layer
+  /// (nn::AgglomerativeAttention::step) and has none here.
+  std::function<std::unique_ptr<CausalState>(const MechanismSpec&)> start_decoding;
 };
+
+/// True when `info` can serve as a decoder's self-attention: it honours the
+/// causal flag or is causal by construction.
+bool usable_in_decoder(const MechanismInfo& info);
 
 /// Every mechanism, in the order `attnkit mechanisms` prints them.
 const std::vector<MechanismInfo>& mechanisms();

@@ -1,0 +1,72 @@
+// One transformer block: self-attention (any mechanism of the registry behind
+// multi-head projections, Shaw's relative-position attention, or an
+// agglomerative-attention layer), cross-attention in an encoder-decoder's
+// decoder, and the position-wise feed-forward network, each sub-layer with its
+// residual connection, layer norm and dropout. Internal to src/models.
+#pragma once
+
+#include <attnkit/models/transformer.h>
+#include <attnkit/nn/decoding.h>
+#include <attnkit/nn/registry.h>
+
+#include <memory>
+#include <string>
+
+namespace attnkit::models {
+
+/// What one block carries from one decoded token to the next.
+struct BlockState {
+  int64_t position = 0;
+  std::unique_ptr<nn::CausalState> self;    // multi-head blocks
+  nn::KeyValueCache relative;               // relative-position blocks
+  nn::AgglomerativeState agglomerative;     // agglomerative blocks
+  torch::Tensor cross_keys, cross_values;   // (N, H, S, dh): the projected encoder output
+  torch::Tensor memory_lengths;
+};
+
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  enum class Kind { multihead, relative, agglomerative };
+
+  /// `causal`: a decoder block (self-attention sees no later position);
+  /// `cross`: with cross-attention over an encoder's output.
+  TransformerBlockImpl(const TransformerOptions& options, const std::string& spec, bool causal,
+                       bool cross);
+
+  /// x (N, L, d) -> (N, L, d). key_lengths: padding of x (encoder blocks);
+  /// memory (N, S, d) and memory_lengths: the encoder output (cross blocks).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& key_lengths = {},
+                        const torch::Tensor& memory = {}, const torch::Tensor& memory_lengths = {});
+
+  /// A fresh decoding state (the encoder output projected once for cross blocks).
+  std::unique_ptr<BlockState> start_decoding(const torch::Tensor& memory,
+                                             const torch::Tensor& memory_lengths);
+  /// x_t (N, d) at the state's next position -> (N, d).
+  torch::Tensor step(const torch::Tensor& x_t, BlockState& state);
+
+  /// Another self-attention behind the same projections (multi-head blocks).
+  void set_attention(const std::string& spec);
+  Kind kind() const { return kind_; }
+
+ private:
+  torch::Tensor self_attention(const torch::Tensor& h, const torch::Tensor& key_lengths);
+  torch::Tensor self_attention_step(const torch::Tensor& h_t, BlockState& state);
+  torch::Tensor cross_attention_step(const torch::Tensor& h_t, BlockState& state);
+  torch::Tensor feed_forward(const torch::Tensor& h);
+  /// The residual sub-layer: x + drop(f(LN(x))) pre-norm, LN(x + drop(f(x))) post-norm.
+  template <typename F>
+  torch::Tensor sublayer(const torch::Tensor& x, torch::nn::LayerNorm& norm, F&& f);
+
+  TransformerOptions options_;
+  bool causal_;
+  Kind kind_;
+  std::string spec_;
+  const nn::MechanismInfo* info_ = nullptr;
+  nn::MultiheadAttention self_{nullptr}, cross_{nullptr};
+  nn::RelativePositionAttention relative_{nullptr};
+  nn::AgglomerativeAttention agglomerative_{nullptr};
+  nn::Linear ff1_{nullptr}, ff2_{nullptr};
+  torch::nn::LayerNorm norm_self_{nullptr}, norm_cross_{nullptr}, norm_ff_{nullptr};
+};
+
+}  // namespace attnkit::models

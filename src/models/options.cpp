@@ -1,0 +1,198 @@
+// TransformerOptions: names of the enums, JSON (what a checkpoint stores), and
+// the builder's validation (include/attnkit/models/transformer.h).
+#include <attnkit/models/transformer.h>
+#include <attnkit/nn/registry.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace attnkit::models {
+
+namespace {
+
+template <typename Enum>
+Enum from_table(const char* what, const std::string& name,
+                const std::vector<std::pair<const char*, Enum>>& table) {
+  std::string known;
+  for (const auto& [text, value] : table) {
+    if (name == text) return value;
+    known += (known.empty() ? "" : ", ") + std::string(text);
+  }
+  TORCH_CHECK(false, "unknown ", what, " '", name, "'; expected one of ", known);
+}
+
+template <typename Enum>
+std::string to_text(Enum value, const std::vector<std::pair<const char*, Enum>>& table) {
+  for (const auto& [text, v] : table)
+    if (v == value) return text;
+  TORCH_CHECK(false, "unnamed enum value ", static_cast<int>(value));
+}
+
+const std::vector<std::pair<const char*, Architecture>>& architectures() {
+  static const std::vector<std::pair<const char*, Architecture>> t{
+      {"decoder", Architecture::decoder},
+      {"encoder", Architecture::encoder},
+      {"encoder-decoder", Architecture::encoder_decoder}};
+  return t;
+}
+
+const std::vector<std::pair<const char*, Positions>>& position_schemes() {
+  static const std::vector<std::pair<const char*, Positions>> t{
+      {"none", Positions::none},         {"sinusoidal", Positions::sinusoidal},
+      {"learned", Positions::learned},   {"relative", Positions::relative},
+      {"conv", Positions::conv}};
+  return t;
+}
+
+const std::vector<std::pair<const char*, Norm>>& norms() {
+  static const std::vector<std::pair<const char*, Norm>> t{{"pre", Norm::pre}, {"post", Norm::post}};
+  return t;
+}
+
+}  // namespace
+
+Architecture architecture_from_string(const std::string& name) {
+  return from_table("architecture", name, architectures());
+}
+Positions positions_from_string(const std::string& name) {
+  return from_table("position scheme", name, position_schemes());
+}
+Norm norm_from_string(const std::string& name) { return from_table("norm placement", name, norms()); }
+std::string to_string(Architecture value) { return to_text(value, architectures()); }
+std::string to_string(Positions value) { return to_text(value, position_schemes()); }
+std::string to_string(Norm value) { return to_text(value, norms()); }
+
+// --- JSON -----------------------------------------------------------------------------------
+
+std::string TransformerOptions::to_json() const {
+  nlohmann::ordered_json j;
+  j["architecture"] = models::to_string(architecture());
+  j["vocab_size"] = vocab_size();
+  j["source_vocab_size"] = source_vocab_size();
+  j["layers"] = layers();
+  j["width"] = width();
+  j["heads"] = heads();
+  j["ffn"] = ffn();
+  j["dropout"] = dropout();
+  j["attention"] = attention();
+  j["cross_attention"] = cross_attention();
+  j["positions"] = models::to_string(positions());
+  j["max_length"] = max_length();
+  j["relative_clip"] = relative_clip();
+  j["conv_width"] = conv_width();
+  j["norm"] = models::to_string(norm());
+  j["tie_embeddings"] = tie_embeddings();
+  j["shared_weights"] = shared_weights();
+  return j.dump();
+}
+
+TransformerOptions TransformerOptions::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "TransformerOptions::from_json: not JSON: ", e.what());
+  }
+  TORCH_CHECK(j.is_object(), "TransformerOptions::from_json: expected a JSON object, got ", j.type_name());
+  TransformerOptions o;
+  for (const auto& [key, value] : j.items()) {
+    try {
+      if (key == "architecture") o.architecture(architecture_from_string(value.get<std::string>()));
+      else if (key == "vocab_size") o.vocab_size(value.get<int64_t>());
+      else if (key == "source_vocab_size") o.source_vocab_size(value.get<int64_t>());
+      else if (key == "layers") o.layers(value.get<int64_t>());
+      else if (key == "width") o.width(value.get<int64_t>());
+      else if (key == "heads") o.heads(value.get<int64_t>());
+      else if (key == "ffn") o.ffn(value.get<int64_t>());
+      else if (key == "dropout") o.dropout(value.get<double>());
+      else if (key == "attention") o.attention(value.get<std::vector<std::string>>());
+      else if (key == "cross_attention") o.cross_attention(value.get<std::string>());
+      else if (key == "positions") o.positions(positions_from_string(value.get<std::string>()));
+      else if (key == "max_length") o.max_length(value.get<int64_t>());
+      else if (key == "relative_clip") o.relative_clip(value.get<int64_t>());
+      else if (key == "conv_width") o.conv_width(value.get<int64_t>());
+      else if (key == "norm") o.norm(norm_from_string(value.get<std::string>()));
+      else if (key == "tie_embeddings") o.tie_embeddings(value.get<bool>());
+      else if (key == "shared_weights") o.shared_weights(value.get<bool>());
+      else TORCH_CHECK(false, "TransformerOptions::from_json: unknown key '", key, "'");
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "TransformerOptions::from_json: key '", key, "' has the wrong type (",
+                  value.type_name(), "): ", e.what());
+    }
+  }
+  return o;
+}
+
+// --- Validation -------------------------------------------------------------------------------
+
+namespace {
+
+std::string decoder_capable_names() {
+  std::string names;
+  for (const auto& m : nn::mechanisms())
+    if (nn::usable_in_decoder(m)) names += (names.empty() ? "" : ", ") + m.name;
+  return names;
+}
+
+void check_block_spec(const TransformerOptions& o, const std::string& text, bool in_decoder) {
+  const auto [info, spec] = nn::resolve_mechanism(text);
+  const char* where = "Transformer";
+  TORCH_CHECK(!in_decoder || nn::usable_in_decoder(*info), where, ": attention '", text,
+              "' cannot serve a decoder: it supports neither the causal flag nor a causal "
+              "pattern, and a decoder must not see later positions; usable in a decoder: ",
+              decoder_capable_names());
+  TORCH_CHECK(info->name != "sparse-bp-tree" && info->name != "sparse-star", where,
+              ": attention '", text, "' adds nodes of its own (a graph pattern, not a sequence "
+              "pattern) and cannot attend over a token sequence");
+  if (info->name == "agglomerative") {
+    const int64_t classes = spec.get_int("classes", 0) > 0 ? spec.get_int("classes", 0) : o.heads();
+    TORCH_CHECK(o.width() % classes == 0, where, ": agglomerative attention with ", classes,
+                " classes needs a width divisible by them, got width ", o.width());
+    TORCH_CHECK(o.positions() != Positions::relative, where,
+                ": relative positions need exact attention's scores; agglomerative attention "
+                "has none (use positions conv, the agglomerative paper's front end, or another)");
+  }
+  TORCH_CHECK(o.positions() != Positions::relative || info->name == "full", where,
+              ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
+              "need attention 'full', got '", text, "'");
+}
+
+}  // namespace
+
+void validate(const TransformerOptions& o) {
+  const char* where = "Transformer";
+  TORCH_CHECK(o.vocab_size() >= 1, where, ": vocab_size must be >= 1, got ", o.vocab_size());
+  TORCH_CHECK(o.source_vocab_size() >= 0, where, ": source_vocab_size must be >= 0, got ",
+              o.source_vocab_size());
+  TORCH_CHECK(o.layers() >= 1, where, ": layers must be >= 1, got ", o.layers());
+  TORCH_CHECK(o.width() >= 1 && o.heads() >= 1 && o.width() % o.heads() == 0, where, ": width (",
+              o.width(), ") must be a positive multiple of heads (", o.heads(), ")");
+  TORCH_CHECK(o.ffn() >= 1, where, ": ffn must be >= 1, got ", o.ffn());
+  TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, where, ": dropout must be in [0, 1), got ",
+              o.dropout());
+  TORCH_CHECK(o.max_length() >= 1, where, ": max_length must be >= 1, got ", o.max_length());
+  TORCH_CHECK(o.relative_clip() >= 0, where, ": relative_clip must be >= 0, got ", o.relative_clip());
+  TORCH_CHECK(o.conv_width() >= 1, where, ": conv_width must be >= 1, got ", o.conv_width());
+  const auto& specs = o.attention();
+  TORCH_CHECK(specs.size() == 1 || static_cast<int64_t>(specs.size()) == o.layers(), where,
+              ": give one attention spec for every block or one per block (", o.layers(),
+              "), got ", specs.size());
+  TORCH_CHECK(!o.shared_weights() || specs.size() == 1, where,
+              ": shared weights (a universal transformer) apply one block's weights at every "
+              "layer, so they take one attention spec, got ", specs.size());
+  const bool decoder = o.architecture() != Architecture::encoder;
+  const bool encoder = o.architecture() != Architecture::decoder;
+  for (const auto& spec : specs) {
+    if (encoder) check_block_spec(o, spec, false);
+    if (decoder) check_block_spec(o, spec, true);
+  }
+  if (o.architecture() == Architecture::encoder_decoder) {
+    const auto [info, spec] = nn::resolve_mechanism(o.cross_attention());
+    TORCH_CHECK(info->make && info->supports.cross, where, ": cross-attention '",
+                o.cross_attention(), "' must attend from L queries to S != L keys through the "
+                "projections; '", info->name, "' cannot");
+  }
+}
+
+}  // namespace attnkit::models

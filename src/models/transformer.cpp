@@ -1,0 +1,266 @@
+// The transformer builder (include/attnkit/models/transformer.h).
+#include <attnkit/models/transformer.h>
+#include <attnkit/ops.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "models/block.h"
+#include "ops/checks.h"
+
+namespace attnkit::models {
+
+DecodingState::DecodingState() = default;
+DecodingState::~DecodingState() = default;
+DecodingState::DecodingState(DecodingState&&) noexcept = default;
+DecodingState& DecodingState::operator=(DecodingState&&) noexcept = default;
+
+namespace {
+
+constexpr const char* kModel = "Transformer";
+
+void check_tokens(const char* name, const torch::Tensor& tokens, int64_t dims, int64_t vocab) {
+  TORCH_CHECK(tokens.defined() && tokens.dim() == dims && tokens.scalar_type() == torch::kLong, kModel,
+              ": argument '", name, "' must be int64 token ids of ", dims, " dimensions, got ",
+              tokens.defined() ? detail::shape_str(tokens) + " " + std::string(c10::toString(tokens.scalar_type()))
+                               : std::string("an undefined tensor"));
+  if (tokens.numel() == 0) return;
+  const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < vocab, kModel, ": argument '", name, "' holds ids in [", lo, ", ", hi,
+              "], outside the vocabulary [0, ", vocab, ")");
+}
+
+/// Causal convolution of width w over x_padded (N, T + w - 1, d) -> (N, T, d):
+/// output t sees inputs t .. t + w - 1 of the padded sequence, as one GEMM
+/// over the unfolded windows (N, T, d * w).
+torch::Tensor causal_conv(nn::Linear& conv, const torch::Tensor& x_padded, int64_t w) {
+  const int64_t N = x_padded.size(0), T = x_padded.size(1) - w + 1, d = x_padded.size(2);
+  return conv(x_padded.unfold(1, w, 1).reshape({N, T, d * w}));
+}
+
+torch::nn::Embedding make_embedding(int64_t vocab, int64_t d) {
+  torch::nn::Embedding e(torch::nn::EmbeddingOptions(vocab, d));
+  // Scaled by sqrt(d) on the way in, the embeddings start at unit variance;
+  // tied to the output layer, they give logits of unit scale too.
+  torch::NoGradGuard no_grad;
+  e->weight.normal_(0, 1.0 / std::sqrt(double(d)));
+  return e;
+}
+
+}  // namespace
+
+TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(options) {
+  validate(options_);
+  const int64_t d = options_.width(), w = options_.conv_width();
+  const bool enc_dec = options_.architecture() == Architecture::encoder_decoder;
+  embedding_ = register_module("embedding", make_embedding(options_.vocab_size(), d));
+  if (enc_dec && options_.source_vocab_size() > 0 && options_.source_vocab_size() != options_.vocab_size())
+    source_embedding_ = register_module("source_embedding", make_embedding(options_.source_vocab_size(), d));
+  switch (options_.positions()) {
+    case Positions::learned:
+      position_table_ = register_parameter("positions", torch::randn({options_.max_length(), d}) * 0.02);
+      break;
+    case Positions::sinusoidal:
+      sinusoidal_ = register_module(
+          "sinusoidal", nn::SinusoidalPositionalEncoding(nn::SinusoidalPositionalEncodingOptions(d, options_.max_length())));
+      break;
+    case Positions::conv:
+      conv_ = register_module("conv", nn::Linear(d * w, d));
+      if (enc_dec) source_conv_ = register_module("source_conv", nn::Linear(d * w, d));
+      break;
+    case Positions::none:
+    case Positions::relative:  // inside the blocks
+      break;
+  }
+
+  // One block per layer, or with shared weights one block applied at every layer.
+  auto stack = [&](const char* name, bool causal, bool cross) {
+    std::vector<std::shared_ptr<TransformerBlockImpl>> blocks;
+    const auto& specs = options_.attention();
+    for (int64_t i = 0; i < options_.layers(); ++i) {
+      if (options_.shared_weights() && i > 0) {
+        blocks.push_back(blocks.front());
+        continue;
+      }
+      const auto& spec = specs.size() == 1 ? specs[0] : specs[i];
+      const std::string key = std::string(name) + (options_.shared_weights() ? "_shared" : "_" + std::to_string(i));
+      blocks.push_back(register_module(key, std::make_shared<TransformerBlockImpl>(options_, spec, causal, cross)));
+    }
+    return blocks;
+  };
+  const auto arch = options_.architecture();
+  if (arch != Architecture::decoder) encoder_blocks_ = stack("encoder", false, false);
+  if (arch != Architecture::encoder) decoder_blocks_ = stack("decoder", true, enc_dec);
+  if (options_.norm() == Norm::pre) {
+    const auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})); };
+    if (!encoder_blocks_.empty()) encoder_norm_ = register_module("encoder_norm", ln());
+    if (!decoder_blocks_.empty()) decoder_norm_ = register_module("decoder_norm", ln());
+  }
+  if (!options_.tie_embeddings())
+    output_ = register_module("output", nn::Linear(d, options_.vocab_size()));
+}
+
+torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens, bool source, int64_t offset) {
+  const int64_t N = tokens.size(0), L = tokens.size(1), d = options_.width();
+  auto& table = source && source_embedding_ ? source_embedding_ : embedding_;
+  auto x = table(tokens) * std::sqrt(double(d));
+  const bool tabled = options_.positions() == Positions::learned || options_.positions() == Positions::sinusoidal;
+  TORCH_CHECK(!tabled || offset + L <= options_.max_length(), kModel, ": position ", offset + L - 1,
+              " is beyond max_length ", options_.max_length(), " of the ", to_string(options_.positions()),
+              " position table");
+  if (options_.positions() == Positions::learned) x = x + position_table_.narrow(0, offset, L);
+  if (options_.positions() == Positions::sinusoidal) x = sinusoidal_(x, offset);
+  if (options_.positions() == Positions::conv) {
+    const int64_t w = options_.conv_width();
+    auto padded = torch::cat({torch::zeros({N, w - 1, d}, x.options()), x}, 1);
+    x = causal_conv(source && source_conv_ ? source_conv_ : conv_, padded, w);
+  }
+  return torch::dropout(x, options_.dropout(), is_training());
+}
+
+torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
+  return options_.tie_embeddings() ? attnkit::linear(hidden, embedding_->weight) : output_(hidden);
+}
+
+torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::Tensor& source_lengths) {
+  const int64_t vocab = source_embedding_ ? options_.source_vocab_size() : options_.vocab_size();
+  check_tokens("source", source, 2, vocab);
+  detail::check_lengths(kModel, "source_lengths", source_lengths, source.size(0), source.size(1));
+  auto x = embed(source, true, 0);
+  for (auto& block : encoder_blocks_) x = block->forward(x, source_lengths);
+  return encoder_norm_ ? encoder_norm_(x) : x;
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& source,
+                                       const torch::Tensor& source_lengths) {
+  const auto arch = options_.architecture();
+  TORCH_CHECK(arch == Architecture::encoder_decoder || !source.defined(), kModel,
+              ": a source sequence is for an encoder-decoder; this model is an ", to_string(arch));
+  if (arch == Architecture::encoder) return logits(encode(tokens, source_lengths));
+  check_tokens("tokens", tokens, 2, options_.vocab_size());
+  torch::Tensor memory;
+  if (arch == Architecture::encoder_decoder) {
+    TORCH_CHECK(source.defined(), kModel, ": an encoder-decoder needs the source sequence");
+    TORCH_CHECK(source.size(0) == tokens.size(0), kModel, ": source has batch size ", source.size(0),
+                " but tokens have ", tokens.size(0));
+    memory = encode(source, source_lengths);
+  }
+  auto x = embed(tokens, false, 0);
+  for (auto& block : decoder_blocks_) x = block->forward(x, {}, memory, source_lengths);
+  return logits(decoder_norm_ ? decoder_norm_(x) : x);
+}
+
+void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
+  auto changed = options_;
+  changed.attention(specs);
+  validate(changed);
+  auto swap = [&](std::vector<std::shared_ptr<TransformerBlockImpl>>& blocks) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (options_.shared_weights() && i > 0) break;
+      blocks[i]->set_attention(specs.size() == 1 ? specs[0] : specs[i]);
+    }
+  };
+  swap(encoder_blocks_);
+  swap(decoder_blocks_);
+  options_ = changed;
+}
+
+// --- Decoding -----------------------------------------------------------------------------
+
+DecodingState TransformerImpl::start_decoding(int64_t batch, const torch::Tensor& source,
+                                              const torch::Tensor& source_lengths) {
+  const auto arch = options_.architecture();
+  TORCH_CHECK(arch != Architecture::encoder, kModel,
+              ": an encoder sees its whole input at once and does not decode token by token");
+  TORCH_CHECK(batch >= 1, kModel, ": start_decoding needs batch >= 1, got ", batch);
+  DecodingState state;
+  state.batch_ = batch;
+  if (arch == Architecture::encoder_decoder) {
+    TORCH_CHECK(source.defined() && source.dim() == 2 && source.size(0) == batch, kModel,
+                ": decoding an encoder-decoder needs the source (", batch, ", S)");
+    state.memory_ = encode(source, source_lengths);
+    state.memory_lengths_ = source_lengths;
+  } else {
+    TORCH_CHECK(!source.defined(), kModel, ": a source sequence is for an encoder-decoder");
+  }
+  for (auto& block : decoder_blocks_)
+    state.blocks_.push_back(block->start_decoding(state.memory_, state.memory_lengths_));
+  return state;
+}
+
+torch::Tensor TransformerImpl::step(const torch::Tensor& tokens, DecodingState& state) {
+  TORCH_CHECK(!state.blocks_.empty(), kModel, ": step needs a state from start_decoding");
+  check_tokens("tokens", tokens, 1, options_.vocab_size());
+  TORCH_CHECK(tokens.size(0) == state.batch_, kModel, ": the state decodes ", state.batch_,
+              " streams, got ", tokens.size(0), " tokens");
+  const int64_t N = tokens.size(0), d = options_.width(), t = state.position_;
+  torch::Tensor x;
+  if (options_.positions() == Positions::conv) {
+    // The convolution sees this embedding and the previous w - 1 (zeros before the start).
+    const int64_t w = options_.conv_width();
+    auto e = embedding_(tokens) * std::sqrt(double(d));
+    if (!state.conv_window_.defined()) state.conv_window_ = torch::zeros({N, w - 1, d}, e.options());
+    auto window = torch::cat({state.conv_window_, e.unsqueeze(1)}, 1);  // (N, w, d)
+    state.conv_window_ = window.narrow(1, 1, w - 1);
+    x = torch::dropout(causal_conv(conv_, window, w).squeeze(1), options_.dropout(), is_training());
+  } else {
+    x = embed(tokens.unsqueeze(1), false, t).squeeze(1);
+  }
+  for (size_t i = 0; i < decoder_blocks_.size(); ++i) x = decoder_blocks_[i]->step(x, *state.blocks_[i]);
+  ++state.position_;
+  return logits(decoder_norm_ ? decoder_norm_(x) : x);
+}
+
+torch::Tensor TransformerImpl::generate(const torch::Tensor& prompt, const GenerateOptions& g,
+                                        const torch::Tensor& source, const torch::Tensor& source_lengths) {
+  check_tokens("prompt", prompt, 2, options_.vocab_size());
+  TORCH_CHECK(prompt.size(1) >= 1, kModel, ": generate needs a prompt of at least one token");
+  TORCH_CHECK(g.tokens() >= 0, kModel, ": generate: tokens must be >= 0, got ", g.tokens());
+  TORCH_CHECK(g.temperature() >= 0 && std::isfinite(g.temperature()), kModel,
+              ": generate: temperature must be finite and >= 0, got ", g.temperature());
+  TORCH_CHECK(g.top_k() >= 0, kModel, ": generate: top_k must be >= 0, got ", g.top_k());
+  const bool tabled = options_.positions() == Positions::learned || options_.positions() == Positions::sinusoidal;
+  TORCH_CHECK(!tabled || prompt.size(1) + g.tokens() <= options_.max_length(), kModel, ": generate: ",
+              prompt.size(1), " prompt + ", g.tokens(), " new tokens exceed max_length ", options_.max_length());
+
+  torch::NoGradGuard no_grad;
+  const bool was_training = is_training();
+  eval();
+  struct RestoreMode {
+    TransformerImpl* model;
+    bool training;
+    ~RestoreMode() { model->train(training); }
+  } restore{this, was_training};
+
+  const int64_t N = prompt.size(0), P = prompt.size(1);
+  auto generator = at::detail::createCPUGenerator(g.seed());
+  auto state = start_decoding(N, source, source_lengths);
+  torch::Tensor next_logits;
+  for (int64_t p = 0; p < P; ++p) next_logits = step(prompt.select(1, p).contiguous(), state);
+  std::vector<torch::Tensor> out{prompt};
+  for (int64_t i = 0; i < g.tokens(); ++i) {
+    torch::Tensor next;
+    if (g.temperature() == 0) {
+      next = next_logits.argmax(-1);
+    } else {
+      auto scaled = next_logits.to(torch::kFloat64) / g.temperature();
+      if (g.top_k() > 0 && g.top_k() < scaled.size(-1)) {
+        const auto kth = std::get<0>(scaled.topk(g.top_k(), -1)).select(-1, g.top_k() - 1).unsqueeze(-1);
+        scaled = scaled.masked_fill(scaled < kth, -std::numeric_limits<double>::infinity());
+      }
+      next = torch::multinomial(torch::softmax(scaled, -1), 1, false, generator).squeeze(-1);
+    }
+    out.push_back(next.unsqueeze(1));
+    if (i + 1 < g.tokens()) next_logits = step(next, state);
+  }
+  return torch::cat(out, 1);
+}
+
+int64_t TransformerImpl::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace attnkit::models

@@ -1,0 +1,236 @@
+// The transformer builder: token-by-token decoding equals the causal forward
+// for every mechanism that decodes, the builder's refusals, options as JSON,
+// swapping mechanisms into a built model, generation.
+#include <attnkit/models/transformer.h>
+#include <attnkit/nn/registry.h>
+
+#include "test_util.h"
+
+namespace attnkit::models {
+namespace {
+
+using attnkit::testing::expect_error;
+using attnkit::testing::rel_err;
+
+TransformerOptions small(int64_t vocab = 11) {
+  return TransformerOptions(vocab).layers(2).width(16).heads(2).ffn(24).dropout(0).max_length(64);
+}
+
+/// Logits of every position, computed by stepping the decoder one token at a
+/// time: (N, L, V).
+torch::Tensor decode_all(Transformer& model, const torch::Tensor& tokens,
+                         const torch::Tensor& source = {}) {
+  auto state = model->start_decoding(tokens.size(0), source);
+  std::vector<torch::Tensor> out;
+  for (int64_t t = 0; t < tokens.size(1); ++t) out.push_back(model->step(tokens.select(1, t), state));
+  return torch::stack(out, 1);
+}
+
+/// Every registry mechanism that can decode, with options small enough that a
+/// 13-token sequence exercises its window.
+std::vector<std::string> decodable_specs() {
+  std::vector<std::string> specs;
+  for (const auto& m : nn::mechanisms()) {
+    if (!nn::usable_in_decoder(m) || !m.supports.decoding_state) continue;
+    if (m.name == "sparse-local-causal") specs.push_back("sparse-local-causal:span=3");
+    else if (m.name == "sparse-segments-causal") specs.push_back("sparse-segments-causal:segment=4");
+    else if (m.name == "sparse-strided") specs.push_back("sparse-strided:stride=3");
+    else if (m.name == "agglomerative") specs.push_back("agglomerative:classes=4");
+    else specs.push_back(m.name);
+  }
+  return specs;
+}
+
+class DecodingEqualsForward : public ::testing::TestWithParam<std::string> {};
+
+// Tolerances: float64 1e-10 and float32 1e-5 relative to the largest logit;
+// the two paths compute the same sums in different orders (and the float32
+// forward runs the blocked kernels, the steps one query at a time).
+TEST_P(DecodingEqualsForward, EveryPositionMatches) {
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    for (auto positions : {Positions::sinusoidal, Positions::conv, Positions::learned}) {
+      for (auto norm : {Norm::pre, Norm::post}) {
+        torch::manual_seed(3);
+        Transformer model(small().attention({GetParam()}).positions(positions).norm(norm).conv_width(3));
+        model->to(dtype);
+        model->eval();
+        auto tokens = torch::randint(0, 11, {2, 13}, torch::kLong);
+        auto full = model->forward(tokens);
+        auto stepped = decode_all(model, tokens);
+        const double tol = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
+        EXPECT_LE(rel_err(stepped, full), tol)
+            << GetParam() << " " << c10::toString(dtype) << " positions " << to_string(positions)
+            << " norm " << to_string(norm);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mechanisms, DecodingEqualsForward, ::testing::ValuesIn(decodable_specs()),
+                         [](const auto& info) {
+                           std::string name = info.param.substr(0, info.param.find(':'));
+                           for (auto& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
+
+TEST(Transformer, EveryDecoderCapableMechanismDecodes) {
+  // The registry promises a decoding state for every mechanism a decoder accepts.
+  for (const auto& m : nn::mechanisms())
+    if (nn::usable_in_decoder(m)) EXPECT_TRUE(m.supports.decoding_state) << m.name;
+}
+
+TEST(Transformer, DecodingMatchesForRelativePositionsMixedBlocksAndSharedWeights) {
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    const double tol = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
+    std::vector<TransformerOptions> variants{
+        small().positions(Positions::relative).relative_clip(3),
+        small().layers(3).attention({"full", "causal-linear", "agglomerative:classes=2"}),
+        small().layers(3).shared_weights(true).attention({"agglomerative"}).positions(Positions::conv),
+        small().positions(Positions::none).tie_embeddings(false),
+    };
+    for (const auto& options : variants) {
+      torch::manual_seed(5);
+      Transformer model(options);
+      model->to(dtype);
+      model->eval();
+      auto tokens = torch::randint(0, 11, {2, 9}, torch::kLong);
+      EXPECT_LE(rel_err(decode_all(model, tokens), model->forward(tokens)), tol) << options.to_json();
+    }
+  }
+}
+
+TEST(Transformer, EncoderDecoderDecodingMatchesForward) {
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    torch::manual_seed(7);
+    Transformer model(small(9).architecture(Architecture::encoder_decoder).source_vocab_size(13));
+    model->to(dtype);
+    model->eval();
+    auto source = torch::randint(0, 13, {2, 6}, torch::kLong);
+    auto tokens = torch::randint(0, 9, {2, 5}, torch::kLong);
+    auto full = model->forward(tokens, source);
+    EXPECT_EQ(full.sizes(), torch::IntArrayRef({2, 5, 9}));
+    EXPECT_LE(rel_err(decode_all(model, tokens, source), full), dtype == torch::kFloat64 ? 1e-10 : 1e-5);
+  }
+}
+
+TEST(Transformer, CausalModelsDoNotSeeTheFuture) {
+  for (const auto& spec : decodable_specs()) {
+    torch::manual_seed(1);
+    Transformer model(small().attention({spec}));
+    model->to(torch::kFloat64);
+    model->eval();
+    auto a = torch::randint(0, 11, {1, 10}, torch::kLong);
+    auto b = a.clone();
+    b.index_put_({0, 7}, (a.index({0, 7}) + 1) % 11);
+    auto la = model->forward(a), lb = model->forward(b);
+    EXPECT_LE(rel_err(lb.narrow(1, 0, 7), la.narrow(1, 0, 7)), 1e-12) << spec;
+    EXPECT_GT(rel_err(lb.narrow(1, 7, 3), la.narrow(1, 7, 3)), 1e-6) << spec;
+  }
+}
+
+TEST(Transformer, DecodesPastTheFirstCacheBuffers) {
+  torch::manual_seed(2);
+  Transformer model(small().layers(1).attention({"sparse-local-causal:span=8"}).positions(Positions::none));
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto state = model->start_decoding(1);
+  for (int64_t t = 0; t < 1000; ++t) model->step(torch::tensor({t % 11}, torch::kLong), state);
+  EXPECT_EQ(state.position(), 1000);
+  // (The window's memory bound is tested on the state itself: tests/nn/decoding_test.cpp.)
+  auto generated = model->generate(torch::zeros({1, 1}, torch::kLong),
+                                   GenerateOptions().tokens(500).temperature(0));
+  EXPECT_EQ(generated.size(1), 501);
+}
+
+TEST(Transformer, BuilderRefusesImpossibleCombinations) {
+  expect_error([] { Transformer(small().attention({"clustered"})); },
+               {"clustered", "cannot serve a decoder", "full"});
+  expect_error([] { Transformer(small().width(18).heads(4)); }, {"width (18)", "heads (4)"});
+  expect_error([] { Transformer(small().attention({"agglomerative:classes=3"})); },
+               {"3 classes", "width 16"});
+  expect_error([] { Transformer(small().layers(3).attention({"full", "full"})); },
+               {"one per block (3)", "got 2"});
+  expect_error([] { Transformer(small().positions(Positions::relative).attention({"causal-linear"})); },
+               {"relative positions", "'full'"});
+  expect_error([] { Transformer(small().architecture(Architecture::encoder).attention({"sparse-bp-tree"})); },
+               {"graph pattern"});
+  expect_error([] { Transformer(small().shared_weights(true).attention({"full", "full"})); },
+               {"shared weights", "one attention spec"});
+  expect_error([] { Transformer(small().attention({"fast"})); }, {"unknown attention mechanism 'fast'"});
+  expect_error([] { Transformer(small().dropout(1)); }, {"dropout"});
+  expect_error([] { Transformer(small().architecture(Architecture::encoder_decoder).cross_attention("agglomerative")); },
+               {"cross-attention 'agglomerative'"});
+  // The encoder takes non-causal mechanisms.
+  Transformer encoder(small().architecture(Architecture::encoder).attention({"improved-clustered:clusters=3"}));
+  EXPECT_EQ(encoder->forward(torch::randint(0, 11, {2, 7}, torch::kLong)).sizes(),
+            torch::IntArrayRef({2, 7, 11}));
+  expect_error([&] { encoder->start_decoding(1); }, {"encoder", "does not decode"});
+}
+
+TEST(Transformer, BadTokensAndLengthsAreRefused) {
+  Transformer model(small().max_length(8));
+  expect_error([&] { model->forward(torch::full({1, 3}, 11, torch::kLong)); },
+               {"'tokens'", "outside the vocabulary [0, 11)"});
+  expect_error([&] { model->forward(torch::zeros({1, 3}, torch::kInt)); }, {"int64 token ids"});
+  expect_error([&] { model->forward(torch::zeros({1, 9}, torch::kLong)); }, {"max_length 8"});
+  expect_error([&] { model->generate(torch::zeros({1, 4}, torch::kLong), GenerateOptions().tokens(5)); },
+               {"exceed max_length 8"});
+  auto state = model->start_decoding(2);
+  expect_error([&] { model->step(torch::zeros({3}, torch::kLong), state); }, {"decodes 2 streams"});
+}
+
+TEST(Transformer, OptionsRoundTripThroughJson) {
+  auto o = small().architecture(Architecture::encoder_decoder).source_vocab_size(5).layers(3)
+               .attention({"full", "linear:feature_map=elu", "improved-clustered:clusters=4,topk=2"})
+               .positions(Positions::learned).norm(Norm::post).tie_embeddings(false).dropout(0.25);
+  const auto back = TransformerOptions::from_json(o.to_json());
+  EXPECT_EQ(back.to_json(), o.to_json());
+  EXPECT_EQ(back.attention(), o.attention());
+  expect_error([] { TransformerOptions::from_json(R"({"layers": 2, "depth": 3})"); }, {"unknown key 'depth'"});
+  expect_error([] { TransformerOptions::from_json(R"({"layers": "two"})"); }, {"key 'layers'", "wrong type"});
+  expect_error([] { TransformerOptions::from_json("{"); }, {"not JSON"});
+}
+
+TEST(Transformer, SwappingKeepsWeightsAndRefusesWhatCannotCarryOver) {
+  torch::manual_seed(4);
+  Transformer model(small());
+  model->eval();
+  auto tokens = torch::randint(0, 11, {2, 12}, torch::kLong);
+  const auto before = model->forward(tokens);
+  const auto params = model->parameter_count();
+  for (const auto& spec : decodable_specs()) {
+    if (spec.rfind("agglomerative", 0) == 0) continue;
+    model->set_attention({spec});
+    EXPECT_EQ(model->parameter_count(), params) << spec;
+    EXPECT_TRUE(torch::isfinite(model->forward(tokens)).all().item<bool>()) << spec;
+  }
+  model->set_attention({"full"});
+  EXPECT_LE(rel_err(model->forward(tokens), before), 1e-6);
+  expect_error([&] { model->set_attention({"agglomerative"}); }, {"class projections"});
+  expect_error([&] { model->set_attention({"clustered"}); }, {"cannot serve a decoder"});
+  EXPECT_EQ(model->options().attention(), std::vector<std::string>{"full"});
+}
+
+TEST(Transformer, GenerateIsSeededAndGreedyFollowsTheArgmax) {
+  torch::manual_seed(6);
+  Transformer model(small());
+  auto prompt = torch::randint(0, 11, {2, 3}, torch::kLong);
+  auto a = model->generate(prompt, GenerateOptions().tokens(6).seed(1).top_k(4));
+  auto b = model->generate(prompt, GenerateOptions().tokens(6).seed(1).top_k(4));
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_TRUE(torch::equal(a.narrow(1, 0, 3), prompt));
+  EXPECT_TRUE(model->is_training());  // generate restores the mode
+  auto greedy = model->generate(prompt, GenerateOptions().tokens(4).temperature(0));
+  model->eval();
+  auto logits = model->forward(greedy.narrow(1, 0, 6));
+  EXPECT_TRUE(torch::equal(logits.argmax(-1).narrow(1, 2, 4), greedy.narrow(1, 3, 4)));
+}
+
+TEST(Transformer, TiedEmbeddingsAreCountedOnce) {
+  Transformer tied(small()), untied(small().tie_embeddings(false));
+  EXPECT_EQ(untied->parameter_count() - tied->parameter_count(), 16 * 11 + 11);
+}
+
+}  // namespace
+}  // namespace attnkit::models
