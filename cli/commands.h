@@ -32,4 +32,7 @@ void add_approx_command(CLI::App& app);
 /// `attnkit bench-lookup`: softmax lookups over stored states vs DocumentMemory lookups.
 void add_bench_lookup_command(CLI::App& app);
 
+/// `attnkit data char-lm`: raw text to the char-lm task's train/valid/test files.
+void add_data_command(CLI::App& app);
+
 }  // namespace attnkit::cli

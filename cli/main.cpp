@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   attnkit::cli::add_figure_clustered_command(app);
   attnkit::cli::add_approx_command(app);
   attnkit::cli::add_bench_lookup_command(app);
+  attnkit::cli::add_data_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

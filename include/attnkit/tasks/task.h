@@ -3,6 +3,7 @@
 // model must be (its vocabulary, causal or not). Tasks: "char-lm" (next
 // character, bits per character) and "copy" (the masked copy task of the
 // clustered-attention paper, appendix C.2; accuracy on the masked tokens).
+// Their classes and data preparation: attnkit/tasks/char_lm.h, attnkit/tasks/copy.h.
 #pragma once
 
 #include <torch/types.h>
@@ -22,7 +23,8 @@ struct Batch {
 };
 
 enum class Split { train, valid, test };
-Split split_from_string(const std::string& name);  ///< "train", "valid", "test"
+/// "train", "valid" or "test"; anything else throws, listing the three.
+Split split_from_string(const std::string& name);
 std::string to_string(Split split);
 
 /// Sums over scored positions, from which every reported metric follows.
@@ -36,11 +38,15 @@ struct Metrics {
   Metrics& operator+=(const Metrics& other);
 };
 
-/// Metrics of logits (N, L, V) against a batch (no gradient).
+/// Metrics of logits (N, L, V) against a batch (no gradient; sums in float64).
+/// An argmax tie goes to the lowest id.
 Metrics score(const torch::Tensor& logits, const Batch& batch);
 
 /// Masked mean cross-entropy of logits (N, L, V) against a batch: the training
-/// loss (differentiable), nats per scored position.
+/// loss (differentiable), nats per scored position: the sum over positions of
+/// weight * -log_softmax(logits)[target], divided by the sum of the weights
+/// (0 when no position is scored). Throws on mismatched shapes or a target
+/// outside [0, V).
 torch::Tensor loss(const torch::Tensor& logits, const Batch& batch);
 
 class Task {
@@ -56,13 +62,18 @@ class Task {
   virtual std::string metric_name() const = 0;
   virtual double metric(const Metrics& m) const = 0;
 
+  /// The length L of this task's batches when the trainer asks for `context`
+  /// positions: `context` for char-lm, fixed by the task for copy (2 * length + 2).
+  virtual int64_t sequence_length(int64_t context) const { return context; }
+
   /// The training batch of `step`: a pure function of (seed, step, batch,
   /// context), so that a resumed run sees exactly the data it would have seen.
   virtual Batch train_batch(uint64_t seed, int64_t step, int64_t batch, int64_t context) const = 0;
   /// Evaluation batches that cover `split` deterministically (no seed).
   virtual std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const = 0;
 
-  /// Text <-> token ids for tasks over text (char-lm); others throw.
+  /// Text <-> token ids for tasks over text (char-lm); the defaults throw,
+  /// naming the task.
   virtual torch::Tensor encode(const std::string& text) const;
   virtual std::string decode(const torch::Tensor& tokens) const;
 };
