@@ -100,7 +100,7 @@ class Trainer {
 
   /// Trains up to options.steps(); returns early, after writing a checkpoint,
   /// when a stop is requested (SIGINT / SIGTERM while run() is active, or
-  /// request_stop()).
+  /// request_stop()). Once per Trainer (a second call throws).
   TrainResult run();
 
   /// The step training continues from: 0, or the resumed checkpoint's.
@@ -131,6 +131,7 @@ class Trainer {
   double elapsed_before_ = 0;  // seconds trained before this process (resumed runs)
   std::string resumed_from_;
   std::function<void(int64_t)> on_step_;
+  bool ran_ = false;
 };
 
 /// A trained model loaded for evaluation or generation.
