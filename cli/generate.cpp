@@ -43,10 +43,10 @@ void add_generate_command(CLI::App& app) {
     }
     auto run = train::load_run(f->run);
     if (run.model_options.architecture() != models::Architecture::decoder)
-      throw CLI::ValidationError("--run", "'" + run.checkpoint + "' is a " +
+      throw CLI::ValidationError("--run", "'" + run.checkpoint + "' holds a model of architecture '" +
                                               models::to_string(run.model_options.architecture()) +
-                                              " model of task '" + run.task->name() +
-                                              "'; generate needs a decoder language model (task char-lm)");
+                                              "' (task '" + run.task->name() +
+                                              "'); generate needs a decoder language model (task char-lm)");
     // The task's normalisation never ends a text with a space, but a prompt's
     // trailing separator ("the ") changes what comes next: probe with a letter
     // after it and keep the separator it brings.
