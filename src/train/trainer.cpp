@@ -281,6 +281,12 @@ TrainResult Trainer::run() {
     int fd;
     ~LockRelease() { ::close(fd); }
   } lock_release{lock_fd};
+  // Under the lock, the run directory must still be as the constructor found it.
+  const auto checkpoints = list_checkpoints(options_.out());
+  const std::string newest = checkpoints.empty() ? "" : checkpoints[0].path;
+  if (newest != resumed_from_)
+    throw std::runtime_error("the checkpoints of '" + options_.out() + "' changed since this Trainer was built (newest now: '" +
+                             newest + "'); build the Trainer again");
   // Temporary files of checkpoint writes that a crash interrupted.
   static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
   for (const auto& entry : fs::directory_iterator(options_.out()))

@@ -8,6 +8,10 @@
 #include <attnkit/train/trainer.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -275,4 +279,23 @@ TEST(TrainTrainer, SwapInEvaluationOfEveryMechanism) {
   const auto a = evaluate(lm.model, *lm.task, tasks::Split::valid, 4, 32, 1);
   const auto b = evaluate(fresh.model, *fresh.task, tasks::Split::valid, 4, 32, 1);
   EXPECT_EQ(a.loss_sum, b.loss_sum);
+}
+
+// One process per run directory: a held RUN/.lock refuses run(); checkpoints
+// that appear after the Trainer was built refuse it too.
+TEST(TrainTrainer, RunDirectoryIsLockedAndRechecked) {
+  ThreadsGuard threads;
+  const auto dir = fresh_dir("lock");
+  Trainer trainer(tiny_run(dir).steps(2), tiny_decoder(), char_lm());
+  const int fd = ::open((fs::path(dir) / ".lock").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  EXPECT_NE(error_of([&] { trainer.run(); }).find("another process is training"), std::string::npos);
+  ::close(fd);
+  EXPECT_TRUE(list_checkpoints(dir).empty());
+
+  Trainer late(tiny_run(dir).steps(2), tiny_decoder(), char_lm());
+  Trainer(tiny_run(dir).steps(2), tiny_decoder(), char_lm()).run();  // another run got there first
+  EXPECT_NE(error_of([&] { late.run(); }).find("changed since this Trainer was built"), std::string::npos);
+  EXPECT_EQ(list_checkpoints(dir).size(), 1u);
 }
