@@ -39,4 +39,13 @@ void add_data_command(CLI::App& app);
 /// baseline), token-by-token generation and a training step's peak memory.
 void add_bench_model_command(CLI::App& app);
 
+/// `attnkit train`: trains a transformer on a task into a run directory (docs/TRAINING.md).
+void add_train_command(CLI::App& app);
+
+/// `attnkit eval`: a trained run's metric, optionally with another mechanism swapped in.
+void add_eval_command(CLI::App& app);
+
+/// `attnkit generate`: continues a prompt with a trained language model.
+void add_generate_command(CLI::App& app);
+
 }  // namespace attnkit::cli

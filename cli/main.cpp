@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
   attnkit::cli::add_approx_command(app);
   attnkit::cli::add_bench_lookup_command(app);
   attnkit::cli::add_data_command(app);
+  attnkit::cli::add_train_command(app);
+  attnkit::cli::add_eval_command(app);
+  attnkit::cli::add_generate_command(app);
   attnkit::cli::add_bench_model_command(app);
   try {
     app.parse(argc, argv);

@@ -1,0 +1,169 @@
+// `attnkit train`: trains a transformer on a task into a run directory
+// (checkpoints, metrics.jsonl); --resume continues the newest checkpoint.
+// The Trainer (include/attnkit/train/trainer.h) does the work; this file maps
+// flags to its options. docs/TRAINING.md describes the run directory.
+#include <attnkit/train/checkpoint.h>
+#include <attnkit/train/trainer.h>
+
+#include <iostream>
+#include <memory>
+
+#include "commands.h"
+
+namespace attnkit::cli {
+
+namespace {
+
+struct TrainFlags {
+  std::string task = "char-lm", data, architecture, positions = "sinusoidal", norm = "pre", display = "auto";
+  std::vector<std::string> attention;
+  int64_t layers = 0, width = 0, heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, length = 64;
+  int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
+  double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0;
+  uint64_t seed = 0;
+  int threads = 0;
+  std::string out;
+  bool resume = false, untied = false;
+};
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto f = std::make_shared<TrainFlags>();
+  const models::TransformerOptions m;
+  const train::TrainerOptions t;
+  f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->ffn = m.ffn();
+  f->dropout = m.dropout(); f->conv_width = m.conv_width();
+  f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
+  f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
+  f->seed = t.seed(); f->checkpoint_every = t.checkpoint_every(); f->log_every = t.log_every();
+  f->eval_every = t.eval_every(); f->eval_batches = t.eval_batches();
+
+  auto* cmd = app.add_subcommand(
+      "train",
+      "Train a transformer on a task into a run directory (checkpoints, metrics.jsonl). "
+      "With --resume, flags not given are taken from the newest checkpoint and flags given must "
+      "match it (except --steps, --threads and the logging/evaluation/checkpoint cadence)");
+  cmd->add_option("--task", f->task, "char-lm (next character, bits per character) or copy (masked copy task)")
+      ->check(CLI::IsMember({"char-lm", "copy"}))->capture_default_str();
+  cmd->add_option("--data", f->data, "char-lm: the directory `attnkit data char-lm` wrote (train/valid/test.txt)");
+  cmd->add_option("--length", f->length, "copy: symbols per half")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--attention", f->attention,
+                  "Mechanism spec NAME[:key=value,...] for every block; repeat once per block (bottom "
+                  "first) for one spec per block (default: full)")
+      ->allow_extra_args(false);
+  cmd->add_option("--architecture", f->architecture,
+                  "decoder or encoder (default: the task's: char-lm decoder, copy encoder)")
+      ->check(CLI::IsMember({"decoder", "encoder"}));
+  cmd->add_option("--layers", f->layers, "Blocks")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--width", f->width, "Model width d")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--heads", f->heads, "Attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--ffn", f->ffn, "Hidden width of the feed-forward network")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--dropout", f->dropout, "Dropout on every sub-layer output")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--positions", f->positions, "none, sinusoidal, learned, relative or conv")
+      ->check(CLI::IsMember({"none", "sinusoidal", "learned", "relative", "conv"}))->capture_default_str();
+  cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
+  cmd->add_flag("--untied", f->untied, "An output layer of its own instead of the embedding matrix");
+  cmd->add_option("--context", f->context, "Tokens per training sequence")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--batch", f->batch, "Sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--steps", f->steps, "Optimiser steps of the whole run")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--lr", f->lr, "Peak learning rate (AdamW)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--min-lr", f->min_lr, "Learning rate at the end of the cosine decay")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--warmup", f->warmup, "Steps of linear warm-up")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--clip", f->clip, "Global gradient-norm bound (0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--weight-decay", f->weight_decay, "AdamW's decoupled weight decay (matrices only)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Seed of the initial weights, the data order and dropout")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--checkpoint-every", f->checkpoint_every, "Steps between checkpoints (one is always written at the end)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--log-every", f->log_every, "Steps per progress line and metrics.jsonl record")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--eval-every", f->eval_every, "Steps between validations (0: only at the end)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation (0: the whole split)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--display", f->display, "Progress: auto (a live line on a terminal, else plain lines), live, plain, quiet")
+      ->check(CLI::IsMember({"auto", "live", "plain", "quiet"}))->capture_default_str();
+  cmd->add_option("--out", f->out, "Run directory")->required();
+  cmd->add_flag("--resume", f->resume, "Continue from the newest checkpoint in --out");
+
+  cmd->callback([f, cmd] {
+    auto given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };
+    // Start from the stored options when resuming, else from the defaults.
+    models::TransformerOptions model;
+    train::TrainerOptions trainer;
+    tasks::TaskOptions task{f->task, f->data, f->length};
+    bool from_checkpoint = false;
+    if (f->resume && !train::list_checkpoints(f->out).empty()) {
+      auto stored = train::read_stored_options(f->out);
+      model = stored.model;
+      trainer = stored.trainer;
+      task = stored.task;
+      from_checkpoint = true;
+    } else {
+      model.vocab_size(0);  // the task's
+      model.architecture(models::architecture_from_string(
+          !f->architecture.empty() ? f->architecture : f->task == "copy" ? "encoder" : "decoder"));
+      model.positions(models::positions_from_string(f->positions))
+          .norm(models::norm_from_string(f->norm))
+          .layers(f->layers).width(f->width).heads(f->heads).ffn(f->ffn).dropout(f->dropout)
+          .conv_width(f->conv_width).tie_embeddings(!f->untied);
+      if (!f->attention.empty()) model.attention(f->attention);
+      trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
+          .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
+          .checkpoint_every(f->checkpoint_every).log_every(f->log_every).eval_every(f->eval_every)
+          .eval_batches(f->eval_batches);
+      if (f->task == "char-lm" && f->data.empty())
+        throw CLI::ValidationError("--data", "--task char-lm needs --data DIR (see `attnkit data char-lm`)");
+    }
+    if (from_checkpoint) {
+      // Flags given on the command line override the stored options; the
+      // Trainer then refuses the ones that would change the trajectory.
+      if (given("--task")) task.name = f->task;
+      if (given("--data")) task.data_dir = f->data;
+      if (given("--length")) task.length = f->length;
+      if (given("--architecture")) model.architecture(models::architecture_from_string(f->architecture));
+      if (given("--positions")) model.positions(models::positions_from_string(f->positions));
+      if (given("--norm")) model.norm(models::norm_from_string(f->norm));
+      if (given("--layers")) model.layers(f->layers);
+      if (given("--width")) model.width(f->width);
+      if (given("--heads")) model.heads(f->heads);
+      if (given("--ffn")) model.ffn(f->ffn);
+      if (given("--dropout")) model.dropout(f->dropout);
+      if (given("--conv-width")) model.conv_width(f->conv_width);
+      if (given("--untied")) model.tie_embeddings(!f->untied);
+      if (given("--attention")) model.attention(f->attention);
+      if (given("--context")) trainer.context(f->context);
+      if (given("--batch")) trainer.batch(f->batch);
+      if (given("--steps")) trainer.steps(f->steps);
+      if (given("--lr")) trainer.lr(f->lr);
+      if (given("--min-lr")) trainer.min_lr(f->min_lr);
+      if (given("--warmup")) trainer.warmup(f->warmup);
+      if (given("--clip")) trainer.clip(f->clip);
+      if (given("--weight-decay")) trainer.weight_decay(f->weight_decay);
+      if (given("--seed")) trainer.seed(f->seed);
+      if (given("--checkpoint-every")) trainer.checkpoint_every(f->checkpoint_every);
+      if (given("--log-every")) trainer.log_every(f->log_every);
+      if (given("--eval-every")) trainer.eval_every(f->eval_every);
+      if (given("--eval-batches")) trainer.eval_batches(f->eval_batches);
+    }
+    trainer.threads(f->threads).out(f->out).resume(f->resume);
+    trainer.display(f->display == "live"    ? train::Display::live
+                    : f->display == "plain" ? train::Display::plain
+                    : f->display == "quiet" ? train::Display::quiet
+                                            : train::Display::automatic);
+
+    train::Trainer run(trainer, model, task);
+    const auto result = run.run();
+    std::cout << (result.interrupted ? "interrupted at step " : "trained to step ") << result.step << " of "
+              << run.options().steps() << "; checkpoint " << result.checkpoint;
+    if (result.validated)
+      std::cout << "; valid loss " << result.valid.loss() << ", " << run.task().metric_name() << " "
+                << run.task().metric(result.valid);
+    std::cout << "\n";
+  });
+}
+
+}  // namespace attnkit::cli

@@ -1,0 +1,168 @@
+// Training a models::Transformer on a tasks::Task: AdamW, linear warm-up then
+// cosine decay, global-norm gradient clipping, seeded everything, progress and
+// RUN/metrics.jsonl, atomic checkpoints (the last two kept), bitwise resume,
+// and a graceful stop on SIGINT / SIGTERM. The user-facing description is
+// docs/TRAINING.md.
+//
+//   attnkit::train::Trainer trainer(
+//       attnkit::train::TrainerOptions().steps(2000).batch(16).context(256).out("runs/lm"),
+//       attnkit::models::TransformerOptions().layers(4).width(256).heads(4),
+//       {"char-lm", "data/kjv", 0});
+//   auto result = trainer.run();
+//
+// Determinism: torch::manual_seed(seed) before the model is built; the batch
+// of step s is Task::train_batch(seed, s, ...) (a pure function of s); dropout
+// draws from torch's default CPU generator, whose state every checkpoint
+// stores. With one thread a run interrupted and resumed ends with bitwise the
+// weights of an uninterrupted one.
+#pragma once
+
+#include <attnkit/models/transformer.h>
+#include <attnkit/tasks/task.h>
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace attnkit::train {
+
+/// How a run shows its progress: `automatic` is `live` when stderr is a
+/// terminal and `plain` otherwise.
+enum class Display { automatic, live, plain, quiet };
+
+struct TrainerOptions {
+  TORCH_ARG(int64_t, steps) = 1000;   ///< optimiser steps of the whole run
+  TORCH_ARG(int64_t, batch) = 16;     ///< sequences per step
+  TORCH_ARG(int64_t, context) = 256;  ///< tokens per sequence
+  TORCH_ARG(double, lr) = 1e-3;       ///< peak learning rate (after warm-up)
+  TORCH_ARG(int64_t, warmup) = 100;   ///< steps of linear warm-up from lr / warmup to lr
+  TORCH_ARG(double, min_lr) = 1e-4;   ///< cosine decay from lr to min_lr over the steps after warm-up
+  TORCH_ARG(double, weight_decay) = 0.01;  ///< AdamW's decoupled decay, on matrices only (dim >= 2)
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, clip) = 1.0;      ///< global gradient norm bound; 0: no clipping
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(int, threads) = 0;        ///< attnkit::set_num_threads and at::set_num_threads; 0: default
+  TORCH_ARG(int64_t, log_every) = 10;        ///< steps per progress line / metrics.jsonl record
+  TORCH_ARG(int64_t, eval_every) = 0;        ///< steps between validations; 0: only at the end
+  TORCH_ARG(int64_t, eval_batches) = 8;      ///< validation batches per evaluation (the first ones); 0: all
+  TORCH_ARG(int64_t, checkpoint_every) = 500;  ///< steps between checkpoints (one is always written at the end)
+  TORCH_ARG(std::string, out);               ///< the run directory
+  TORCH_ARG(bool, resume) = false;           ///< continue from the newest checkpoint of `out`
+  TORCH_ARG(Display, display) = Display::automatic;
+
+ public:  // TORCH_ARG leaves the access private
+  /// The options as JSON (what a checkpoint stores) and back; from_json
+  /// refuses unknown keys and wrong types with an error naming the key.
+  std::string to_json() const;
+  static TrainerOptions from_json(const std::string& json);
+};
+
+/// The learning rate of (0-based) step `step`: lr * (step + 1) / warmup during
+/// warm-up, then min_lr + (lr - min_lr) (1 + cos(pi t)) / 2 with
+/// t = (step - warmup) / (steps - warmup) in [0, 1).
+double learning_rate(const TrainerOptions& options, int64_t step);
+
+/// TaskOptions as JSON and back (what a checkpoint stores).
+std::string task_options_to_json(const tasks::TaskOptions& options);
+tasks::TaskOptions task_options_from_json(const std::string& json);
+
+/// Checks trainer options (positive steps, batch, context, ...; finite lr,
+/// 0 <= min_lr <= lr, betas in [0, 1), an output directory) and throws an error
+/// naming the option and its value.
+void validate(const TrainerOptions& options);
+
+/// What a run ended with.
+struct TrainResult {
+  int64_t step = 0;                 ///< optimiser steps done (the data position)
+  bool interrupted = false;         ///< stopped early by SIGINT / SIGTERM / request_stop()
+  std::string checkpoint;           ///< the last checkpoint written
+  tasks::Metrics train;             ///< the last log interval's training metrics
+  bool validated = false;           ///< whether `valid` holds a validation
+  tasks::Metrics valid;             ///< the last validation
+};
+
+class Trainer {
+ public:
+  /// Builds the task and the model, or with options.resume() loads the newest
+  /// checkpoint of options.out() (see docs/TRAINING.md for what must match).
+  /// `model.vocab_size()` 0 means the task's vocabulary. Nothing in the run
+  /// directory is written or removed until run().
+  Trainer(const TrainerOptions& options, const models::TransformerOptions& model,
+          const tasks::TaskOptions& task);
+  ~Trainer();
+
+  /// Trains up to options.steps(); returns early, after writing a checkpoint,
+  /// when a stop is requested (SIGINT / SIGTERM while run() is active, or
+  /// request_stop()). Once per Trainer (a second call throws).
+  TrainResult run();
+
+  /// The step training continues from: 0, or the resumed checkpoint's.
+  int64_t start_step() const { return start_step_; }
+  /// The checkpoint resumed from, or "".
+  const std::string& resumed_from() const { return resumed_from_; }
+  const TrainerOptions& options() const { return options_; }
+  const models::TransformerOptions& model_options() const { return model_options_; }
+  const tasks::TaskOptions& task_options() const { return task_options_; }
+  models::Transformer& model() { return model_; }
+  const tasks::Task& task() const { return *task_; }
+  torch::optim::Optimizer& optimizer();
+
+  /// Called after every completed step with the step count (tests use it to
+  /// interrupt a run with request_stop()).
+  void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
+
+ private:
+  void write_checkpoint(int64_t step, double elapsed, const TrainResult& result);
+
+  TrainerOptions options_;
+  models::TransformerOptions model_options_;
+  tasks::TaskOptions task_options_;
+  std::unique_ptr<tasks::Task> task_;
+  models::Transformer model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  int64_t start_step_ = 0;
+  double elapsed_before_ = 0;  // seconds trained before this process (resumed runs)
+  std::string resumed_from_;
+  std::function<void(int64_t)> on_step_;
+  bool ran_ = false;
+};
+
+/// A trained model loaded for evaluation or generation.
+struct LoadedRun {
+  std::string checkpoint;  ///< the file it came from
+  int64_t step = 0;
+  TrainerOptions trainer;
+  models::TransformerOptions model_options;
+  tasks::TaskOptions task_options;
+  std::unique_ptr<tasks::Task> task;
+  models::Transformer model{nullptr};  ///< in eval mode
+};
+
+/// Loads the newest checkpoint of `run_dir` (weights only; not the optimiser
+/// or the generator). A corrupt newest checkpoint is refused, not skipped.
+LoadedRun load_run(const std::string& run_dir);
+
+/// The options stored in the newest checkpoint of `run_dir` without building
+/// anything (the CLI's --resume starts from them). Throws when there is none.
+struct StoredOptions {
+  std::string checkpoint;
+  int64_t step = 0;
+  TrainerOptions trainer;
+  models::TransformerOptions model;
+  tasks::TaskOptions task;
+};
+StoredOptions read_stored_options(const std::string& run_dir);
+
+/// Metrics of `model` (eval mode, no autograd) over the first `max_batches`
+/// (0: all) evaluation batches of `split`, `batch` sequences of `context` tokens.
+tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tasks::Split split,
+                        int64_t batch, int64_t context, int64_t max_batches);
+
+}  // namespace attnkit::train

@@ -1,0 +1,461 @@
+// The training loop, checkpoints of a run, resume, loading a run for eval.
+#include <attnkit/runtime.h>
+#include <attnkit/train/checkpoint.h>
+#include <attnkit/train/progress.h>
+#include <attnkit/train/signals.h>
+#include <attnkit/train/trainer.h>
+
+#include <ATen/Parallel.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace attnkit::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::size_t kKeepCheckpoints = 2;
+
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void apply_threads(int threads) {
+  if (threads <= 0) return;
+  attnkit::set_num_threads(threads);
+  at::set_num_threads(threads);
+}
+
+/// char-lm -> decoder, copy -> encoder: what the task needs of the model.
+void check_architecture(const models::TransformerOptions& model, const tasks::Task& task) {
+  using models::Architecture;
+  if (model.architecture() == Architecture::encoder_decoder)
+    throw std::invalid_argument("train: architecture 'encoder-decoder' needs source sequences; the " +
+                                task.name() + " task gives one sequence per example (use decoder or encoder)");
+  if (task.causal() && model.architecture() != Architecture::decoder)
+    throw std::invalid_argument("train: task '" + task.name() +
+                                "' predicts the next token and needs architecture 'decoder', got '" +
+                                models::to_string(model.architecture()) + "'");
+  if (model.vocab_size() != task.vocab_size())
+    throw std::invalid_argument("train: the model's vocab_size " + std::to_string(model.vocab_size()) +
+                                " differs from task '" + task.name() + "''s " +
+                                std::to_string(task.vocab_size()));
+}
+
+/// Absolute data directory, so that a run can be evaluated from anywhere.
+tasks::TaskOptions normalised(tasks::TaskOptions t) {
+  if (!t.data_dir.empty()) t.data_dir = fs::weakly_canonical(fs::absolute(t.data_dir)).string();
+  return t;
+}
+
+/// AdamW with decoupled weight decay on matrices (dim >= 2) and none on
+/// vectors (biases, norms); every parameter once even when shared.
+std::unique_ptr<torch::optim::AdamW> make_optimizer(models::Transformer& model, const TrainerOptions& o) {
+  std::vector<torch::Tensor> decay, no_decay;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model->parameters()) {
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  auto options = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decay.empty()) groups.emplace_back(decay, options(o.weight_decay()));
+  if (!no_decay.empty()) groups.emplace_back(no_decay, options(0.0));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr()));
+}
+
+struct Header {
+  int64_t step = 0;
+  double elapsed = 0;
+  TrainerOptions trainer;
+  models::TransformerOptions model;
+  tasks::TaskOptions task;
+  std::string tensors;  // JSON array
+};
+
+Header parse_header(const CheckpointFile& file, const std::string& path) {
+  auto refuse = [&](const std::string& problem) -> Header {
+    throw std::runtime_error("checkpoint '" + path + "' refused: " + problem);
+  };
+  json j;
+  try {
+    j = json::parse(file.header);
+  } catch (const json::exception& e) {
+    return refuse(std::string("its header is not JSON: ") + e.what());
+  }
+  for (const char* key : {"step", "elapsed_seconds", "trainer", "model", "task", "tensors"})
+    if (!j.contains(key)) return refuse(std::string("its header lacks '") + key + "'");
+  Header h;
+  try {
+    h.step = j.at("step").get<int64_t>();
+    h.elapsed = j.at("elapsed_seconds").get<double>();
+    h.trainer = TrainerOptions::from_json(j.at("trainer").dump());
+    h.model = models::TransformerOptions::from_json(j.at("model").dump());
+    h.task = task_options_from_json(j.at("task").dump());
+    h.tensors = j.at("tensors").dump();
+  } catch (const c10::Error& e) {
+    return refuse(std::string("its header does not describe a run: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return refuse(std::string("its header does not describe a run: ") + e.what());
+  }
+  return h;
+}
+
+/// The newest checkpoint of `run_dir`, read and verified. A corrupt newest
+/// checkpoint is refused, not skipped: silently resuming from an older one
+/// would repeat steps without saying so. The error names the file and says
+/// how to fall back deliberately.
+std::pair<CheckpointFile, Header> read_newest(const std::string& run_dir, std::string* path) {
+  const auto entries = list_checkpoints(run_dir);
+  if (entries.empty())
+    throw std::runtime_error("no checkpoint in '" + run_dir + "' (expected checkpoint-<step>.ckpt files)");
+  *path = entries[0].path;
+  CheckpointFile file;
+  try {
+    file = read_checkpoint_file(entries[0].path);
+  } catch (const std::runtime_error& e) {
+    std::string msg = e.what();
+    if (entries.size() > 1)
+      msg += ". The newest checkpoint is not skipped silently; to continue from the older '" +
+             entries[1].path + "' (step " + std::to_string(entries[1].step) +
+             "), move the refused file out of the run directory";
+    throw std::runtime_error(msg);
+  }
+  auto header = parse_header(file, entries[0].path);
+  if (header.step != entries[0].step)
+    throw std::runtime_error("checkpoint '" + entries[0].path + "' refused: its header says step " +
+                             std::to_string(header.step) + ", its name step " +
+                             std::to_string(entries[0].step));
+  return {std::move(file), std::move(header)};
+}
+
+/// The differences that would change a resumed run's trajectory; empty when it may resume.
+std::vector<std::string> resume_mismatches(const Header& stored, const TrainerOptions& t,
+                                           const models::TransformerOptions& m,
+                                           const tasks::TaskOptions& task) {
+  std::vector<std::string> out;
+  const json stored_model = json::parse(stored.model.to_json()), model = json::parse(m.to_json());
+  for (const auto& item : stored_model.items())
+    if (!model.contains(item.key()) || model[item.key()] != item.value())
+      out.push_back("model " + item.key() + ": checkpoint " + item.value().dump() + ", now " +
+                    (model.contains(item.key()) ? model[item.key()].dump() : "absent"));
+  const json stored_trainer = json::parse(stored.trainer.to_json()), trainer = json::parse(t.to_json());
+  // What may change between sessions of a run: its length, threads, logging,
+  // evaluation and checkpoint cadence, the display. Everything else shapes
+  // the trajectory.
+  static const std::unordered_set<std::string> free_keys = {
+      "steps", "threads", "log_every", "eval_every", "eval_batches", "checkpoint_every", "out", "resume", "display"};
+  for (const auto& item : stored_trainer.items())
+    if (!free_keys.count(item.key()) && trainer[item.key()] != item.value())
+      out.push_back("trainer " + item.key() + ": checkpoint " + item.value().dump() + ", now " +
+                    trainer[item.key()].dump());
+  if (stored.task.name != task.name)
+    out.push_back("task: checkpoint '" + stored.task.name + "', now '" + task.name + "'");
+  if (stored.task.data_dir != task.data_dir)
+    out.push_back("data: checkpoint '" + stored.task.data_dir + "', now '" + task.data_dir + "'");
+  if (stored.task.length != task.length)
+    out.push_back("length: checkpoint " + std::to_string(stored.task.length) + ", now " +
+                  std::to_string(task.length));
+  return out;
+}
+
+json metrics_json(const std::string& prefix, const tasks::Metrics& m) {
+  return {{prefix + "loss", m.loss()}, {prefix + "bpc", m.bits()}, {prefix + "accuracy", m.accuracy()}};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Trainer
+// ---------------------------------------------------------------------------
+
+Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions& model,
+                 const tasks::TaskOptions& task)
+    : options_(options), model_options_(model), task_options_(normalised(task)) {
+  validate(options_);
+  apply_threads(options_.threads());
+  task_ = tasks::make_task(task_options_);
+  if (model_options_.vocab_size() == 0) model_options_.vocab_size(task_->vocab_size());
+  check_architecture(model_options_, *task_);
+  models::validate(model_options_);
+  const int64_t length = task_->sequence_length(options_.context());
+  if (length > model_options_.max_length() &&
+      (model_options_.positions() == models::Positions::learned ||
+       model_options_.positions() == models::Positions::sinusoidal))
+    throw std::invalid_argument("train: sequences of " + std::to_string(length) +
+                                " tokens exceed the model's max_length " +
+                                std::to_string(model_options_.max_length()));
+
+  const auto existing = list_checkpoints(options_.out());
+  if (!options_.resume() && !existing.empty())
+    throw std::runtime_error("run directory '" + options_.out() + "' already holds checkpoints (newest: '" +
+                             existing[0].path + "'); pass --resume to continue it or choose another --out");
+
+  CheckpointFile file;
+  Header header;
+  if (options_.resume() && !existing.empty()) {
+    std::tie(file, header) = read_newest(options_.out(), &resumed_from_);
+    const auto mismatches = resume_mismatches(header, options_, model_options_, task_options_);
+    if (!mismatches.empty()) {
+      std::string msg = "cannot resume from '" + resumed_from_ +
+                        "': the options differ from the ones that built the run:";
+      for (const auto& m : mismatches) msg += "\n  " + m;
+      throw std::runtime_error(msg);
+    }
+    if (header.step > options_.steps())
+      throw std::runtime_error("cannot resume from '" + resumed_from_ + "': it is at step " +
+                               std::to_string(header.step) + ", beyond --steps " +
+                               std::to_string(options_.steps()));
+  }
+
+  torch::manual_seed(options_.seed());
+  model_ = models::Transformer(model_options_);
+  optimizer_ = make_optimizer(model_, options_);
+  if (!resumed_from_.empty()) {
+    load_training_state(file.payload, header.tensors, *model_, optimizer_.get(),
+                        /*restore_generator=*/true, resumed_from_);
+    start_step_ = header.step;
+    elapsed_before_ = header.elapsed;
+  }
+}
+
+Trainer::~Trainer() = default;
+
+torch::optim::Optimizer& Trainer::optimizer() { return *optimizer_; }
+
+void Trainer::write_checkpoint(int64_t step, double elapsed, const TrainResult& result) {
+  std::string tensors;
+  CheckpointFile file;
+  file.payload = save_training_state(*model_, optimizer_.get(), &tensors);
+  json header = {{"format", "attnkit-checkpoint"},
+                 {"attnkit_version", attnkit::version()},
+                 {"step", step},
+                 {"elapsed_seconds", elapsed},
+                 {"trainer", json::parse(options_.to_json())},
+                 {"model", json::parse(model_options_.to_json())},
+                 {"task", json::parse(task_options_to_json(task_options_))},
+                 {"parameters", model_->parameter_count()},
+                 {"tensors", json::parse(tensors)}};
+  if (result.validated) header["valid"] = metrics_json("", result.valid);
+  file.header = header.dump();
+  const auto path = (fs::path(options_.out()) / checkpoint_name(step)).string();
+  write_checkpoint_file(path, file);
+  prune_checkpoints(options_.out(), kKeepCheckpoints);  // only after the new one is durable
+}
+
+TrainResult Trainer::run() {
+  if (ran_)
+    throw std::logic_error("Trainer::run: this trainer has run; continue with a new Trainer and resume(true)");
+  ran_ = true;
+  apply_threads(options_.threads());
+  fs::create_directories(options_.out());
+  // One process per run directory: an advisory lock held while training.
+  const std::string lock_path = (fs::path(options_.out()) / ".lock").string();
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd < 0) throw std::runtime_error("cannot open '" + lock_path + "': " + std::strerror(errno));
+  if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(lock_fd);
+    throw std::runtime_error("another process is training in '" + options_.out() + "' (it holds " + lock_path + ")");
+  }
+  struct LockRelease {
+    int fd;
+    ~LockRelease() { ::close(fd); }
+  } lock_release{lock_fd};
+  // Under the lock, the run directory must still be as the constructor found it.
+  const auto checkpoints = list_checkpoints(options_.out());
+  const std::string newest = checkpoints.empty() ? "" : checkpoints[0].path;
+  if (newest != resumed_from_)
+    throw std::runtime_error("the checkpoints of '" + options_.out() + "' changed since this Trainer was built (newest now: '" +
+                             newest + "'); build the Trainer again");
+  // Temporary files of checkpoint writes that a crash interrupted.
+  static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
+  for (const auto& entry : fs::directory_iterator(options_.out()))
+    if (std::regex_match(entry.path().filename().string(), stale)) fs::remove(entry.path());
+  const std::string metrics_path = (fs::path(options_.out()) / "metrics.jsonl").string();
+  if (!resumed_from_.empty())
+    trim_metrics(metrics_path, start_step_);
+  else
+    fs::remove(metrics_path);  // a fresh run (no checkpoint): its own log
+  MetricsLog metrics(metrics_path);
+
+  const bool live = options_.display() == Display::live ||
+                    (options_.display() == Display::automatic && ::isatty(STDERR_FILENO));
+  ProgressPrinter progress(stderr, live);
+  const bool quiet = options_.display() == Display::quiet;
+  auto say = [&](const std::string& text) {
+    if (!quiet) progress.message(text);
+  };
+  if (!resumed_from_.empty())
+    say("resuming from " + resumed_from_ + " at step " + std::to_string(start_step_));
+
+  StopSignalGuard signals;
+  clear_stop();
+  TrainResult result;
+  result.step = start_step_;
+  const double start = now_seconds();
+  double interval_start = start;
+  int64_t interval_steps = 0;
+  tasks::Metrics interval;
+  double last_lr = 0, grad_norm = 0;
+  const int64_t tokens_per_step = options_.batch() * task_->sequence_length(options_.context());
+  const std::string metric_name = task_->metric_name();
+
+  std::vector<torch::Tensor> params;
+  for (const auto& group : optimizer_->param_groups())
+    for (const auto& p : group.params()) params.push_back(p);
+
+  model_->train();
+  for (int64_t step = start_step_; step < options_.steps(); ++step) {
+    // One optimiser step on the batch of `step`.
+    const double lr = learning_rate(options_, step);
+    for (auto& group : optimizer_->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    const auto batch = task_->train_batch(options_.seed(), step, options_.batch(), options_.context());
+    optimizer_->zero_grad();
+    const auto logits = model_->forward(batch.input);
+    const auto loss = tasks::loss(logits, batch);
+    const double loss_value = loss.item<double>();
+    if (!std::isfinite(loss_value))
+      throw std::runtime_error("train: the loss is " + std::to_string(loss_value) + " at step " +
+                               std::to_string(step + 1) + "; stopping without a checkpoint (the last one: " +
+                               (result.checkpoint.empty() ? resumed_from_ : result.checkpoint) +
+                               "); try a lower --lr or a tighter --clip");
+    loss.backward();
+    if (options_.clip() > 0) grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
+    optimizer_->step();
+    interval += tasks::score(logits.detach(), batch);
+    last_lr = lr;
+    ++interval_steps;
+    const int64_t done = step + 1;
+    result.step = done;
+    if (on_step_) on_step_(done);
+
+    const bool last = done == options_.steps();
+    const bool stopping = stop_requested();
+    // Validation at the end and every eval_every steps. A stop does not add
+    // one: the steps that validate are the same in an interrupted and resumed
+    // run as in an uninterrupted one.
+    const bool evaluate_now = last || (options_.eval_every() > 0 && done % options_.eval_every() == 0);
+    const bool log_now = done % options_.log_every() == 0 || last || evaluate_now || stopping;
+
+    const double now = now_seconds();
+    const double interval_seconds = std::max(now - interval_start, 1e-9);
+    const double tokens_per_s = static_cast<double>(interval_steps * tokens_per_step) / interval_seconds;
+    ProgressLine line;
+    line.step = done;
+    line.total = options_.steps();
+    line.loss = interval.loss();
+    line.metric_name = metric_name;
+    line.metric = task_->metric(interval);
+    line.lr = lr;
+    line.tokens_per_s = tokens_per_s;
+    line.eta_seconds = static_cast<double>(options_.steps() - done) * interval_seconds /
+                       static_cast<double>(interval_steps);
+    if (!quiet) progress.show(line, log_now);
+
+    if (log_now) {
+      json record = {{"step", done}, {"lr", last_lr}, {"tokens_per_s", tokens_per_s},
+                     {"elapsed", elapsed_before_ + (now - start)}};
+      record.update(metrics_json("", interval));
+      if (options_.clip() > 0) record["grad_norm"] = grad_norm;
+      if (evaluate_now) {
+        result.valid = evaluate(model_, *task_, tasks::Split::valid, options_.batch(), options_.context(),
+                                options_.eval_batches());
+        result.validated = true;
+        model_->train();
+        record.update(metrics_json("valid_", result.valid));
+        char text[128];
+        std::snprintf(text, sizeof(text), "step %lld: valid loss %.4f  %s %.4f",
+                      static_cast<long long>(done), result.valid.loss(), metric_name.c_str(),
+                      task_->metric(result.valid));
+        say(text);
+      }
+      metrics.append(record.dump());
+      result.train = interval;
+      interval = tasks::Metrics{};
+      interval_steps = 0;
+      interval_start = now_seconds();
+    }
+
+    if (last || stopping || done % options_.checkpoint_every() == 0) {
+      write_checkpoint(done, elapsed_before_ + (now_seconds() - start), result);
+      result.checkpoint = (fs::path(options_.out()) / checkpoint_name(done)).string();
+    }
+    if (stopping && !last) {
+      result.interrupted = true;
+      const int sig = stop_signal();
+      say(std::string("stopped") + (sig == SIGINT ? " by SIGINT" : sig == SIGTERM ? " by SIGTERM" : "") +
+          " after step " + std::to_string(done) + "; checkpoint " + result.checkpoint +
+          " (continue with --resume)");
+      break;
+    }
+  }
+  if (result.checkpoint.empty() && !resumed_from_.empty()) result.checkpoint = resumed_from_;
+  if (!quiet) progress.finish();
+  clear_stop();
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// Loading a run
+// ---------------------------------------------------------------------------
+
+StoredOptions read_stored_options(const std::string& run_dir) {
+  StoredOptions out;
+  auto [file, header] = read_newest(run_dir, &out.checkpoint);
+  out.step = header.step;
+  out.trainer = header.trainer;
+  out.model = header.model;
+  out.task = header.task;
+  return out;
+}
+
+LoadedRun load_run(const std::string& run_dir) {
+  LoadedRun run;
+  auto [file, header] = read_newest(run_dir, &run.checkpoint);
+  run.step = header.step;
+  run.trainer = header.trainer;
+  run.model_options = header.model;
+  run.task_options = header.task;
+  run.task = tasks::make_task(run.task_options);
+  run.model = models::Transformer(run.model_options);
+  load_training_state(file.payload, header.tensors, *run.model, nullptr, /*restore_generator=*/false,
+                      run.checkpoint);
+  run.model->eval();
+  return run;
+}
+
+tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tasks::Split split,
+                        int64_t batch, int64_t context, int64_t max_batches) {
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  tasks::Metrics total;
+  const auto batches = task.eval_batches(split, batch, context);
+  const std::size_t n = max_batches > 0 ? std::min<std::size_t>(batches.size(), max_batches) : batches.size();
+  for (std::size_t i = 0; i < n; ++i) total += tasks::score(model->forward(batches[i].input), batches[i]);
+  model->train(was_training);
+  return total;
+}
+
+}  // namespace attnkit::train

@@ -1,0 +1,184 @@
+# `attnkit train`, `eval` and `generate` as a user runs them, with tiny models:
+# a run and its files, refusals that change nothing, SIGINT mid-run (exit 0,
+# a loadable checkpoint, --resume finishes the run), swap-in eval, generation.
+# Variables: CLI (the attnkit binary), TEXT (a small text file), OUT_DIR (scratch).
+cmake_policy(VERSION 3.25)
+include(${CMAKE_CURRENT_LIST_DIR}/common.cmake)
+
+file(REMOVE_RECURSE ${OUT_DIR})
+file(MAKE_DIRECTORY ${OUT_DIR})
+set(data ${OUT_DIR}/data)
+set(run ${OUT_DIR}/run)
+
+# Help lists the commands and their flags.
+run_ok(${CLI} --help)
+foreach(sub train eval generate)
+  if(NOT out MATCHES "\n  ${sub} ")
+    message(FATAL_ERROR "'attnkit --help' does not list ${sub}:\n${out}")
+  endif()
+endforeach()
+run_ok(${CLI} train --help)
+foreach(flag --task --data --attention --layers --width --heads --ffn --context --batch --steps --lr
+             --dropout --positions --seed --threads --out --resume --warmup --clip --checkpoint-every)
+  if(NOT out MATCHES "${flag}")
+    message(FATAL_ERROR "'attnkit train --help' lacks ${flag}:\n${out}")
+  endif()
+endforeach()
+
+run_ok(${CLI} data char-lm --input ${TEXT} --out ${data})
+
+set(model --task char-lm --data ${data} --layers 2 --width 32 --heads 2 --ffn 64 --context 32 --batch 4
+          --dropout 0.1 --positions sinusoidal --seed 1 --threads 1 --lr 3e-3 --warmup 2)
+
+# ---------------------------------------------------------------------------
+# A run: 8 steps, checkpoints every 3 (the last two kept: 6 and 8), one
+# metrics.jsonl record per 2 steps.
+run_ok(${CLI} train ${model} --attention full --steps 8 --checkpoint-every 3 --log-every 2
+       --eval-batches 2 --out ${run})
+if(NOT out MATCHES "trained to step 8 of 8; checkpoint .*checkpoint-00000008.ckpt; valid loss")
+  message(FATAL_ERROR "train's summary line:\n${out}")
+endif()
+file(GLOB ckpts RELATIVE ${run} ${run}/checkpoint-*.ckpt)
+list(SORT ckpts)
+if(NOT ckpts STREQUAL "checkpoint-00000006.ckpt;checkpoint-00000008.ckpt")
+  message(FATAL_ERROR "expected the checkpoints of steps 6 and 8, found: ${ckpts}")
+endif()
+file(STRINGS ${run}/metrics.jsonl records)
+list(LENGTH records n)
+if(NOT n EQUAL 4)
+  message(FATAL_ERROR "metrics.jsonl: expected 4 records (steps 2, 4, 6, 8), got ${n}:\n${records}")
+endif()
+list(GET records 3 last)
+read_fields("${last}" "" step loss bpc accuracy lr tokens_per_s elapsed valid_loss valid_bpc)
+if(NOT step EQUAL 8)
+  message(FATAL_ERROR "the last record is of step ${step}, not 8")
+endif()
+
+# ---------------------------------------------------------------------------
+# Refusals change nothing in the run directory.
+file(GLOB_RECURSE files_before ${run}/*)
+set(hashes_before "")
+foreach(f ${files_before})
+  file(SHA256 ${f} h)
+  list(APPEND hashes_before "${f}=${h}")
+endforeach()
+macro(require_unchanged what)
+  file(GLOB_RECURSE files_now ${run}/*)
+  set(hashes_now "")
+  foreach(f ${files_now})
+    file(SHA256 ${f} h)
+    list(APPEND hashes_now "${f}=${h}")
+  endforeach()
+  if(NOT hashes_now STREQUAL hashes_before)
+    message(FATAL_ERROR "${what} changed the run directory:\nbefore ${hashes_before}\nafter ${hashes_now}")
+  endif()
+endmacro()
+run_refused("already holds checkpoints" ${CLI} train ${model} --steps 8 --out ${run})
+require_unchanged("a fresh run into a used directory")
+run_refused("model width: checkpoint 32, now 64" ${CLI} train --width 64 --heads 2 --steps 9 --out ${run} --resume)
+require_unchanged("a resume with other model flags")
+
+# A corrupted and a truncated newest checkpoint, in a copy of the run.
+foreach(damage flip truncate)
+  set(bad ${OUT_DIR}/bad-${damage})
+  file(REMOVE_RECURSE ${bad})
+  file(COPY ${run}/ DESTINATION ${bad})
+  set(target ${bad}/checkpoint-00000008.ckpt)
+  file(SIZE ${target} size)
+  if(damage STREQUAL "flip")
+    # Flip bit 2 of the byte in the middle, in place (dd conv=notrunc; printf's octal escape).
+    math(EXPR at "${size} / 2")
+    file(READ ${target} byte OFFSET ${at} LIMIT 1 HEX)
+    math(EXPR flipped "0x${byte} ^ 4")
+    math(EXPR o1 "${flipped} / 64")
+    math(EXPR o2 "(${flipped} / 8) % 8")
+    math(EXPR o3 "${flipped} % 8")
+    execute_process(COMMAND sh -c "printf '\\${o1}${o2}${o3}' | dd of='${target}' bs=1 seek=${at} conv=notrunc status=none"
+                    RESULT_VARIABLE rc)
+    set(expect "CRC-32 mismatch")
+  else()
+    math(EXPR keep "${size} / 2")
+    execute_process(COMMAND truncate -s ${keep} ${target} RESULT_VARIABLE rc)
+    set(expect "truncated")
+  endif()
+  file(SIZE ${target} size_after)
+  if(damage STREQUAL "flip")
+    file(READ ${target} byte_after OFFSET ${at} LIMIT 1 HEX)
+    if(rc OR NOT size_after EQUAL size OR byte_after STREQUAL byte)
+      message(FATAL_ERROR "could not flip a bit of ${target}: rc=${rc}, ${byte} -> ${byte_after}")
+    endif()
+  elseif(rc OR NOT size_after EQUAL keep)
+    message(FATAL_ERROR "could not truncate ${target}: rc=${rc}, ${size_after} bytes")
+  endif()
+  file(SHA256 ${bad}/checkpoint-00000008.ckpt damaged_hash)
+  run_refused("checkpoint-00000008.ckpt' refused: [a-z]*:? ?${expect}" ${CLI} eval --run ${bad})
+  run_refused("${expect}.*checkpoint-00000006.ckpt" ${CLI} train --out ${bad} --resume --steps 10)
+  file(SHA256 ${bad}/checkpoint-00000008.ckpt hash_after)
+  if(NOT damaged_hash STREQUAL hash_after OR EXISTS ${bad}/checkpoint-00000010.ckpt)
+    message(FATAL_ERROR "a refused resume wrote into ${bad}")
+  endif()
+endforeach()
+
+# ---------------------------------------------------------------------------
+# eval: the trained attention and swapped-in mechanisms; JSON written.
+run_ok(${CLI} eval --run ${run} --split test --threads 1 --json ${OUT_DIR}/eval.json)
+if(NOT out MATCHES "attention full \\(trained\\): test bpc [0-9.]+")
+  message(FATAL_ERROR "eval's line:\n${out}")
+endif()
+file(READ ${OUT_DIR}/eval.json json)
+read_fields("${json}" "" checkpoint step split metric value loss bpc scored swapped)
+if(NOT step EQUAL 8 OR NOT metric STREQUAL "bpc" OR NOT split STREQUAL "test" OR swapped)
+  message(FATAL_ERROR "eval.json: ${json}")
+endif()
+run_ok(${CLI} eval --run ${run} --attention causal-linear --threads 1 --json ${OUT_DIR}/swap.json)
+if(NOT out MATCHES "attention causal-linear \\(swapped in\\): valid bpc")
+  message(FATAL_ERROR "eval --attention causal-linear:\n${out}")
+endif()
+run_refused("agglomerative" ${CLI} eval --run ${run} --attention agglomerative)
+
+# generate: the same seed gives the same text, which starts with the prompt.
+run_ok(${CLI} generate --run ${run} --prompt "the " --tokens 12 --seed 5 --top-k 3 --threads 1)
+set(first "${out}")
+run_ok(${CLI} generate --run ${run} --prompt "the " --tokens 12 --seed 5 --top-k 3 --threads 1)
+if(NOT out STREQUAL first OR NOT out MATCHES "^the ")
+  message(FATAL_ERROR "generate: '${first}' then '${out}'")
+endif()
+
+# ---------------------------------------------------------------------------
+# SIGINT mid-run: the run stops after the current step with a checkpoint and
+# exit 0; eval loads it; --resume (no other flags) finishes the run.
+set(sig ${OUT_DIR}/sigint)
+file(WRITE ${OUT_DIR}/sigint.sh "
+\"$1\" train --task char-lm --data '${data}' --layers 2 --width 32 --heads 2 --ffn 64 --context 32 \\
+    --batch 4 --threads 1 --steps 100000 --log-every 1 --checkpoint-every 100000 --display plain \\
+    --out '${sig}' > '${OUT_DIR}/sigint.out' 2> '${OUT_DIR}/sigint.err' &
+pid=$!
+i=0
+until grep -q '^step 2/' '${OUT_DIR}/sigint.err' 2>/dev/null; do
+  i=$((i + 1))
+  if [ $i -gt 600 ]; then kill -9 $pid; echo 'no progress line within 60 s'; exit 3; fi
+  sleep 0.1
+done
+kill -INT $pid
+wait $pid
+echo \"exit=$?\"
+")
+execute_process(COMMAND sh ${OUT_DIR}/sigint.sh ${CLI} OUTPUT_VARIABLE sh_out RESULT_VARIABLE sh_rc)
+file(READ ${OUT_DIR}/sigint.out sig_out)
+file(READ ${OUT_DIR}/sigint.err sig_err)
+if(NOT sh_out MATCHES "exit=0")
+  message(FATAL_ERROR "SIGINT: expected exit 0, got '${sh_out}'\nstdout: ${sig_out}\nstderr: ${sig_err}")
+endif()
+if(NOT sig_err MATCHES "stopped by SIGINT after step ([0-9]+); checkpoint ([^ ]+) \\(continue with --resume\\)")
+  message(FATAL_ERROR "SIGINT: no stop message:\n${sig_err}")
+endif()
+set(stopped_at ${CMAKE_MATCH_1})
+if(NOT EXISTS ${CMAKE_MATCH_2} OR NOT sig_out MATCHES "interrupted at step ${stopped_at} of 100000")
+  message(FATAL_ERROR "SIGINT: checkpoint '${CMAKE_MATCH_2}' / summary:\n${sig_out}")
+endif()
+run_ok(${CLI} eval --run ${sig} --max-batches 1 --threads 1)
+math(EXPR more "${stopped_at} + 2")
+run_ok(${CLI} train --out ${sig} --resume --steps ${more} --display plain)
+if(NOT out MATCHES "trained to step ${more} of ${more}")
+  message(FATAL_ERROR "resume after SIGINT:\n${out}")
+endif()
