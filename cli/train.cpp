@@ -23,7 +23,7 @@ struct TrainFlags {
   uint64_t seed = 0;
   int threads = 0;
   std::string out;
-  bool resume = false, untied = false;
+  bool resume = false, untied = false, shared_weights = false;
 };
 
 }  // namespace
@@ -65,6 +65,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
   cmd->add_flag("--untied", f->untied, "An output layer of its own instead of the embedding matrix");
+  cmd->add_flag("--shared-weights", f->shared_weights,
+                "Universal transformer: one block's weights applied --layers times (one --attention spec)");
   cmd->add_option("--context", f->context, "Tokens per training sequence")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--batch", f->batch, "Sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--steps", f->steps, "Optimiser steps of the whole run")->check(CLI::PositiveNumber)->capture_default_str();
@@ -109,7 +111,7 @@ void add_train_command(CLI::App& app) {
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).ffn(f->ffn).dropout(f->dropout)
-          .conv_width(f->conv_width).tie_embeddings(!f->untied);
+          .conv_width(f->conv_width).tie_embeddings(!f->untied).shared_weights(f->shared_weights);
       if (!f->attention.empty()) model.attention(f->attention);
       trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
           .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
@@ -134,6 +136,7 @@ void add_train_command(CLI::App& app) {
       if (given("--dropout")) model.dropout(f->dropout);
       if (given("--conv-width")) model.conv_width(f->conv_width);
       if (given("--untied")) model.tie_embeddings(!f->untied);
+      if (given("--shared-weights")) model.shared_weights(f->shared_weights);
       if (given("--attention")) model.attention(f->attention);
       if (given("--context")) trainer.context(f->context);
       if (given("--batch")) trainer.batch(f->batch);

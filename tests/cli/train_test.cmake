@@ -145,6 +145,62 @@ if(NOT out STREQUAL first OR NOT out MATCHES "^the ")
 endif()
 
 # ---------------------------------------------------------------------------
+# --shared-weights (a universal transformer): one block's parameters however
+# many layers, kept by a resume that does not repeat the flag, refused on a
+# run made without it and with one --attention spec per block.
+function(checkpoint_header ckpt)  # sets `header` to the checkpoint's JSON header
+  file(STRINGS ${ckpt} lines REGEX "\"parameters\":[0-9]+")
+  list(LENGTH lines n)
+  if(NOT n EQUAL 1)
+    message(FATAL_ERROR "${ckpt}: expected one JSON header with \"parameters\", found ${n}")
+  endif()
+  string(REGEX MATCH "{.*}" json "${lines}")
+  set(header "${json}" PARENT_SCOPE)
+endfunction()
+run_ok(${CLI} train --help)
+if(NOT out MATCHES "--shared-weights")
+  message(FATAL_ERROR "'attnkit train --help' lacks --shared-weights:\n${out}")
+endif()
+set(small --task char-lm --data ${data} --width 32 --heads 2 --ffn 64 --context 32 --batch 4 --seed 1
+          --threads 1 --warmup 1 --eval-batches 1)
+run_ok(${CLI} train ${small} --layers 3 --shared-weights --steps 2 --out ${OUT_DIR}/universal)
+run_ok(${CLI} train ${small} --layers 1 --steps 2 --out ${OUT_DIR}/one-layer)
+run_ok(${CLI} train ${small} --layers 3 --steps 2 --out ${OUT_DIR}/three-layers)
+checkpoint_header(${OUT_DIR}/universal/checkpoint-00000002.ckpt)
+read_fields("${header}" "" parameters)
+read_fields("${header}" "model" shared_weights layers)
+set(universal_parameters ${parameters})
+if(NOT shared_weights STREQUAL "ON" OR NOT layers EQUAL 3)
+  message(FATAL_ERROR "the universal run's model options: shared_weights ${shared_weights}, layers ${layers}")
+endif()
+checkpoint_header(${OUT_DIR}/one-layer/checkpoint-00000002.ckpt)
+read_fields("${header}" "" parameters)
+set(one_layer_parameters ${parameters})
+checkpoint_header(${OUT_DIR}/three-layers/checkpoint-00000002.ckpt)
+read_fields("${header}" "" parameters)
+if(NOT universal_parameters EQUAL one_layer_parameters OR NOT parameters GREATER universal_parameters)
+  message(FATAL_ERROR "parameters: universal 3 layers ${universal_parameters}, 1 layer ${one_layer_parameters}, "
+                      "3 layers ${parameters} (expected universal == 1 layer < 3 layers)")
+endif()
+run_ok(${CLI} train --out ${OUT_DIR}/universal --resume --steps 3 --display plain)
+if(NOT out MATCHES "trained to step 3 of 3")
+  message(FATAL_ERROR "resume of the universal run:\n${out}")
+endif()
+checkpoint_header(${OUT_DIR}/universal/checkpoint-00000003.ckpt)
+read_fields("${header}" "model" shared_weights)
+if(NOT shared_weights STREQUAL "ON")
+  message(FATAL_ERROR "a resume without --shared-weights lost it: ${header}")
+endif()
+run_ok(${CLI} eval --run ${OUT_DIR}/universal --max-batches 1 --threads 1)
+run_refused("model shared_weights: checkpoint false, now true"
+            ${CLI} train --out ${OUT_DIR}/three-layers --resume --shared-weights --steps 3)
+if(EXISTS ${OUT_DIR}/three-layers/checkpoint-00000003.ckpt)
+  message(FATAL_ERROR "a refused --shared-weights resume trained")
+endif()
+run_refused("shared" ${CLI} train ${small} --layers 2 --shared-weights --attention full --attention causal-linear
+            --steps 2 --out ${OUT_DIR}/universal-two-specs)
+
+# ---------------------------------------------------------------------------
 # SIGINT mid-run: the run stops after the current step with a checkpoint and
 # exit 0; eval loads it; --resume (no other flags) finishes the run.
 set(sig ${OUT_DIR}/sigint)
