@@ -47,13 +47,7 @@ void add_generate_command(CLI::App& app) {
                                               models::to_string(run.model_options.architecture()) +
                                               "' (task '" + run.task->name() +
                                               "'); generate needs a decoder language model (task char-lm)");
-    // The task's normalisation never ends a text with a space, but a prompt's
-    // trailing separator ("the ") changes what comes next: probe with a letter
-    // after it and keep the separator it brings.
-    auto prompt = run.task->encode(f->prompt);
-    const auto probe = run.task->encode(f->prompt + "a");
-    if (prompt.numel() > 0 && probe.numel() == prompt.numel() + 2)
-      prompt = probe.slice(0, 0, probe.numel() - 1);
+    const auto prompt = run.task->encode(f->prompt);  // keeps a trailing separator
     if (prompt.numel() == 0)
       throw CLI::ValidationError("--prompt", "'" + f->prompt + "' has no character the model knows");
     const auto out = run.model->generate(prompt.reshape({1, -1}), models::GenerateOptions()

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -455,7 +456,12 @@ std::vector<Batch> CharLm::eval_batches(Split split, int64_t batch, int64_t cont
 }
 
 torch::Tensor CharLm::encode(const std::string& text) const {
-  const auto normal = normalize_text(text);
+  // The normaliser trims a trailing separator, but in a prompt ("the ") it
+  // says what comes next: an ASCII character other than a letter or digit at
+  // the end (digits are spelled out as words) is kept as one space.
+  auto normal = normalize_text(text);
+  const unsigned char last = text.empty() ? 'a' : static_cast<unsigned char>(text.back());
+  if (!normal.empty() && last < 0x80 && !std::isalnum(last)) normal += ' ';
   auto ids = torch::empty({static_cast<int64_t>(normal.size())}, torch::kInt64);
   auto* out = ids.data_ptr<int64_t>();
   for (size_t i = 0; i < normal.size(); ++i) out[i] = normal[i] == ' ' ? 0 : normal[i] - 'a' + 1;

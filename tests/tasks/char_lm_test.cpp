@@ -268,6 +268,10 @@ TEST(CharLmTask, EncodeNormalisesAndDecodeInverts) {
   EXPECT_TRUE(torch::equal(ids, torch::tensor({1, 0, 2, 0, 26, 0, 15, 14, 5}, torch::kInt64)));
   EXPECT_EQ(task.decode(ids), "a b z one");
   EXPECT_EQ(task.decode(ids.view({3, 3})), "a b z one");
+  // A trailing separator is kept as one space (a prompt asks for the next word).
+  EXPECT_EQ(task.decode(task.encode("In the, ")), "in the ");
+  EXPECT_EQ(task.decode(task.encode("the")), "the");
+  EXPECT_EQ(task.encode("  ,").numel(), 0);
   expect_error([&] { task.decode(torch::tensor({3, 27})); }, {"decode", "token 1 is 27", "[0, 27)"});
   expect_error([&] { task.decode(torch::tensor({0.5})); }, {"decode", "integer"});
 }

@@ -124,6 +124,9 @@ class CharLm : public Task {
   Batch train_batch(uint64_t seed, int64_t step, int64_t batch, int64_t context) const override;
   std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const override;
   /// Normalises `text` (the rules above) and returns its ids, int64 (n).
+  /// Text to ids with the normalisation of the data, except that a text
+  /// ending in a separator (a space, punctuation) keeps one trailing space:
+  /// a prompt "the " asks for the next word, not the next letter.
   torch::Tensor encode(const std::string& text) const override;
   /// Ids (any shape, read in order) to text; throws on an id outside [0, 27).
   std::string decode(const torch::Tensor& tokens) const override;
