@@ -7,10 +7,18 @@
 // definition (the registry's `reference` of "full"): the relative Frobenius
 // error of the output, and the mean L1 distance of the attention rows, which
 // are the mechanism's output for v = I (0 = identical rows, 2 = disjoint).
+//
+// With --run, the same measures also on a trained model's real inputs: the
+// queries, keys and values that each layer's multi-head self-attention
+// receives on the first sequences of a split, next to random inputs of the
+// model's shape (heads, head width, context).
 #include <attnkit/nn/registry.h>
 #include <attnkit/runtime.h>
+#include <attnkit/train/trainer.h>
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <cmath>
 #include <iomanip>
 #include <iostream>
@@ -34,7 +42,35 @@ struct ApproxConfig {
   int64_t seed = 0;
   int threads = 0;
   std::string json;
+  // --run: a trained model's inputs, from its first `sequences` sequences of `split`.
+  std::string run, split = "test";
+  int64_t sequences = 8;
 };
+
+/// The per-head q, k, v of every multi-head self-attention layer of a trained
+/// run on its first `sequences` sequences of `split` (eval mode, no autograd).
+struct LayerInputs {
+  int64_t layer;
+  torch::Tensor q, k, v;
+};
+
+std::vector<LayerInputs> model_inputs(const ApproxConfig& c, train::LoadedRun& run) {
+  const auto split = tasks::split_from_string(c.split);
+  const auto batches = run.task->eval_batches(split, c.sequences, run.trainer.context());
+  if (batches.empty()) throw CLI::ValidationError("--split", "the run's " + c.split + " split is empty");
+  std::vector<LayerInputs> layers;
+  run.model->set_attention_probe(
+      [&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        layers.push_back({layer, q.contiguous(), k.contiguous(), v.contiguous()});
+      });
+  run.model->eval();
+  run.model->forward(batches.front().input);
+  run.model->set_attention_probe({});
+  if (layers.empty())
+    throw CLI::ValidationError("--run", "'" + c.run + "' has no multi-head self-attention layer "
+                                        "(relative-position and agglomerative blocks are not compared)");
+  return layers;
+}
 
 /// The default sweep as specs: for every C <= L, clustered with C clusters and
 /// improved-clustered with C clusters and each k <= L top keys.
@@ -94,9 +130,26 @@ torch::Tensor queries(const ApproxConfig& c, const std::string& inputs) {
          0.1 * torch::randn({N, H, L, E});
 }
 
-void run_approx(const ApproxConfig& c) {
+void run_approx(const ApproxConfig& config) {
   torch::NoGradGuard no_grad;
-  set_num_threads(c.threads);
+  set_num_threads(config.threads);
+
+  // A trained model's inputs, per layer; the random inputs then take its shape.
+  ApproxConfig c = config;
+  std::vector<LayerInputs> layers;
+  nlohmann::json model_doc;
+  if (!c.run.empty()) {
+    auto run = train::load_run(c.run);
+    layers = model_inputs(c, run);
+    const auto& q = layers.front().q;
+    c.heads = q.size(1);
+    c.length = q.size(2);
+    c.dim = q.size(3);
+    model_doc = {{"run", c.run}, {"checkpoint", run.checkpoint}, {"step", run.step},
+                 {"task", run.task->name()}, {"trained_attention", run.model_options.attention()},
+                 {"split", c.split}, {"sequences", q.size(0)}};
+  }
+
   const std::vector<Mechanism> mechanisms =
       resolve_specs("--attention", c.attention.empty() ? sweep_specs(c) : c.attention);
   for (const auto& m : mechanisms) check_comparable(m);
@@ -107,7 +160,25 @@ void run_approx(const ApproxConfig& c) {
   for (const auto& m : mechanisms)
     width = std::max(width, static_cast<int>(row_name(m.second).size()) + 2);
 
+  // Input sets: (name, a function making q, k, v); random ones from the seed.
+  std::vector<std::pair<std::string, std::function<std::array<torch::Tensor, 3>()>>> sets;
+  for (const std::string inputs : {"random", "clustered-structure"}) {
+    sets.emplace_back(inputs, [&c, inputs] {
+      torch::manual_seed(c.seed);
+      auto q = queries(c, inputs);
+      auto k = torch::randn({1, c.heads, c.length, c.dim}), v = torch::randn({1, c.heads, c.length, c.dim});
+      return std::array<torch::Tensor, 3>{q, k, v};
+    });
+  }
+  for (const auto& l : layers)
+    sets.emplace_back("layer " + std::to_string(l.layer),
+                      [&l] { return std::array<torch::Tensor, 3>{l.q, l.k, l.v}; });
+
   const int64_t N = 1, H = c.heads, L = c.length, E = c.dim;
+  if (!c.run.empty())
+    std::cout << "trained model " << c.run << " (" << model_doc["checkpoint"].get<std::string>()
+              << "): the inputs of its self-attention layers on the first "
+              << layers.front().q.size(0) << " sequences of its " << c.split << " split\n";
   std::cout << "approximation of full attention, N = 1, H = " << H << ", L = S = " << L
             << ", E = M = " << E
             << "; relative error of the output (Frobenius) and mean L1 distance of the "
@@ -115,17 +186,16 @@ void run_approx(const ApproxConfig& c) {
                "(attnkit mechanisms)\n";
   nlohmann::json doc;
   doc["config"] = {{"H", H}, {"L", L}, {"E", E}, {"centres", c.centres}, {"seed", c.seed}};
+  if (!c.run.empty()) doc["model"] = model_doc;
   doc["rows"] = nlohmann::json::array();
-  for (const std::string inputs : {"random", "clustered-structure"}) {
-    torch::manual_seed(c.seed);
-    const auto q = queries(c, inputs);
-    const auto k = torch::randn({N, H, L, E}), v = torch::randn({N, H, L, E});
+  for (const auto& [inputs, make] : sets) {
+    const auto [q, k, v] = make();
     // Full attention in float64: its output, and its rows as its output for v = I.
     const auto q64 = q.to(torch::kDouble), k64 = k.to(torch::kDouble);
-    const auto eye64 = torch::eye(L, torch::kDouble).expand({N, H, L, L});
+    const auto eye64 = torch::eye(k.size(2), torch::kDouble).expand({q.size(0), q.size(1), k.size(2), k.size(2)});
     const auto full_out = full.reference({q64, k64, v.to(torch::kDouble)}, {}, full_spec);
     const auto full_rows = full.reference({q64, k64, eye64}, {}, full_spec);
-    std::cout << "\ninputs: " << inputs << "\n"
+    std::cout << "\ninputs: " << inputs << (q.size(0) > 1 ? " (" + std::to_string(q.size(0)) + " sequences)" : "") << "\n"
               << std::left << std::setw(width) << "attention" << std::right << std::setw(6) << "C"
               << std::setw(6) << "k" << std::setw(12) << "rel_err" << std::setw(12) << "row L1"
               << std::endl;
@@ -184,12 +254,21 @@ void add_approx_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--threads", c->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", c->json, "Also write the results to this JSON file");
+  auto* run = cmd->add_option("--run", c->run,
+                              "Also compare on a trained run's real inputs (attnkit train --out): the "
+                              "q, k, v of each multi-head self-attention layer; --length, --heads and "
+                              "--dim then come from the run");
+  for (const char* shape : {"--length", "--heads", "--dim"}) cmd->get_option(shape)->excludes(run);
+  cmd->add_option("--split", c->split, "--run: the split whose first sequences are used")
+      ->check(CLI::IsMember({"valid", "test"}))->capture_default_str();
+  cmd->add_option("--sequences", c->sequences, "--run: how many sequences")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->callback([=] {
     ApproxConfig config = *c;
     if (!attention->empty()) config.attention = split_specs(*attention);
     if (!clusters->empty()) config.clusters = parse_positive_list("--clusters", *clusters);
     if (!topk->empty()) config.topk = parse_positive_list("--topk", *topk);
-    if (config.attention.empty() && sweep_specs(config).empty())
+    if (config.run.empty() && config.attention.empty() && sweep_specs(config).empty())
       throw CLI::ValidationError("--clusters", "every cluster count exceeds --length " +
                                                    std::to_string(config.length));
     run_approx(config);

@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -54,7 +55,15 @@ void add_eval_command(CLI::App& app) {
     const int64_t batch = f->batch > 0 ? f->batch : run.trainer.batch();
     const int64_t context = f->context > 0 ? f->context : run.trainer.context();
     const auto split = tasks::split_from_string(f->split);
+    const auto start = std::chrono::steady_clock::now();
     const auto m = train::evaluate(run.model, *run.task, split, batch, context, f->max_batches);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Positions the model read: every row of every evaluated batch.
+    int64_t positions = 0, batches = 0;
+    for (const auto& b : run.task->eval_batches(split, batch, context)) {
+      if (f->max_batches > 0 && batches++ == f->max_batches) break;
+      positions += b.input.numel();
+    }
     const auto& used = f->attention.empty() ? trained : f->attention;
     std::string attention;
     for (const auto& s : used) attention += (attention.empty() ? "" : " | ") + s;
@@ -62,6 +71,8 @@ void add_eval_command(CLI::App& app) {
                 run.checkpoint.c_str(), static_cast<long long>(run.step), attention.c_str(),
                 f->attention.empty() ? " (trained)" : " (swapped in)", f->split.c_str(),
                 run.task->metric_name().c_str(), run.task->metric(m), m.loss(), m.scored);
+    std::printf("%.2f s for %lld positions: %.2f us per position\n", seconds,
+                static_cast<long long>(positions), 1e6 * seconds / static_cast<double>(positions));
     if (!f->json.empty()) {
       nlohmann::json doc = {{"run", f->run},
                             {"checkpoint", run.checkpoint},
@@ -78,7 +89,10 @@ void add_eval_command(CLI::App& app) {
                             {"loss", m.loss()},
                             {"bpc", m.bits()},
                             {"accuracy", m.accuracy()},
-                            {"scored", m.scored}};
+                            {"scored", m.scored},
+                            {"seconds", seconds},
+                            {"positions", positions},
+                            {"threads", num_threads()}};
       train::write_file_atomically(f->json, doc.dump(2) + "\n");
     }
   });

@@ -44,8 +44,9 @@ void add_train_command(CLI::App& app) {
       "Train a transformer on a task into a run directory (checkpoints, metrics.jsonl). "
       "With --resume, flags not given are taken from the newest checkpoint and flags given must "
       "match it (except --steps, --threads and the logging/evaluation/checkpoint cadence)");
-  cmd->add_option("--task", f->task, "char-lm (next character, bits per character) or copy (masked copy task)")
-      ->check(CLI::IsMember({"char-lm", "copy"}))->capture_default_str();
+  cmd->add_option("--task", f->task, "char-lm (next character, bits per character), masked-char (masked characters "
+                  "seen from both sides, bits per masked character) or copy (masked copy task)")
+      ->check(CLI::IsMember({"char-lm", "masked-char", "copy"}))->capture_default_str();
   cmd->add_option("--data", f->data, "char-lm: the directory `attnkit data char-lm` wrote (train/valid/test.txt)");
   cmd->add_option("--length", f->length, "copy: symbols per half")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--attention", f->attention,
@@ -53,7 +54,7 @@ void add_train_command(CLI::App& app) {
                   "first) for one spec per block (default: full)")
       ->allow_extra_args(false);
   cmd->add_option("--architecture", f->architecture,
-                  "decoder or encoder (default: the task's: char-lm decoder, copy encoder)")
+                  "decoder or encoder (default: the task's: char-lm decoder, masked-char and copy encoder)")
       ->check(CLI::IsMember({"decoder", "encoder"}));
   cmd->add_option("--layers", f->layers, "Blocks")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--width", f->width, "Model width d")->check(CLI::PositiveNumber)->capture_default_str();
@@ -107,7 +108,7 @@ void add_train_command(CLI::App& app) {
     } else {
       model.vocab_size(0);  // the task's
       model.architecture(models::architecture_from_string(
-          !f->architecture.empty() ? f->architecture : f->task == "copy" ? "encoder" : "decoder"));
+          !f->architecture.empty() ? f->architecture : f->task == "char-lm" ? "decoder" : "encoder"));
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).ffn(f->ffn).dropout(f->dropout)
@@ -117,8 +118,9 @@ void add_train_command(CLI::App& app) {
           .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
           .checkpoint_every(f->checkpoint_every).log_every(f->log_every).eval_every(f->eval_every)
           .eval_batches(f->eval_batches);
-      if (f->task == "char-lm" && f->data.empty())
-        throw CLI::ValidationError("--data", "--task char-lm needs --data DIR (see `attnkit data char-lm`)");
+      if (f->task != "copy" && f->data.empty())
+        throw CLI::ValidationError("--data", "--task " + f->task +
+                                                 " needs --data DIR (see `attnkit data char-lm`)");
     }
     if (from_checkpoint) {
       // Flags given on the command line override the stored options; the

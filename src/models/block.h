@@ -47,6 +47,12 @@ class TransformerBlockImpl : public torch::nn::Module {
   /// Another self-attention behind the same projections (multi-head blocks).
   void set_attention(const std::string& spec);
   Kind kind() const { return kind_; }
+  /// Multi-head blocks: the self-attention's probe (nn::MultiheadAttentionImpl::probe);
+  /// other kinds ignore it.
+  void set_self_attention_probe(
+      std::function<void(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)> probe) {
+    if (kind_ == Kind::multihead) self_->probe = std::move(probe);
+  }
 
  private:
   torch::Tensor self_attention(const torch::Tensor& h, const torch::Tensor& key_lengths);

@@ -123,12 +123,26 @@ torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
   return options_.tie_embeddings() ? attnkit::linear(hidden, embedding_->weight) : output_(hidden);
 }
 
+void TransformerImpl::probe_layer(TransformerBlockImpl& block, int64_t layer) {
+  if (!probe_) {
+    block.set_self_attention_probe({});
+    return;
+  }
+  block.set_self_attention_probe(
+      [this, layer](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+        probe_(layer, q, k, v);
+      });
+}
+
 torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::Tensor& source_lengths) {
   const int64_t vocab = source_embedding_ ? options_.source_vocab_size() : options_.vocab_size();
   check_tokens("source", source, 2, vocab);
   detail::check_lengths(kModel, "source_lengths", source_lengths, source.size(0), source.size(1));
   auto x = embed(source, true, 0);
-  for (auto& block : encoder_blocks_) x = block->forward(x, source_lengths);
+  for (size_t i = 0; i < encoder_blocks_.size(); ++i) {
+    probe_layer(*encoder_blocks_[i], static_cast<int64_t>(i));
+    x = encoder_blocks_[i]->forward(x, source_lengths);
+  }
   return encoder_norm_ ? encoder_norm_(x) : x;
 }
 
@@ -147,7 +161,11 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
     memory = encode(source, source_lengths);
   }
   auto x = embed(tokens, false, 0);
-  for (auto& block : decoder_blocks_) x = block->forward(x, {}, memory, source_lengths);
+  const auto first = static_cast<int64_t>(memory.defined() ? encoder_blocks_.size() : 0);
+  for (size_t i = 0; i < decoder_blocks_.size(); ++i) {
+    probe_layer(*decoder_blocks_[i], first + static_cast<int64_t>(i));
+    x = decoder_blocks_[i]->forward(x, {}, memory, source_lengths);
+  }
   return logits(decoder_norm_ ? decoder_norm_(x) : x);
 }
 

@@ -53,8 +53,9 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
   const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
   // (N, T, D) -> (N, H, T, dh) as a strided view: the ops take strides, no copy.
   auto heads = [&](const torch::Tensor& x, int64_t T) { return x.view({N, T, H, dh}).transpose(1, 2); };
-  auto out = attention->forward(heads(q_proj(query), L), heads(k_proj(key), S),
-                                heads(v_proj(value), S), AttendArgs{causal, key_lengths});
+  auto q = heads(q_proj(query), L), k = heads(k_proj(key), S), v = heads(v_proj(value), S);
+  if (probe) probe(q, k, v);
+  auto out = attention->forward(q, k, v, AttendArgs{causal, key_lengths});
   return out_proj(out.transpose(1, 2).reshape({N, L, d}));
 }
 

@@ -97,20 +97,22 @@ std::string Task::decode(const torch::Tensor& tokens) const {
 }
 
 std::unique_ptr<Task> make_task(const TaskOptions& options) {
-  if (options.name == "char-lm") {
+  if (options.name == "char-lm" || options.name == "masked-char") {
+    const auto& task = options.name;
     TORCH_CHECK(!options.data_dir.empty(),
-                "task char-lm: needs a data directory (--data DIR) holding train.txt, valid.txt "
+                "task ", task, ": needs a data directory (--data DIR) holding train.txt, valid.txt "
                 "and test.txt; make one with `attnkit data char-lm --input FILE... --out DIR` "
                 "or scripts/fetch-corpus");
     const auto train = std::filesystem::path(options.data_dir) / "train.txt";
-    TORCH_CHECK(std::filesystem::is_regular_file(train), "task char-lm: the data directory '",
+    TORCH_CHECK(std::filesystem::is_regular_file(train), "task ", task, ": the data directory '",
                 options.data_dir, "' has no train.txt; make it with `attnkit data char-lm --input "
                 "FILE... --out ", options.data_dir, "` or scripts/fetch-corpus --out ",
                 options.data_dir);
+    if (task == "masked-char") return std::make_unique<MaskedCharLm>(options.data_dir);
     return std::make_unique<CharLm>(options.data_dir);
   }
   if (options.name == "copy") return std::make_unique<CopyTask>(options.length);
-  TORCH_CHECK(false, "unknown task '", options.name, "'; known tasks: char-lm, copy");
+  TORCH_CHECK(false, "unknown task '", options.name, "'; known tasks: char-lm, masked-char, copy");
 }
 
 }  // namespace attnkit::tasks

@@ -232,5 +232,44 @@ TEST(Transformer, TiedEmbeddingsAreCountedOnce) {
   EXPECT_EQ(untied->parameter_count() - tied->parameter_count(), 16 * 11 + 11);
 }
 
+// The attention probe sees each multi-head self-attention's real inputs: one
+// call per layer application in order (encoder first), with per-head shapes;
+// a cleared probe is not called and never changed the outputs.
+TEST(Transformer, AttentionProbeReportsEveryLayersInputs) {
+  torch::manual_seed(6);
+  auto tokens = torch::randint(0, 11, {2, 9}, torch::kLong);
+  auto layers_seen = [&](Transformer& model, const torch::Tensor& source = {}) {
+    std::vector<int64_t> layers;
+    model->set_attention_probe([&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v) {
+      layers.push_back(layer);
+      EXPECT_EQ(q.sizes(), (std::vector<int64_t>{2, 2, 9, 8}));
+      EXPECT_EQ(k.sizes(), q.sizes());
+      EXPECT_EQ(v.sizes(), q.sizes());
+    });
+    model->forward(tokens, source);
+    return layers;
+  };
+  Transformer encoder(small().architecture(Architecture::encoder).layers(3));
+  EXPECT_EQ(layers_seen(encoder), (std::vector<int64_t>{0, 1, 2}));
+  Transformer shared(small().layers(4).shared_weights(true));
+  EXPECT_EQ(layers_seen(shared), (std::vector<int64_t>{0, 1, 2, 3}));
+  Transformer seq2seq(small().architecture(Architecture::encoder_decoder).source_vocab_size(11));
+  EXPECT_EQ(layers_seen(seq2seq, tokens), (std::vector<int64_t>{0, 1, 2, 3}));
+  // Relative-position blocks are not multi-head blocks and are not reported.
+  Transformer relative(small().positions(Positions::relative));
+  EXPECT_TRUE(layers_seen(relative).empty());
+
+  // Cleared: no more calls, and the outputs never depended on the probe.
+  int calls = 0;
+  encoder->set_attention_probe([&](int64_t, const torch::Tensor&, const torch::Tensor&,
+                                   const torch::Tensor&) { ++calls; });
+  const auto probed = encoder->forward(tokens);
+  EXPECT_EQ(calls, 3);
+  encoder->set_attention_probe({});
+  EXPECT_TRUE(torch::equal(encoder->forward(tokens), probed));
+  EXPECT_EQ(calls, 3);
+}
+
 }  // namespace
 }  // namespace attnkit::models

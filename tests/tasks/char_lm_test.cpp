@@ -17,6 +17,7 @@
 namespace fs = std::filesystem;
 using attnkit::tasks::Batch;
 using attnkit::tasks::CharLm;
+using attnkit::tasks::MaskedCharLm;
 using attnkit::tasks::normalize_text;
 using attnkit::tasks::NormalizeCounts;
 using attnkit::tasks::prepare_char_lm;
@@ -370,4 +371,80 @@ TEST(CharLmTask, RefusesMissingOrForeignData) {
                {"valid.txt", "byte 83 at offset 0", "text8 alphabet"});
   write_file(tmp.path() / "valid.txt", "");
   expect_error([&] { CharLm task(tmp.path().string()); }, {"valid.txt", "is empty"});
+}
+
+// --- masked-char ------------------------------------------------------------------------------
+
+TEST(MaskedCharTask, DescribesItself) {
+  MaskedCharLm task(genesis_dir().string());
+  EXPECT_EQ(task.name(), "masked-char");
+  EXPECT_EQ(task.vocab_size(), 28);
+  EXPECT_FALSE(task.causal());
+  EXPECT_EQ(task.metric_name(), "bpc");
+  EXPECT_EQ(MaskedCharLm::masked_per_window(1), 1);
+  EXPECT_EQ(MaskedCharLm::masked_per_window(10), 2);   // round(1.5) rounds half away from zero
+  EXPECT_EQ(MaskedCharLm::masked_per_window(256), 38);
+  EXPECT_EQ(task.decode(torch::tensor({1, 27, 0, 2}, torch::kInt64)), "a_ b");
+  expect_error([&] { task.decode(torch::tensor({28})); }, {"masked-char decode", "token 0 is 28", "[0, 28)"});
+}
+
+TEST(MaskedCharTask, MasksTheRightCountAndKeepsTheText) {
+  MaskedCharLm task(genesis_dir().string());
+  const auto train = read_file(genesis_dir() / "train.txt");
+  const int64_t context = 40;
+  const auto b = task.train_batch(3, 5, 6, context);
+  ASSERT_EQ(b.input.sizes(), (std::vector<int64_t>{6, context}));
+  const auto masked = b.input.eq(MaskedCharLm::kMask);
+  // Exactly masked_per_window positions per row, scored there and nowhere else.
+  EXPECT_TRUE(torch::equal(masked.sum(1), torch::full({6}, MaskedCharLm::masked_per_window(context), torch::kInt64)));
+  EXPECT_TRUE(torch::equal(b.weight, masked.to(torch::kFloat32)));
+  // Unmasked inputs equal the targets; the targets are a window of train.txt.
+  EXPECT_TRUE(torch::equal(b.input.masked_select(masked.logical_not()), b.target.masked_select(masked.logical_not())));
+  for (int64_t r = 0; r < 6; ++r)
+    EXPECT_NE(train.find(task.decode(b.target[r])), std::string::npos) << "row " << r;
+  EXPECT_TRUE(b.target.lt(27).all().item<bool>());
+  // A pure function of (seed, step); another step masks elsewhere.
+  const auto again = MaskedCharLm(genesis_dir().string()).train_batch(3, 5, 6, context);
+  EXPECT_TRUE(torch::equal(again.input, b.input));
+  EXPECT_TRUE(torch::equal(again.target, b.target));
+  EXPECT_FALSE(torch::equal(task.train_batch(3, 6, 6, context).input, b.input));
+}
+
+TEST(MaskedCharTask, MaskedPositionsAreUniform) {
+  MaskedCharLm task(genesis_dir().string());
+  const int64_t context = 20, rows = 4000;
+  const auto b = task.train_batch(11, 0, rows, context);
+  // Each position is masked with probability m / context = 3 / 20; over 4000
+  // rows a position's count has s.d. sqrt(4000 * 0.15 * 0.85) ~ 22.6: allow 5 s.d.
+  const auto per_position = b.weight.sum(0);
+  const double expected = rows * 3.0 / context;
+  EXPECT_LT((per_position - expected).abs().max().item<double>(), 5 * std::sqrt(rows * 0.15 * 0.85));
+}
+
+TEST(MaskedCharTask, EvalScoresTheSameCharactersEveryTime) {
+  MaskedCharLm task(genesis_dir().string());
+  const auto valid = read_file(genesis_dir() / "valid.txt");
+  const int64_t n = static_cast<int64_t>(valid.size()), context = 64;
+  const auto batches = task.eval_batches(Split::valid, 3, context);
+  std::string text;
+  int64_t scored = 0, windows = 0;
+  for (const auto& b : batches) {
+    ASSERT_EQ(b.input.size(1), context);
+    for (int64_t r = 0; r < b.target.size(0); ++r, ++windows) {
+      const int64_t real = std::min(context, n - windows * context);
+      text += task.decode(b.target[r].slice(0, 0, real));
+      const auto w = b.weight[r];
+      EXPECT_EQ(w.sum().item<float>(), MaskedCharLm::masked_per_window(real)) << "window " << windows;
+      EXPECT_EQ(w.slice(0, real).sum().item<float>(), 0) << "padding is never scored";
+      scored += static_cast<int64_t>(w.sum().item<float>());
+    }
+  }
+  EXPECT_EQ(text, valid);  // consecutive windows cover the split once, in order
+  EXPECT_EQ(windows, (n + context - 1) / context);
+  // The masks are fixed per split, whatever the batch size.
+  const auto other = task.eval_batches(Split::valid, 7, context);
+  EXPECT_TRUE(torch::equal(other.front().input.slice(0, 0, 3), batches.front().input));
+  EXPECT_FALSE(torch::equal(task.eval_batches(Split::test, 3, context).front().weight,
+                            batches.front().weight));
+  EXPECT_GT(scored, 0);
 }

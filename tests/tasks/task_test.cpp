@@ -140,11 +140,18 @@ TEST(MakeTask, BuildsTheKnownTasksAndExplainsTheRest) {
   auto lm = attnkit::tasks::make_task(options);
   EXPECT_EQ(lm->name(), "char-lm");
   EXPECT_EQ(lm->vocab_size(), 27);
+  options.name = "masked-char";
+  auto masked = attnkit::tasks::make_task(options);
+  EXPECT_EQ(masked->name(), "masked-char");
+  EXPECT_EQ(masked->vocab_size(), 28);
+  EXPECT_FALSE(masked->causal());
+  options.data_dir.clear();
+  expect_error([&] { attnkit::tasks::make_task(options); }, {"task masked-char", "--data"});
   fs::remove_all(dir);
 
   options.name = "cloze";
   expect_error([&] { attnkit::tasks::make_task(options); },
-               {"unknown task 'cloze'", "known tasks: char-lm, copy"});
+               {"unknown task 'cloze'", "known tasks: char-lm, masked-char, copy"});
   options.name = "copy";
   options.length = 1;
   expect_error([&] { attnkit::tasks::make_task(options); }, {"task copy", "got 1"});

@@ -167,6 +167,15 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor generate(const torch::Tensor& prompt, const GenerateOptions& options = {},
                          const torch::Tensor& source = {}, const torch::Tensor& source_lengths = {});
 
+  /// Called by every forward() with the per-head inputs of each multi-head
+  /// self-attention: layer (applications bottom first, the encoder's before
+  /// the decoder's; a shared-weights stack counts each application), q
+  /// (N, H, L, D/H), k and v (N, H, S, D/H). Relative-position and
+  /// agglomerative blocks are not reported. An empty function removes it.
+  using AttentionProbe = std::function<void(int64_t layer, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& v)>;
+  void set_attention_probe(AttentionProbe probe) { probe_ = std::move(probe); }
+
   /// Parameters (a tied embedding counted once).
   int64_t parameter_count() const;
   const TransformerOptions& options() const { return options_; }
@@ -175,6 +184,8 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& tokens, bool source, int64_t offset);
   torch::Tensor encode(const torch::Tensor& source, const torch::Tensor& source_lengths);
   torch::Tensor logits(const torch::Tensor& hidden);
+  /// Points `block`'s self-attention probe at probe_ as `layer` (or clears it).
+  void probe_layer(TransformerBlockImpl& block, int64_t layer);
 
   TransformerOptions options_;
   torch::nn::Embedding embedding_{nullptr}, source_embedding_{nullptr};
@@ -184,6 +195,7 @@ class TransformerImpl : public torch::nn::Module {
   std::vector<std::shared_ptr<TransformerBlockImpl>> encoder_blocks_, decoder_blocks_;
   torch::nn::LayerNorm encoder_norm_{nullptr}, decoder_norm_{nullptr};  // pre-norm only
   nn::Linear output_{nullptr};  // untied output layer
+  AttentionProbe probe_;
 };
 TORCH_MODULE(Transformer);
 

@@ -9,6 +9,7 @@
 #include <attnkit/nn/dense.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,11 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
 
   MultiheadAttentionOptions options;
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  /// When set, forward() first hands it the per-head inputs of the mechanism,
+  /// q (N, H, L, D/H), k and v (N, H, S, D/H) (strided views, part of the
+  /// autograd graph): to study what a trained model's attention sees (e.g.
+  /// `attnkit approx --run`). Not part of the module's state; not cloned.
+  std::function<void(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)> probe;
   /// The registry's module for options.attention (registered as "attention",
   /// so a mechanism's state, e.g. clustered attention's seed counter, is in
   /// the state_dict).

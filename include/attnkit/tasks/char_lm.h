@@ -138,4 +138,35 @@ class CharLm : public Task {
   torch::Tensor ids_[3];
 };
 
+/// "masked-char": the bidirectional counterpart of char-lm, a character-level
+/// masked language model (BERT's objective on the text8 alphabet) over the
+/// same data directory. An encoder sees a window of `context` characters in
+/// which masked_per_window(context) positions, drawn uniformly without
+/// replacement, are replaced by kMask, and predicts the original characters
+/// there; only those positions are scored. Vocabulary: char-lm's 27 ids and
+/// kMask = 27. Not causal, so every mechanism applies, including the
+/// clustered ones (which have no causal form). Metric "bpc": bits per masked
+/// character.
+///
+/// train_batch: windows at offsets drawn uniformly from train.txt and the
+/// masked positions, both from a generator seeded from (seed, step).
+/// eval_batches: the split cut into consecutive non-overlapping windows of
+/// `context` characters (the last one padded with spaces of weight 0, its mask
+/// drawn among its real characters), masked positions from a fixed seed per
+/// split, so every evaluation of a split scores the same characters.
+class MaskedCharLm : public CharLm {
+ public:
+  static constexpr int64_t kMask = 27;
+  /// Characters masked per window of n: max(1, round(0.15 n)).
+  static int64_t masked_per_window(int64_t n);
+  using CharLm::CharLm;
+  std::string name() const override { return "masked-char"; }
+  int64_t vocab_size() const override { return kMask + 1; }
+  bool causal() const override { return false; }
+  Batch train_batch(uint64_t seed, int64_t step, int64_t batch, int64_t context) const override;
+  std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const override;
+  /// As char-lm, with kMask shown as '_'.
+  std::string decode(const torch::Tensor& tokens) const override;
+};
+
 }  // namespace attnkit::tasks

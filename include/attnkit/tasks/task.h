@@ -1,7 +1,8 @@
 // What the trainer and `attnkit eval` need from a task: batches that are a pure
 // function of (seed, step), fixed evaluation batches per split, and what the
 // model must be (its vocabulary, causal or not). Tasks: "char-lm" (next
-// character, bits per character) and "copy" (the masked copy task of the
+// character, bits per character), "masked-char" (masked characters seen from
+// both sides, bits per masked character) and "copy" (the masked copy task of the
 // clustered-attention paper, appendix C.2; accuracy on the masked tokens).
 // Their classes and data preparation: attnkit/tasks/char_lm.h, attnkit/tasks/copy.h.
 #pragma once
@@ -80,8 +81,8 @@ class Task {
 
 /// Task settings from the command line (`attnkit train --task ... --data ... --length ...`).
 struct TaskOptions {
-  std::string name;      ///< "char-lm" or "copy"
-  std::string data_dir;  ///< char-lm: the directory `attnkit data char-lm` wrote
+  std::string name;      ///< "char-lm", "masked-char" or "copy"
+  std::string data_dir;  ///< char-lm, masked-char: the directory `attnkit data char-lm` wrote
   int64_t length = 64;   ///< copy: symbols per half (the input has 2 * length + 2 tokens)
 };
 
