@@ -42,14 +42,13 @@ struct SparseAttentionParams : QkvParams {
   float* lse = nullptr;  // (N, H, L) contiguous: written by the forward, read by the backward
   float scale = 1.f;     // multiplies q k^T (usually 1 / sqrt(E))
 
-  /// CSR edge lists, contiguous: offsets (lists, L + 1), columns (num_columns).
-  /// lists is 1 (every head uses offsets[0]) or H (head h uses offsets[h]).
-  /// Row i of a list holds columns[offsets[i] : offsets[i + 1]], strictly
-  /// increasing, each in [0, S). (check_edge_list checks all of this.)
+  /// CSR edge lists, contiguous: offsets (lists, L + 1) and the columns they
+  /// index. lists is 1 (every head uses offsets[0]) or H (head h uses
+  /// offsets[h]). Row i of a list holds columns[offsets[i] : offsets[i + 1]],
+  /// strictly increasing, each in [0, S). (check_edge_list checks all of this.)
   const int64_t* offsets = nullptr;
   const int64_t* columns = nullptr;
   int64_t lists = 1;
-  int64_t num_columns = 0;
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

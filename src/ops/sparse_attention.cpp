@@ -51,7 +51,6 @@ kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::
   p.offsets = c.offsets.data_ptr<int64_t>();
   p.lists = c.offsets.size(0);
   p.columns = c.columns.data_ptr<int64_t>();
-  p.num_columns = c.columns.numel();
   return p;
 }
 
@@ -108,8 +107,9 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const SparseAttentionFuncOptions& options) {
   if (!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
     return reference::sparse_attention(q, k, v, edges, options);
-  const int64_t L = q.size(2);
-  const Constants c{edges.offsets.contiguous().view({-1, L + 1}), edges.columns.contiguous(),
+  // (lists, L + 1): one list for all heads, or one per head (H may be 0).
+  auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
+  const Constants c{offsets.contiguous(), edges.columns.contiguous(),
                     detail::scale_or_default(options.scale(), q.size(3))};
   return SparseAttentionFunction::apply(q, k, v, c);
 }
