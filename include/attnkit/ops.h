@@ -171,12 +171,20 @@ struct EdgeList {
 struct SparseAttentionFuncOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
 };
+/// float32 runs the edge-list kernel (src/kernels/sparse_attention.h): time
+/// O(nnz (E + M)) per head, with banded blocks of rows (local, segments,
+/// causal) as dense tiles; memory O(N H L) row statistics plus, in the backward
+/// pass, the transposed edge list; nothing of size L x S; results bitwise the
+/// same for any thread count. Strided q, k, v are read in place (copied once
+/// when their columns are not contiguous). Gradients for q, k and v (first
+/// order only). A row with no edge outputs zeros and gets zero gradients.
+/// Other dtypes run the composite, which builds a dense L x S mask and score
+/// matrix per head (O(L S) time and memory) and is differentiable twice.
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionFuncOptions& options = {});
-/// The backend sparse_attention runs (the op calls this): always the
-/// composite for now, which builds a dense L x S mask and score matrix per head
-/// (O(L S) time and memory whatever the number of edges); the reason says so.
+/// The backend sparse_attention runs (the op calls this): the edge-list kernel
+/// when q, k and v are float32, else the composite; the reason says why.
 Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const EdgeList& edges,
                                    const SparseAttentionFuncOptions& options = {});

@@ -1,27 +1,117 @@
-// Op boundary of sparse attention over edge lists (the lists are checked by
-// check_edge_list, src/graph/checks.cpp).
+// Op boundary of sparse attention over edge lists: validation (the lists are
+// checked by check_edge_list, src/graph/checks.cpp), the dispatch between the
+// edge-list kernel (float32) and the composite reference (other dtypes), and
+// the kernel's autograd.
+#include "kernels/sparse_attention.h"
+
+#include <torch/autograd.h>
+
+#include "ops/autograd_util.h"
+#include "ops/binding.h"
 #include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit {
 
+namespace {
+
+constexpr const char* kOp = "sparse_attention";
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const EdgeList& edges, const SparseAttentionFuncOptions& options) {
+  detail::check_qkv(kOp, q, k, v);
+  detail::check_scale(kOp, options.scale(), q.scalar_type());
+  check_edge_list(edges, q.size(2), k.size(2), q.size(1), kOp);
+}
+
+/// The edge list as the kernel reads it (contiguous int64) and the scale:
+/// constants of the autograd graph, passed as one struct (see
+/// softmax_attention.cpp: apply records the device of every tensor argument).
+struct Constants {
+  torch::Tensor offsets;  // (lists, L + 1)
+  torch::Tensor columns;  // (nnz)
+  double scale;
+};
+
+/// The kernel reads strides, so views of q, k, v and out cost no copy.
+kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& v, const Constants& c,
+                                           const torch::Tensor& out, const torch::Tensor& lse) {
+  kernels::SparseAttentionParams p;
+  detail::bind(p.q, p.q_stride, q);
+  detail::bind(p.k, p.k_stride, k);
+  detail::bind(p.v, p.v_stride, v);
+  detail::bind(p.out, p.out_stride, out);
+  p.lse = lse.data_ptr<float>();
+  p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
+  p.scale = static_cast<float>(c.scale);
+  p.offsets = c.offsets.data_ptr<int64_t>();
+  p.lists = c.offsets.size(0);
+  p.columns = c.columns.data_ptr<int64_t>();
+  return p;
+}
+
+class SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const Constants& c) {
+    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+    auto out = torch::empty({N, H, L, M}, q.options());
+    auto lse = torch::empty({N, H, L}, q.options());
+    kernels::sparse_attention_forward(make_params(q, k, v, c, out, lse));
+    ctx->save_for_backward({q, k, v, out, lse, c.offsets, c.columns});
+    ctx->saved_data["scale"] = c.scale;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    // Saved with version checks: an in-place change of any of them between
+    // forward and backward raises instead of changing the gradients.
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Constants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble()};
+    kernels::SparseAttentionBackwardParams p;
+    static_cast<kernels::SparseAttentionParams&>(p) = make_params(q, k, v, c, out, lse);
+    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    detail::bind(p.dout, p.dout_stride, grads[0]);
+    detail::bind(p.dq, p.dq_stride, dq);
+    detail::bind(p.dk, p.dk_stride, dk);
+    detail::bind(p.dv, p.dv_stride, dv);
+    kernels::sparse_attention_backward(p);
+    return detail::once_differentiable(kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
+  }
+};
+
+}  // namespace
+
+Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const EdgeList& edges,
+                                   const SparseAttentionFuncOptions& options) {
+  check_arguments(q, k, v, edges, options);
+  // check_qkv made q, k and v one floating dtype.
+  if (q.scalar_type() != torch::kFloat)
+    return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +
+                               "; the edge-list kernel is float32 only (the composite builds a "
+                               "dense L x S mask and score matrix per head, O(L S) time and "
+                               "memory whatever the number of edges)");
+  return Dispatch::kernel();
+}
+
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionFuncOptions& options) {
-  constexpr const char* op = "sparse_attention";
-  detail::check_qkv(op, q, k, v);
-  detail::check_scale(op, options.scale(), q.scalar_type());
-  check_edge_list(edges, q.size(2), k.size(2), q.size(1), op);
-  // The only backend today; the dispatch is called so that what it reports is what runs.
-  TORCH_INTERNAL_ASSERT(!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel());
-  return reference::sparse_attention(q, k, v, edges, options);
-}
-
-Dispatch sparse_attention_dispatch(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                   const EdgeList&, const SparseAttentionFuncOptions&) {
-  return Dispatch::composite(
-      "sparse_attention has no kernel yet: the composite builds a dense L x S mask and score "
-      "matrix per head, O(L S) time and memory whatever the number of edges");
+  if (!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
+    return reference::sparse_attention(q, k, v, edges, options);
+  // (lists, L + 1): one list for all heads, or one per head (H may be 0).
+  auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
+  const Constants c{offsets.contiguous(), edges.columns.contiguous(),
+                    detail::scale_or_default(options.scale(), q.size(3))};
+  return SparseAttentionFunction::apply(q, k, v, c);
 }
 
 }  // namespace attnkit

@@ -309,20 +309,22 @@ TEST(EdgesTest, CheckEdgeListRejectsMalformedLists) {
   expect_error([&] { check_edge_list(per_head, 2, 3, 3); }, {"per-head", "H = 3"});
 }
 
-TEST(SparseDispatch, AlwaysTheCompositeSayingWhy) {
-  // No sparse kernel yet: every dtype takes the composite, and the reason says
-  // what it costs. The op's output is exactly the reference's.
+TEST(SparseDispatch, KernelForFloat32CompositeOtherwiseSayingWhy) {
+  // float32 runs the edge-list kernel (tests/kernels/sparse_attention_kernel_test.cpp
+  // checks it against the reference); float64 takes the composite, whose output
+  // is exactly the reference's, and the reason says what it costs.
   const std::string why =
-      "sparse_attention has no kernel yet: the composite builds a dense L x S mask and score "
-      "matrix per head, O(L S) time and memory whatever the number of edges";
+      "q, k and v are float64; the edge-list kernel is float32 only (the composite builds a "
+      "dense L x S mask and score matrix per head, O(L S) time and memory whatever the number "
+      "of edges)";
   torch::manual_seed(13);
   const auto e = edges::local(6, 1);
-  for (auto dtype : {torch::kFloat, torch::kDouble}) {
-    auto q = torch::randn({1, 2, 6, 3}, dtype), k = torch::randn({1, 2, 6, 3}, dtype),
-         v = torch::randn({1, 2, 6, 2}, dtype);
-    testing::expect_composite(sparse_attention_dispatch(q, k, v, e), why);
-    EXPECT_TRUE(torch::equal(sparse_attention(q, k, v, e), reference::sparse_attention(q, k, v, e, {})));
-  }
+  auto q = torch::randn({1, 2, 6, 3}), k = torch::randn({1, 2, 6, 3}), v = torch::randn({1, 2, 6, 2});
+  testing::expect_kernel(sparse_attention_dispatch(q, k, v, e));
+  auto q64 = q.to(torch::kDouble), k64 = k.to(torch::kDouble), v64 = v.to(torch::kDouble);
+  testing::expect_composite(sparse_attention_dispatch(q64, k64, v64, e), why);
+  EXPECT_TRUE(torch::equal(sparse_attention(q64, k64, v64, e),
+                           reference::sparse_attention(q64, k64, v64, e, {})));
 }
 
 }  // namespace

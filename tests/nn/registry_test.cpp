@@ -189,9 +189,8 @@ TEST(Registry, Float32FormsMatchTheirFloat64Definitions) {
       for (const bool causal : {false, true}) {
         if (causal && !m.supports.causal) continue;
         const AttendArgs args{causal, {}};
-        // float32 takes each op's kernel; sparse attention has none yet.
-        const bool sparse = m.name.rfind("sparse-", 0) == 0;
-        EXPECT_EQ(m.dispatch(x32, args, spec).backend, sparse ? Backend::composite : Backend::kernel);
+        // float32 takes each op's kernel.
+        EXPECT_EQ(m.dispatch(x32, args, spec).backend, Backend::kernel);
         EXPECT_LT(testing::rel_err(m.run(x32, args, spec), m.reference(x64, args, spec)), 1e-5)
             << (causal ? "causal" : "non-causal");
       }

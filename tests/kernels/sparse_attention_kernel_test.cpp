@@ -1,0 +1,404 @@
+// The float32 sparse_attention op (kernels/sparse_attention.*) against the
+// float64 reference (reference::sparse_attention, a masked dense softmax, with
+// autograd): values and dq, dk, dv on shared and per-head lists, empty rows,
+// random duplicate-free rows, banded patterns, one key, L != S, E != M,
+// length 1, lengths that are no multiple of the kernel's blocks (64 rows or
+// keys, 256-wide tiles), strided inputs, a scale option; all edges equal the
+// exact softmax kernel; results are bitwise the same for 1 and 2 threads.
+#include <attnkit/ops.h>
+#include <attnkit/runtime.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "reference/reference.h"
+#include "test_util.h"
+
+namespace attnkit {
+namespace {
+
+using testing::f32;
+using testing::f64;
+using testing::rel_err;
+
+// Float32 against float64, element by element, relative to the element's
+// error scale: the sum of the absolute values of the terms that make it
+// (Magnitudes below), so that an entry near zero by cancellation (with one key
+// per row every dq and dk is exactly 0 in exact arithmetic) is judged by the
+// size of what cancelled, not by its own. Every term is a product of a
+// softmax weight P_ij, whose float32 relative error is that of the exponent
+// scale q_i . k_j - lse_i (a few units of 2^-24 = 6e-8 times the size of the
+// score and of lse), with float32 sums of up to a few hundred terms. Measured
+// worst over this file (also with every block forced onto the tiled path and,
+// separately, onto the edge-at-a-time path): 1.0e-6 at the default scale,
+// 4.7e-6 (5.3e-6 all tiled) with scale 2.5, whose scores reach about 40.
+// 1e-5 is the project's float32 bound (the clustered kernels' kF32Tol). A
+// wrong column, row, mask or gradient term shows up at 1e-2 or more.
+constexpr double kFloatTol = 1e-5;
+
+struct Inputs {
+  torch::Tensor q, k, v, dout;  // float32 values; the reference reads them cast to float64
+};
+
+Inputs make_inputs(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M,
+                   uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({N, H, L, E}, f32()), torch::randn({N, H, S, E}, f32()),
+          torch::randn({N, H, S, M}, f32()), torch::randn({N, H, L, M}, f32())};
+}
+
+struct Result {
+  torch::Tensor out, dq, dk, dv;
+};
+
+/// out and the gradients of sum(out * dout): the op on float32 leaves, or the
+/// reference on float64 copies of the same values.
+Result run(const Inputs& in, const EdgeList& edges, const SparseAttentionFuncOptions& o,
+           bool reference) {
+  const auto dtype = reference ? torch::kDouble : torch::kFloat;
+  auto leaf = [&](const torch::Tensor& x) { return x.detach().to(dtype).requires_grad_(); };
+  auto q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
+  auto out = reference ? reference::sparse_attention(q, k, v, edges, o)
+                       : sparse_attention(q, k, v, edges, o);
+  if (!reference) {
+    EXPECT_EQ(out.scalar_type(), torch::kFloat);
+    EXPECT_NE(testing::grad_fn_name(out).find("SparseAttentionFunction"), std::string::npos)
+        << testing::grad_fn_name(out);
+  }
+  out.backward(in.dout.to(dtype));
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+/// The error scale of every entry of out, dq, dk, dv (float64): with the
+/// reference weights P (zero off the edges), dP = dout v^T and
+/// D_i = dout_i . out_i, the gradient dq_i = scale sum_j P_ij (dP_ij - D_i) k_j
+/// has terms of size scale P_ij (|dout_i| . |v_j| + |dout_i| . |out_i|) |k_j|
+/// (the dot products' own terms counted too: dP_ij - D_i cancels exactly when
+/// a row has one edge, and the kernel computes dP and D in different orders);
+/// likewise out_i = sum_j P_ij v_j, dk_j = scale sum_i P_ij (dP_ij - D_i) q_i
+/// and dv_j = sum_i P_ij dout_i.
+Result magnitudes(const Inputs& in, const EdgeList& edges, const SparseAttentionFuncOptions& o) {
+  torch::NoGradGuard no_grad;
+  auto q = in.q.to(torch::kDouble), k = in.k.to(torch::kDouble), v = in.v.to(torch::kDouble),
+       dout = in.dout.to(torch::kDouble);
+  torch::Tensor p;
+  auto out = reference::sparse_attention(q, k, v, edges, o, &p);
+  const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  auto dp = torch::matmul(dout.abs(), v.abs().transpose(-2, -1));
+  auto d = (dout.abs() * out.abs()).sum(-1, /*keepdim=*/true);
+  auto t = p * (dp + d);
+  return {torch::matmul(p, v.abs()), scale * torch::matmul(t, k.abs()),
+          scale * torch::matmul(t.transpose(-2, -1), q.abs()),
+          torch::matmul(p.transpose(-2, -1), dout.abs())};
+}
+
+/// Every entry of got within kFloatTol of its error scale from want.
+void expect_close(const Result& got, const Result& want, const Result& scale) {
+  EXPECT_TRUE(testing::all_finite(got.out) && testing::all_finite(got.dq) &&
+              testing::all_finite(got.dk) && testing::all_finite(got.dv));
+  EXPECT_LT(testing::scaled_err(got.out, want.out, scale.out), kFloatTol) << "out";
+  EXPECT_LT(testing::scaled_err(got.dq, want.dq, scale.dq), kFloatTol) << "dq";
+  EXPECT_LT(testing::scaled_err(got.dk, want.dk, scale.dk), kFloatTol) << "dk";
+  EXPECT_LT(testing::scaled_err(got.dv, want.dv, scale.dv), kFloatTol) << "dv";
+}
+
+void expect_matches_reference(const Inputs& in, const EdgeList& edges, const std::string& what,
+                              const SparseAttentionFuncOptions& o = {}) {
+  SCOPED_TRACE(what);
+  expect_close(run(in, edges, o, false), run(in, edges, o, true), magnitudes(in, edges, o));
+}
+
+/// CSR rows over S keys: each key with probability `density`, and a row empty
+/// with probability `empty` (on top of the rows the draw leaves empty).
+std::vector<std::vector<int64_t>> random_rows(int64_t L, int64_t S, double density, double empty,
+                                              std::mt19937& rng) {
+  std::bernoulli_distribution keep(density), drop(empty);
+  std::vector<std::vector<int64_t>> rows(L);
+  for (auto& row : rows) {
+    if (drop(rng)) continue;
+    for (int64_t j = 0; j < S; ++j)
+      if (keep(rng)) row.push_back(j);
+  }
+  return rows;
+}
+
+EdgeList shared_list(const std::vector<std::vector<int64_t>>& rows) {
+  std::vector<int64_t> off{0}, col;
+  for (const auto& r : rows) {
+    col.insert(col.end(), r.begin(), r.end());
+    off.push_back(static_cast<int64_t>(col.size()));
+  }
+  return {torch::tensor(off, torch::kLong), torch::tensor(col, torch::kLong)};
+}
+
+/// One list per head, heads' columns laid one after the other.
+EdgeList per_head_list(const std::vector<EdgeList>& heads) {
+  std::vector<torch::Tensor> offsets, columns;
+  int64_t base = 0;
+  for (const auto& e : heads) {
+    TORCH_CHECK(!e.per_head());
+    offsets.push_back(e.offsets + base);
+    columns.push_back(e.columns);
+    base += e.num_edges();
+  }
+  return {torch::stack(offsets), torch::cat(columns)};
+}
+
+TEST(SparseAttentionKernel, DispatchTakesTheKernelForFloat32Only) {
+  auto q = torch::randn({1, 2, 6, 3}), v = torch::randn({1, 2, 6, 2});
+  const auto e = edges::local(6, 1);
+  testing::expect_kernel(sparse_attention_dispatch(q, q, v, e));
+  auto q64 = q.to(torch::kDouble), v64 = v.to(torch::kDouble);
+  testing::expect_composite(
+      sparse_attention_dispatch(q64, q64, v64, e),
+      "q, k and v are float64; the edge-list kernel is float32 only (the composite builds a dense "
+      "L x S mask and score matrix per head, O(L S) time and memory whatever the number of edges)");
+  // float64 is the reference itself, bit for bit.
+  EXPECT_TRUE(torch::equal(sparse_attention(q64, q64, v64, e),
+                           reference::sparse_attention(q64, q64, v64, e, {})));
+}
+
+TEST(SparseAttentionKernel, RandomRowsMatchTheReference) {
+  // Densities below and above the dense-tile threshold (half of a block's
+  // rectangle), so both the edge-at-a-time and the tiled paths of every pass
+  // run; 20% of rows empty on top.
+  std::mt19937 rng(1);
+  struct Shape {
+    int64_t N, H, L, S, E, M;
+  };
+  for (const Shape& s : {Shape{2, 3, 37, 53, 24, 11}, Shape{1, 2, 130, 300, 16, 40},
+                         Shape{1, 1, 1, 1, 5, 3}, Shape{2, 2, 65, 1, 8, 8},
+                         Shape{1, 2, 1, 200, 7, 9}, Shape{1, 1, 300, 70, 33, 17}}) {
+    const auto in = make_inputs(s.N, s.H, s.L, s.S, s.E, s.M, 2);
+    for (double density : {0.05, 0.3, 0.8, 1.0}) {
+      const std::string what = "N " + std::to_string(s.N) + " H " + std::to_string(s.H) + " L " +
+                               std::to_string(s.L) + " S " + std::to_string(s.S) + " E " +
+                               std::to_string(s.E) + " M " + std::to_string(s.M) + " density " +
+                               std::to_string(density);
+      expect_matches_reference(in, shared_list(random_rows(s.L, s.S, density, 0.2, rng)),
+                               what + " shared");
+      std::vector<EdgeList> heads;
+      for (int64_t h = 0; h < s.H; ++h)
+        heads.push_back(shared_list(random_rows(s.L, s.S, density * (h + 1) / s.H, 0.2, rng)));
+      expect_matches_reference(in, per_head_list(heads), what + " per-head");
+    }
+  }
+}
+
+TEST(SparseAttentionKernel, BandedPatternsMatchTheReference) {
+  // n = 300: four and a half 64-row blocks, one full and one partial 256 tile.
+  const int64_t n = 300;
+  const auto in = make_inputs(2, 2, n, n, 32, 24, 3);
+  expect_matches_reference(in, edges::local(n, 5), "local 5");
+  expect_matches_reference(in, edges::local(n, 40), "local 40");
+  expect_matches_reference(in, edges::local(n, 40, true), "causal local 40");
+  expect_matches_reference(in, edges::segments(n, 50), "segments 50");
+  expect_matches_reference(in, edges::segments(n, 70, true), "causal segments 70");
+  expect_matches_reference(in, edges::causal(n, n), "causal");
+  expect_matches_reference(in, edges::full(n, n), "full");
+  expect_matches_reference(in, edges::strided(n, 17), "strided 17");
+  // Mixed per head: a banded head next to a random one, each tiled or not by block.
+  std::mt19937 rng(4);
+  expect_matches_reference(in, per_head_list({edges::local(n, 30), shared_list(random_rows(n, n, 0.1, 0.3, rng))}),
+                           "per-head local and random");
+  // L != S: causal is bottom-right aligned, keys S - L + i and before.
+  const auto wide = make_inputs(1, 2, 70, 333, 16, 16, 5);
+  expect_matches_reference(wide, edges::causal(70, 333), "causal L 70 S 333");
+  expect_matches_reference(wide, edges::full(70, 333), "full L 70 S 333");
+  const auto tall = make_inputs(1, 2, 333, 70, 16, 16, 6);
+  expect_matches_reference(tall, edges::causal(333, 70), "causal L 333 S 70");
+  // The patterns with extra nodes (2n - 1 and n + 1 positions).
+  const auto tree = make_inputs(1, 2, 2 * 100 - 1, 2 * 100 - 1, 8, 8, 7);
+  expect_matches_reference(tree, edges::bp_tree(100), "bp-tree 100");
+  const auto star = make_inputs(1, 2, 101, 101, 8, 8, 8);
+  expect_matches_reference(star, edges::star(100), "star 100");
+}
+
+TEST(SparseAttentionKernel, HeadsSharingColumnRangesMatchTheReference) {
+  // Per-head offsets may point into the same columns: head 1 reuses head 0's
+  // list, head 2 the second half of its rows shifted to the first half.
+  const int64_t L = 90, S = 80;
+  std::mt19937 rng(9);
+  const auto base = shared_list(random_rows(L, S, 0.6, 0.1, rng));
+  auto shifted = torch::cat({base.offsets.slice(0, L / 2, L + 1),
+                             base.offsets[L].expand({L / 2})});
+  const EdgeList lists{torch::stack({base.offsets, base.offsets, shifted}), base.columns};
+  expect_matches_reference(make_inputs(2, 3, L, S, 12, 10, 10), lists, "shared ranges");
+}
+
+TEST(SparseAttentionKernel, EmptyRowsAndEmptyListsGiveZeros) {
+  const int64_t L = 70, S = 50;
+  const auto in = make_inputs(1, 2, L, S, 8, 6, 11);
+  // Every row empty: out 0 and all gradients 0, as the reference.
+  const EdgeList none{torch::zeros({L + 1}, torch::kLong), torch::empty({0}, torch::kLong)};
+  const Result r = run(in, none, {}, false);
+  EXPECT_TRUE(torch::equal(r.out, torch::zeros_like(r.out)));
+  EXPECT_TRUE(torch::equal(r.dq, torch::zeros_like(r.dq)));
+  EXPECT_TRUE(torch::equal(r.dk, torch::zeros_like(r.dk)));
+  EXPECT_TRUE(torch::equal(r.dv, torch::zeros_like(r.dv)));
+  expect_matches_reference(in, none, "no edges");
+  // Banded rows with every third row empty: the tiled path with empty rows.
+  std::vector<std::vector<int64_t>> rows(L);
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = std::max<int64_t>(0, i - 30); j < std::min(S, i + 10) && i % 3; ++j)
+      rows[i].push_back(j);
+  const Result b = run(in, shared_list(rows), {}, false);
+  for (int64_t i = 0; i < L; i += 3) {
+    EXPECT_TRUE(torch::equal(b.out.select(2, i), torch::zeros_like(b.out.select(2, i))));
+    EXPECT_TRUE(torch::equal(b.dq.select(2, i), torch::zeros_like(b.dq.select(2, i))));
+  }
+  expect_matches_reference(in, shared_list(rows), "banded with empty rows");
+}
+
+TEST(SparseAttentionKernel, EmptyBatchAndNoQueries) {
+  for (auto [N, L] : {std::pair<int64_t, int64_t>{0, 5}, {2, 0}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " L " + std::to_string(L));
+    auto q = torch::randn({N, 2, L, 3}).requires_grad_(), k = torch::randn({N, 2, 5, 3}).requires_grad_(),
+         v = torch::randn({N, 2, 5, 4}).requires_grad_();
+    const EdgeList e = L == 0 ? EdgeList{torch::zeros({2, 1}, torch::kLong), torch::empty({0}, torch::kLong)}
+                              : edges::local(5, 1);
+    auto out = sparse_attention(q, k, v, e);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{N, 2, L, 4}));
+    out.sum().backward();
+    EXPECT_TRUE(torch::equal(k.grad(), torch::zeros_like(k)));
+    EXPECT_TRUE(torch::equal(v.grad(), torch::zeros_like(v)));
+  }
+}
+
+TEST(SparseAttentionKernel, OneKeyAndScaleOption) {
+  // One key per row: the output is that key's value whatever the scores.
+  const int64_t L = 77, S = 9;
+  const auto in = make_inputs(2, 2, L, S, 6, 5, 12);
+  std::vector<std::vector<int64_t>> rows(L);
+  for (int64_t i = 0; i < L; ++i) rows[i] = {(i * 5) % S};
+  const auto one = shared_list(rows);
+  const Result r = run(in, one, {}, false);
+  EXPECT_TRUE(torch::equal(r.out, in.v.index_select(2, one.columns)));
+  expect_matches_reference(in, one, "one key per row");
+  expect_matches_reference(make_inputs(1, 2, 40, 1, 4, 4, 13), edges::full(40, 1), "S 1");
+  for (double scale : {0.3, 2.5}) {
+    const auto o = SparseAttentionFuncOptions().scale(scale);
+    std::mt19937 rng(14);
+    const auto in2 = make_inputs(1, 3, 100, 100, 20, 12, 15);
+    expect_matches_reference(in2, edges::local(100, 20), "scale local", o);
+    expect_matches_reference(in2, shared_list(random_rows(100, 100, 0.1, 0.1, rng)), "scale random", o);
+  }
+}
+
+TEST(SparseAttentionKernel, StridedInputsMatchTheReference) {
+  // q and dout as (N, L, H, E) views, k with non-contiguous columns (a
+  // transpose: the kernel copies it once), v a slice of a wider buffer.
+  const int64_t N = 2, H = 3, L = 140, S = 140, E = 16, M = 12;
+  const auto in = make_inputs(N, H, L, S, E, M, 16);
+  std::mt19937 rng(17);
+  const auto random = shared_list(random_rows(L, S, 0.15, 0.1, rng));
+  for (const EdgeList& e : {edges::local(L, 20), random}) {
+    auto q_base = in.q.permute({0, 2, 1, 3}).contiguous().requires_grad_();
+    auto k_base = in.k.transpose(2, 3).contiguous().requires_grad_();
+    auto v_base = torch::cat({in.v, torch::randn({N, H, S, 7})}, 3).requires_grad_();
+    auto q = q_base.permute({0, 2, 1, 3}), k = k_base.transpose(2, 3), v = v_base.narrow(3, 0, M);
+    auto dout = in.dout.permute({0, 2, 1, 3}).contiguous().permute({0, 2, 1, 3});
+    ASSERT_FALSE(q.is_contiguous() || k.is_contiguous() || v.is_contiguous() || dout.is_contiguous());
+    auto out = sparse_attention(q, k, v, e);
+    out.backward(dout);
+    const Result got{out.detach(), q_base.grad().permute({0, 2, 1, 3}),
+                     k_base.grad().transpose(2, 3), v_base.grad().narrow(3, 0, M)};
+    expect_close(got, run(in, e, {}, true), magnitudes(in, e, {}));
+    EXPECT_TRUE(torch::equal(v_base.grad().narrow(3, M, 7), torch::zeros({N, H, S, 7})));
+  }
+  // Keys and values broadcast over heads (stride 0) and the all-zero-stride
+  // gradient of out.sum().
+  auto k1 = torch::randn({N, 1, S, E}, f32()), v1 = torch::randn({N, 1, S, M}, f32());
+  const Inputs broadcast{in.q, k1.expand({N, H, S, E}), v1.expand({N, H, S, M}),
+                         torch::ones({N, H, L, M}, f32())};
+  auto q = in.q.clone().requires_grad_();
+  auto out = sparse_attention(q, broadcast.k, broadcast.v, random);
+  out.sum().backward();
+  const Result want = run(broadcast, random, {}, true), scale = magnitudes(broadcast, random, {});
+  EXPECT_LT(testing::scaled_err(out, want.out, scale.out), kFloatTol);
+  EXPECT_LT(testing::scaled_err(q.grad(), want.dq, scale.dq), kFloatTol);
+}
+
+TEST(SparseAttentionKernel, AllEdgesEqualTheExactKernel) {
+  // Ties the kernel to the other float32 kernel, not only to a shared reference.
+  // Both are float32 results of the same sums in different orders and tiles:
+  // kFloatTol relative to each tensor's largest entry.
+  const auto in = make_inputs(1, 2, 150, 280, 24, 20, 18);
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    const auto e = causal ? edges::causal(150, 280) : edges::full(150, 280);
+    auto leaves = [&] {
+      return std::vector<torch::Tensor>{in.q.clone().requires_grad_(), in.k.clone().requires_grad_(),
+                                        in.v.clone().requires_grad_()};
+    };
+    auto a = leaves(), b = leaves();
+    auto sparse = sparse_attention(a[0], a[1], a[2], e);
+    auto exact = softmax_attention(b[0], b[1], b[2], SoftmaxAttentionFuncOptions().causal(causal));
+    sparse.backward(in.dout);
+    exact.backward(in.dout);
+    EXPECT_LT(rel_err(sparse, exact), kFloatTol);
+    for (int i = 0; i < 3; ++i) EXPECT_LT(rel_err(a[i].grad(), b[i].grad()), kFloatTol) << "input " << i;
+  }
+}
+
+TEST(SparseAttentionKernel, ResultsAreBitwiseTheSameForOneAndTwoThreads) {
+  const int previous = num_threads();
+  std::mt19937 rng(19);
+  const int64_t L = 200, S = 260;
+  const auto in = make_inputs(1, 2, L, S, 16, 16, 20);
+  const std::vector<std::pair<std::string, EdgeList>> lists = {
+      {"local", edges::local(L, 25)},
+      {"random", shared_list(random_rows(L, S, 0.1, 0.1, rng))},
+      {"per-head", per_head_list({edges::causal(L, S), shared_list(random_rows(L, S, 0.6, 0.1, rng))})}};
+  for (const auto& [name, e] : lists) {
+    SCOPED_TRACE(name);
+    set_num_threads(1);
+    const Result one = run(in, e, {}, false);
+    set_num_threads(2);
+    const Result two = run(in, e, {}, false);
+    EXPECT_TRUE(torch::equal(one.out, two.out));
+    EXPECT_TRUE(torch::equal(one.dq, two.dq));
+    EXPECT_TRUE(torch::equal(one.dk, two.dk));
+    EXPECT_TRUE(torch::equal(one.dv, two.dv));
+  }
+  set_num_threads(previous);
+}
+
+TEST(SparseAttentionKernel, NothingOfSizeLTimesSAt16k) {
+  // L = S = 16384 with 9 edges per row: a dense mask and scores would take
+  // 1.25 GiB per head. The kernels' own scratch (counted always; this test
+  // does not install the tensor-counting allocator, which would change later
+  // tests in the same process) is the transposed list (nnz + S + 1 int64),
+  // D (L floats) and per-thread tiles: 1.6 MiB measured; with tensors counted
+  // (when another test installed the allocator) out, lse and the gradients
+  // add 4.1 MiB (5.6 MiB measured in all).
+  constexpr int64_t kLength = 16384, kLimitBytes = int64_t{16} << 20;
+  const auto e = edges::local(kLength, 4);
+  auto q = torch::randn({1, 1, kLength, 16}).requires_grad_();
+  auto k = torch::randn({1, 1, kLength, 16}).requires_grad_();
+  auto v = torch::randn({1, 1, kLength, 16}).requires_grad_();
+  auto dout = torch::randn({1, 1, kLength, 16});
+  const int64_t before = memory::current_bytes();
+  memory::reset_peak();
+  {
+    auto out = sparse_attention(q, k, v, e);
+    out.backward(dout);
+  }
+  const int64_t extra = memory::peak_bytes() - before;
+  EXPECT_LT(extra, kLimitBytes) << "peak extra bytes " << extra;
+  EXPECT_GE(extra, e.num_edges() * int64_t{sizeof(int64_t)}) << "the counter must see the transposed list";
+  EXPECT_TRUE(testing::all_finite(q.grad()) && testing::all_finite(k.grad()) &&
+              testing::all_finite(v.grad()));
+}
+
+TEST(SparseAttentionKernel, SecondOrderGradientsRaise) {
+  auto q = torch::randn({1, 1, 5, 3}, f32()).requires_grad_();
+  auto out = sparse_attention(q, q, q, edges::local(5, 1));
+  auto g = torch::autograd::grad({out.sum()}, {q}, {}, true, true)[0];
+  testing::expect_error([&] { g.sum().backward(); }, {"sparse_attention", "double backward"});
+}
+
+}  // namespace
+}  // namespace attnkit
