@@ -37,10 +37,10 @@ std::string counted_text() {
   return text + " rare";
 }
 
-// Words w0 .. w{n-1} cycling over `distinct` words, so every word is frequent.
+// n words cycling over `distinct` (<= 26) words wa, wb, ..., so every word is frequent.
 std::string cycle_text(int n, int distinct) {
   std::string text;
-  for (int i = 0; i < n; ++i) text += (i ? " w" : "w") + std::to_string(i % distinct);
+  for (int i = 0; i < n; ++i) text += (i ? " w" : "w") + std::string(1, static_cast<char>('a' + i % distinct));
   return text;
 }
 
