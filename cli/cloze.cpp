@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
