@@ -48,4 +48,8 @@ void add_eval_command(CLI::App& app);
 /// `attnkit generate`: continues a prompt with a trained language model.
 void add_generate_command(CLI::App& app);
 
+/// `attnkit cloze`: a recurrent reader with one of the cheap-linear-attention
+/// paper's read-outs (none, linear, gated, softmax) trained on cloze questions.
+void add_cloze_command(CLI::App& app);
+
 }  // namespace attnkit::cli
