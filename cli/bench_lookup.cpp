@@ -101,7 +101,7 @@ void run_lookup_bench(const LookupConfig& c) {
             << c.repeats << "; GFLOP/s and %peak from the median\n\n"
             << std::right << std::setw(7) << "m" << std::setw(20) << "softmax ms" << std::setw(9)
             << "GFLOP/s" << std::setw(20) << "memory ms" << std::setw(9) << "GFLOP/s"
-            << std::setw(7) << "%peak" << std::setw(16) << "speed-up"
+            << std::setw(7) << "%peak" << std::setw(22) << "speed-up"
             << "\n";
 
   nlohmann::json doc;
@@ -124,7 +124,7 @@ void run_lookup_bench(const LookupConfig& c) {
               << fmt(soft_gflops, 1) << std::setw(20)
               << fmt(mem.median_ms, 4) + " / " + fmt(mem.best_ms, 4) << std::setw(9)
               << fmt(mem_gflops, 1) << std::setw(7) << fmt(100 * mem_gflops / peak, 0)
-              << std::setw(16)
+              << std::setw(22)  // wide enough for two four-digit ratios
               << fmt(soft.median_ms / mem.median_ms, 2) + " / " + fmt(soft.best_ms / mem.best_ms, 2)
               << "\n";
     doc["results"].push_back({{"m", m},
