@@ -39,3 +39,31 @@ function(require_length json expected what)
     message(FATAL_ERROR "${what}: expected ${expected} elements, got ${n}:\n${json}")
   endif()
 endfunction()
+
+# Fails unless the run directory `run` holds exactly the checkpoints
+# checkpoint-<step, 8 digits>.ckpt of the steps in ARGN (ascending).
+function(expect_checkpoints run)
+  file(GLOB found RELATIVE ${run} ${run}/checkpoint-*.ckpt)
+  list(SORT found)
+  set(expected "")
+  foreach(step ${ARGN})
+    string(LENGTH "${step}" digits)
+    math(EXPR zeros "8 - ${digits}")
+    string(REPEAT "0" ${zeros} pad)
+    list(APPEND expected "checkpoint-${pad}${step}.ckpt")
+  endforeach()
+  if(NOT "${found}" STREQUAL "${expected}")
+    message(FATAL_ERROR "${run}: expected the checkpoints of steps ${ARGN}, found: ${found}")
+  endif()
+endfunction()
+
+# Sets `records` to the lines of run/metrics.jsonl; fails unless there are `count`.
+function(read_metrics run count)
+  file(STRINGS ${run}/metrics.jsonl lines)
+  list(LENGTH lines n)
+  if(NOT n EQUAL count)
+    message(FATAL_ERROR "${run}/metrics.jsonl: expected ${count} records, got ${n}:\n${lines}")
+  endif()
+  set(records "${lines}" PARENT_SCOPE)
+endfunction()
+
