@@ -1,5 +1,4 @@
-// The SAC edge predictor (the SAC paper, section 4; /work/shared/SPECS.md,
-// "SAC"): a one-layer LSTM that emits node indices with a pointer softmax over
+// The SAC edge predictor (the SAC paper, section 4): a one-layer LSTM that emits node indices with a pointer softmax over
 // the node representations, two at a time, origin then destination; each
 // (origin, destination) pair is an edge: the origin (a query row) attends to the
 // destination (a key column).
@@ -101,7 +100,8 @@ struct EdgeSample {
 class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
  public:
   explicit EdgePredictorImpl(const EdgePredictorOptions& options);
-  /// Start vector, head embeddings and distance vectors ~ N(0, 1/sqrt(width)),
+  /// Start vector, head embeddings and distance vectors normal with standard
+  /// deviation 1/sqrt(their width),
   /// W uniform(+-1/sqrt(node_dim)), the LSTM torch's default.
   void reset() override;
 
