@@ -1,5 +1,6 @@
-// The SAC edge predictor (the SAC paper, section 4): a one-layer LSTM that emits node indices with a pointer softmax over
-// the node representations, two at a time, origin then destination; each
+// The SAC edge predictor (the SAC paper, section 4): a one-layer LSTM that
+// emits node indices with a pointer softmax over the node representations, two
+// at a time, origin then destination; each
 // (origin, destination) pair is an edge: the origin (a query row) attends to the
 // destination (a key column).
 //
