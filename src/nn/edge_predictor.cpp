@@ -1,0 +1,357 @@
+// The SAC edge predictor: see include/attnkit/nn/edge_predictor.h.
+#include <attnkit/nn/edge_predictor.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace attnkit::nn {
+
+namespace {
+constexpr const char* kModule = "EdgePredictor";
+}  // namespace
+
+EdgePredictorVariant edge_predictor_variant_from_string(const std::string& name) {
+  if (name == "shared") return EdgePredictorVariant::shared_structure;
+  if (name == "all-connected") return EdgePredictorVariant::all_connected;
+  if (name == "head-adaptive") return EdgePredictorVariant::head_adaptive;
+  TORCH_CHECK(false, kModule, ": variant must be one of shared, all-connected, head-adaptive, got '",
+              name, "'");
+  return EdgePredictorVariant::shared_structure;  // unreachable
+}
+
+std::string to_string(EdgePredictorVariant variant) {
+  switch (variant) {
+    case EdgePredictorVariant::shared_structure: return "shared";
+    case EdgePredictorVariant::all_connected: return "all-connected";
+    case EdgePredictorVariant::head_adaptive: return "head-adaptive";
+  }
+  return "?";
+}
+
+// Everything a decoding pass needs about one set of nodes.
+struct EdgePredictorImpl::Context {
+  torch::Tensor nodes;            // (n, node_dim)
+  torch::Tensor w;                // (n, hidden): pointer vectors W x_i
+  std::vector<int64_t> distance;  // n x n clipped distances (empty: no encoding)
+  int64_t n = 0;
+};
+
+EdgePredictorImpl::EdgePredictorImpl(const EdgePredictorOptions& options_) : options(options_) {
+  reset();
+}
+
+int64_t EdgePredictorImpl::sequences() const {
+  return options.variant() == EdgePredictorVariant::head_adaptive ? options.heads() : 1;
+}
+
+void EdgePredictorImpl::reset() {
+  const auto& o = options;
+  TORCH_CHECK(o.node_dim() > 0, kModule, ": node_dim must be positive, got ", o.node_dim());
+  TORCH_CHECK(o.hidden_size() > 0, kModule, ": hidden_size must be positive, got ", o.hidden_size());
+  TORCH_CHECK(o.alpha() >= 1, kModule, ": alpha (edges per node) must be >= 1, got ", o.alpha());
+  TORCH_CHECK(o.max_distance() >= 0, kModule, ": max_distance must be >= 0 (0 disables it), got ",
+              o.max_distance());
+  const bool adaptive = o.variant() == EdgePredictorVariant::head_adaptive;
+  if (adaptive) {
+    TORCH_CHECK(o.heads() >= 1, kModule, ": heads must be >= 1 for head-adaptive, got ", o.heads());
+    TORCH_CHECK(o.head_embedding_dim() >= 1, kModule,
+                ": head_embedding_dim must be >= 1 for head-adaptive, got ", o.head_embedding_dim());
+  }
+  const int64_t input = o.node_dim() + (adaptive ? o.head_embedding_dim() : 0);
+  lstm = register_module("lstm", torch::nn::LSTMCell(input, o.hidden_size()));
+  start = register_parameter("start",
+                             torch::randn({o.node_dim()}) / std::sqrt(double(o.node_dim())));
+  const double bound = 1.0 / std::sqrt(double(o.node_dim()));
+  pointer = register_parameter(
+      "pointer", torch::empty({o.hidden_size(), o.node_dim()}).uniform_(-bound, bound));
+  if (adaptive) {
+    head_embedding = register_parameter(
+        "head_embedding",
+        torch::randn({o.heads(), o.head_embedding_dim()}) / std::sqrt(double(o.head_embedding_dim())));
+  }
+  if (o.max_distance() > 0) {
+    distance = register_parameter(
+        "distance",
+        torch::randn({o.max_distance() + 1, o.hidden_size()}) / std::sqrt(double(o.hidden_size())));
+  }
+}
+
+EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes,
+                                                      const torch::Tensor& distances,
+                                                      const char* op) const {
+  TORCH_CHECK(nodes.defined() && nodes.dim() == 2, kModule, ".", op,
+              ": argument 'nodes' must be 2-D (n, node_dim), got ",
+              nodes.defined() ? std::to_string(nodes.dim()) + "-D" : std::string("undefined"));
+  TORCH_CHECK(nodes.size(0) >= 1, kModule, ".", op, ": argument 'nodes' must have at least one node");
+  TORCH_CHECK(nodes.size(1) == options.node_dim(), kModule, ".", op,
+              ": argument 'nodes' must have node_dim = ", options.node_dim(), " columns, got ",
+              nodes.size(1));
+  TORCH_CHECK(nodes.scalar_type() == pointer.scalar_type(), kModule, ".", op,
+              ": argument 'nodes' has dtype ", nodes.scalar_type(), ", the parameters ",
+              pointer.scalar_type());
+  Context ctx;
+  ctx.n = nodes.size(0);
+  ctx.nodes = nodes;
+  ctx.w = attnkit::linear(nodes, pointer);
+  if (options.max_distance() > 0) {
+    const int64_t n = ctx.n;
+    torch::Tensor d;
+    if (distances.defined()) {
+      TORCH_CHECK(distances.scalar_type() == torch::kInt64, kModule, ".", op,
+                  ": argument 'distances' must be int64, got ", distances.scalar_type());
+      TORCH_CHECK(distances.sizes() == torch::IntArrayRef({n, n}), kModule, ".", op,
+                  ": argument 'distances' must be (n, n) = (", n, ", ", n, "), got ",
+                  distances.sizes());
+      TORCH_CHECK(distances.numel() == 0 || distances.min().item<int64_t>() >= 0, kModule, ".", op,
+                  ": argument 'distances' must be non-negative, got minimum ",
+                  distances.min().item<int64_t>());
+      d = distances.contiguous();
+    } else {
+      const auto i = torch::arange(n, torch::kInt64);
+      d = (i.unsqueeze(1) - i.unsqueeze(0)).abs();
+    }
+    d = d.clamp_max(options.max_distance()).contiguous();
+    ctx.distance.assign(d.data_ptr<int64_t>(), d.data_ptr<int64_t>() + n * n);
+  } else {
+    TORCH_CHECK(!distances.defined(), kModule, ".", op,
+                ": argument 'distances' given but the distance encoding is off (max_distance = 0)");
+  }
+  return ctx;
+}
+
+torch::Tensor EdgePredictorImpl::step_input(const Context& ctx, int64_t head, int64_t t,
+                                            const std::vector<int64_t>& previous) const {
+  const int64_t B = static_cast<int64_t>(previous.size());
+  torch::Tensor x;
+  if (t == 0) {
+    x = start.unsqueeze(0).expand({B, options.node_dim()});
+  } else {
+    x = ctx.nodes.index_select(0, torch::tensor(previous, torch::kInt64));
+  }
+  if (options.variant() == EdgePredictorVariant::head_adaptive) {
+    x = torch::cat({x, head_embedding[head].unsqueeze(0).expand({B, options.head_embedding_dim()})}, 1);
+  }
+  return x;
+}
+
+torch::Tensor EdgePredictorImpl::step_log_probs(const Context& ctx, const torch::Tensor& g,
+                                                const std::vector<int64_t>& origins) const {
+  auto logits = attnkit::linear(g, ctx.w);  // (B, n): g . w_j
+  if (!origins.empty() && !ctx.distance.empty()) {
+    const int64_t B = g.size(0), n = ctx.n;
+    auto dh = attnkit::linear(g, distance);  // (B, max + 1): g . v_d
+    std::vector<int64_t> idx(B * n);
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy_n(ctx.distance.begin() + origins[b] * n, n, idx.begin() + b * n);
+    }
+    logits = logits + dh.gather(1, torch::tensor(idx, torch::kInt64).view({B, n}));
+  }
+  return torch::log_softmax(logits, 1);
+}
+
+namespace {
+
+// The decoding loop shared by sample() and log_prob(): one LSTM step per token,
+// `choose(s, t, log_probs (1, n))` picks the token of a predicted step.
+struct Step {
+  bool forced;           // all_connected origin: fed, not predicted
+  int64_t forced_token;  // its node
+  bool destination;      // odd step
+};
+
+Step step_kind(const EdgePredictorOptions& o, int64_t t) {
+  Step s{false, -1, t % 2 == 1};
+  if (o.variant() == EdgePredictorVariant::all_connected && !s.destination) {
+    s.forced = true;
+    s.forced_token = (t / 2) / o.alpha();
+  }
+  return s;
+}
+
+}  // namespace
+
+EdgeSample EdgePredictorImpl::sample(const torch::Tensor& nodes,
+                                     c10::optional<at::Generator> generator,
+                                     const torch::Tensor& distances) {
+  const auto ctx = context(nodes, distances, "sample");
+  const int64_t S = sequences(), T = steps(ctx.n);
+  auto tokens = torch::empty({S, T}, torch::kInt64);
+  auto tok = tokens.accessor<int64_t, 2>();
+  auto h = torch::zeros({1, options.hidden_size()}, pointer.options());
+  auto c = h;
+  std::vector<torch::Tensor> picks;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t t = 0; t < T; ++t) {
+      std::tie(h, c) = lstm->forward(step_input(ctx, s, t, {t == 0 ? 0 : tok[s][t - 1]}),
+                                     std::make_tuple(h, c));
+      const Step kind = step_kind(options, t);
+      if (kind.forced) {
+        tok[s][t] = kind.forced_token;
+        continue;
+      }
+      std::vector<int64_t> origin;
+      if (kind.destination) origin.push_back(tok[s][t - 1]);
+      const auto logp = step_log_probs(ctx, h, origin);  // (1, n)
+      const auto choice =
+          torch::multinomial(logp.detach().exp(), 1, /*replacement=*/false, generator);
+      const int64_t j = choice.item<int64_t>();
+      tok[s][t] = j;
+      picks.push_back(logp[0][j]);
+    }
+  }
+  EdgeSample out;
+  out.tokens = tokens;
+  out.log_prob = torch::stack(picks).sum();
+  out.edges = edges_from_tokens(tokens, ctx.n);
+  return out;
+}
+
+torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torch::Tensor& tokens,
+                                          const torch::Tensor& distances) {
+  const auto ctx = context(nodes, distances, "log_prob");
+  const int64_t S = sequences(), T = steps(ctx.n);
+  TORCH_CHECK(tokens.defined() && tokens.scalar_type() == torch::kInt64 &&
+                  tokens.sizes() == torch::IntArrayRef({S, T}),
+              kModule, ".log_prob: argument 'tokens' must be int64 (", S, ", ", T, "), got ",
+              tokens.defined() ? c10::toString(tokens.scalar_type()) : "undefined", " ",
+              tokens.defined() ? tokens.sizes() : torch::IntArrayRef{});
+  const auto tk = tokens.contiguous();
+  auto tok = tk.accessor<int64_t, 2>();
+  auto h = torch::zeros({1, options.hidden_size()}, pointer.options());
+  auto c = h;
+  std::vector<torch::Tensor> picks;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t j = tok[s][t];
+      TORCH_CHECK(j >= 0 && j < ctx.n, kModule, ".log_prob: tokens[", s, "][", t,
+                  "] must be a node in [0, ", ctx.n, "), got ", j);
+      std::tie(h, c) = lstm->forward(step_input(ctx, s, t, {t == 0 ? 0 : tok[s][t - 1]}),
+                                     std::make_tuple(h, c));
+      const Step kind = step_kind(options, t);
+      if (kind.forced) {
+        TORCH_CHECK(j == kind.forced_token, kModule, ".log_prob: tokens[", s, "][", t,
+                    "] is an all-connected origin and must be ", kind.forced_token, ", got ", j);
+        continue;
+      }
+      std::vector<int64_t> origin;
+      if (kind.destination) origin.push_back(tok[s][t - 1]);
+      picks.push_back(step_log_probs(ctx, h, origin)[0][j]);
+    }
+  }
+  return torch::stack(picks).sum();
+}
+
+EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t width,
+                                          const torch::Tensor& distances) {
+  TORCH_CHECK(width >= 1, kModule, ".beam_search: argument 'width' must be >= 1, got ", width);
+  torch::NoGradGuard no_grad;
+  const auto ctx = context(nodes, distances, "beam_search");
+  const int64_t S = sequences(), T = steps(ctx.n), n = ctx.n;
+  struct Beam {
+    double score;
+    std::vector<int64_t> tokens;  // all steps so far, sequences concatenated
+  };
+  std::vector<Beam> beams{{0.0, {}}};
+  auto h = torch::zeros({1, options.hidden_size()}, pointer.options());
+  auto c = h;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t B = static_cast<int64_t>(beams.size());
+      std::vector<int64_t> previous(B, 0), origins;
+      if (t > 0) {
+        for (int64_t b = 0; b < B; ++b) previous[b] = beams[b].tokens.back();
+      }
+      std::tie(h, c) = lstm->forward(step_input(ctx, s, t, previous), std::make_tuple(h, c));
+      const Step kind = step_kind(options, t);
+      if (kind.forced) {
+        for (auto& beam : beams) beam.tokens.push_back(kind.forced_token);
+        continue;
+      }
+      if (kind.destination) origins = previous;
+      const auto logp = step_log_probs(ctx, h, origins).to(torch::kFloat64).contiguous();
+      const double* lp = logp.data_ptr<double>();
+      // Candidates (parent, node) ordered by score, then parent, then node.
+      std::vector<int64_t> order(B * n);
+      for (int64_t i = 0; i < B * n; ++i) order[i] = i;
+      auto score = [&](int64_t i) { return beams[i / n].score + lp[i]; };
+      const int64_t keep = std::min<int64_t>(width, B * n);
+      std::partial_sort(order.begin(), order.begin() + keep, order.end(),
+                        [&](int64_t a, int64_t b) {
+                          const double sa = score(a), sb = score(b);
+                          return sa != sb ? sa > sb : a < b;
+                        });
+      std::vector<Beam> next;
+      std::vector<int64_t> parents;
+      for (int64_t k = 0; k < keep; ++k) {
+        const int64_t i = order[k];
+        Beam beam{score(i), beams[i / n].tokens};
+        beam.tokens.push_back(i % n);
+        next.push_back(std::move(beam));
+        parents.push_back(i / n);
+      }
+      const auto index = torch::tensor(parents, torch::kInt64);
+      h = h.index_select(0, index);
+      c = c.index_select(0, index);
+      beams = std::move(next);
+    }
+  }
+  // beams are sorted by score (the last step was a predicted one, or every step
+  // was forced and all beams are one).
+  const Beam& best = beams.front();
+  EdgeSample out;
+  out.tokens = torch::tensor(best.tokens, torch::kInt64).view({S, T});
+  out.log_prob = torch::tensor(best.score, pointer.options());
+  out.edges = edges_from_tokens(out.tokens, n);
+  return out;
+}
+
+EdgeList EdgePredictorImpl::edges_from_tokens(const torch::Tensor& tokens, int64_t n) const {
+  TORCH_CHECK(tokens.defined() && tokens.scalar_type() == torch::kInt64 && tokens.dim() == 2 &&
+                  tokens.size(1) % 2 == 0,
+              kModule, ".edges_from_tokens: argument 'tokens' must be int64 (sequences, even)");
+  const auto tk = tokens.contiguous();
+  auto tok = tk.accessor<int64_t, 2>();
+  const int64_t S = tk.size(0), T = tk.size(1);
+  std::vector<int64_t> offsets, columns;
+  offsets.reserve(S * (n + 1));
+  for (int64_t s = 0; s < S; ++s) {
+    std::vector<std::vector<int64_t>> rows(n);
+    for (int64_t t = 0; t < T; t += 2) {
+      const int64_t o = tok[s][t], d = tok[s][t + 1];
+      TORCH_CHECK(o >= 0 && o < n && d >= 0 && d < n, kModule,
+                  ".edges_from_tokens: tokens must be nodes in [0, ", n, "), got the pair (", o, ", ",
+                  d, ")");
+      rows[o].push_back(d);
+      if (options.symmetric()) rows[d].push_back(o);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      auto& row = rows[i];
+      if (options.self_edges()) row.push_back(i);
+      std::sort(row.begin(), row.end());
+      row.erase(std::unique(row.begin(), row.end()), row.end());
+      offsets.push_back(static_cast<int64_t>(columns.size()));
+      columns.insert(columns.end(), row.begin(), row.end());
+    }
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  EdgeList edges;
+  edges.columns = torch::tensor(columns, torch::kInt64);
+  auto off = torch::tensor(offsets, torch::kInt64).view({S, n + 1});
+  edges.offsets = options.variant() == EdgePredictorVariant::head_adaptive ? off : off[0].clone();
+  return edges;
+}
+
+torch::Tensor reinforce_loss(const torch::Tensor& log_prob, double reward, double baseline) {
+  TORCH_CHECK(log_prob.defined() && log_prob.numel() == 1, kModule,
+              ": reinforce_loss: argument 'log_prob' must be a scalar");
+  TORCH_CHECK(std::isfinite(reward) && std::isfinite(baseline), kModule,
+              ": reinforce_loss: reward and baseline must be finite, got ", reward, " and ", baseline);
+  return -(reward - baseline) * log_prob.reshape({});
+}
+
+}  // namespace attnkit::nn
