@@ -58,12 +58,7 @@ void add_eval_command(CLI::App& app) {
     const auto start = std::chrono::steady_clock::now();
     const auto m = train::evaluate(run.model, *run.task, split, batch, context, f->max_batches);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    // Positions the model read: every row of every evaluated batch.
-    int64_t positions = 0, batches = 0;
-    for (const auto& b : run.task->eval_batches(split, batch, context)) {
-      if (f->max_batches > 0 && batches++ == f->max_batches) break;
-      positions += b.input.numel();
-    }
+    const auto positions = static_cast<int64_t>(m.positions);
     const auto& used = f->attention.empty() ? trained : f->attention;
     std::string attention;
     for (const auto& s : used) attention += (attention.empty() ? "" : " | ") + s;

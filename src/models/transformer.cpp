@@ -123,11 +123,15 @@ torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
   return options_.tie_embeddings() ? attnkit::linear(hidden, embedding_->weight) : output_(hidden);
 }
 
+void TransformerImpl::set_attention_probe(AttentionProbe probe) {
+  probe_ = std::move(probe);
+  if (probe_) return;  // forward() points each block at it, numbering the applications
+  for (auto* blocks : {&encoder_blocks_, &decoder_blocks_})
+    for (auto& block : *blocks) block->set_self_attention_probe({});
+}
+
 void TransformerImpl::probe_layer(TransformerBlockImpl& block, int64_t layer) {
-  if (!probe_) {
-    block.set_self_attention_probe({});
-    return;
-  }
+  if (!probe_) return;
   block.set_self_attention_probe(
       [this, layer](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
         probe_(layer, q, k, v);

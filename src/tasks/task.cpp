@@ -33,6 +33,7 @@ Metrics& Metrics::operator+=(const Metrics& other) {
   loss_sum += other.loss_sum;
   correct += other.correct;
   scored += other.scored;
+  positions += other.positions;
   return *this;
 }
 
@@ -83,6 +84,7 @@ Metrics score(const torch::Tensor& logits, const Batch& batch) {
   m.loss_sum = (nll * weight).sum().item<double>();
   m.correct = (hit * weight).sum().item<double>();
   m.scored = weight.sum().item<double>();
+  m.positions = static_cast<double>(batch.input.numel());
   return m;
 }
 

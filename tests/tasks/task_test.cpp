@@ -35,14 +35,17 @@ TEST(TaskMetrics, SumAndDerive) {
   a.loss_sum = 2;
   a.correct = 1;
   a.scored = 2;
+  a.positions = 5;
   Metrics b;
   b.loss_sum = 4;
   b.correct = 2;
   b.scored = 2;
+  b.positions = 7;
   a += b;
   EXPECT_EQ(a.loss_sum, 6);
   EXPECT_EQ(a.correct, 3);
   EXPECT_EQ(a.scored, 4);
+  EXPECT_EQ(a.positions, 12);
   EXPECT_DOUBLE_EQ(a.loss(), 1.5);
   EXPECT_DOUBLE_EQ(a.bits(), 1.5 / std::log(2.0));
   EXPECT_DOUBLE_EQ(a.accuracy(), 0.75);
@@ -90,6 +93,7 @@ TEST(TaskLoss, MatchesHandComputedValues) {
   EXPECT_NEAR(m.loss_sum, 3 * expected, 1e-14);
   EXPECT_EQ(m.correct, 1);
   EXPECT_EQ(m.scored, 3);
+  EXPECT_EQ(m.positions, static_cast<double>(b.input.numel()));  // scored or not
   EXPECT_NEAR(m.bits(), expected / std::log(2.0), 1e-14);
 
   // float32 logits give the same to float32 rounding.

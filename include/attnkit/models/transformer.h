@@ -174,7 +174,7 @@ class TransformerImpl : public torch::nn::Module {
   /// agglomerative blocks are not reported. An empty function removes it.
   using AttentionProbe = std::function<void(int64_t layer, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& v)>;
-  void set_attention_probe(AttentionProbe probe) { probe_ = std::move(probe); }
+  void set_attention_probe(AttentionProbe probe);
 
   /// Parameters (a tied embedding counted once).
   int64_t parameter_count() const;
@@ -184,7 +184,7 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& tokens, bool source, int64_t offset);
   torch::Tensor encode(const torch::Tensor& source, const torch::Tensor& source_lengths);
   torch::Tensor logits(const torch::Tensor& hidden);
-  /// Points `block`'s self-attention probe at probe_ as `layer` (or clears it).
+  /// Points `block`'s self-attention probe at probe_ as `layer` (when a probe is set).
   void probe_layer(TransformerBlockImpl& block, int64_t layer);
 
   TransformerOptions options_;

@@ -33,6 +33,7 @@ struct Metrics {
   double loss_sum = 0;   ///< cross-entropy in nats, summed over scored positions
   double correct = 0;    ///< scored positions whose argmax equals the target
   double scored = 0;     ///< number of scored positions
+  double positions = 0;  ///< positions the model read, scored or not (batch x length)
   double loss() const { return scored > 0 ? loss_sum / scored : 0; }  ///< nats per position
   double bits() const;       ///< loss() / ln 2: bits per character for char-lm
   double accuracy() const { return scored > 0 ? correct / scored : 0; }
