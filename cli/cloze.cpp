@@ -270,11 +270,16 @@ void run(ClozeFlags f, CLI::App* cmd) {
                {"elapsed", elapsed}};
       metrics.append(rec.dump());
       const auto path = save(step, elapsed);
-      std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s\n",
+      // ETA from this session's speed (a resumed run's earlier sessions may have run elsewhere).
+      const double session_seconds = now_seconds() - session_start;
+      const double eta = session_seconds / static_cast<double>(step - start_step) *
+                         static_cast<double>(f.steps - step);
+      std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s  ETA %s\n",
                   static_cast<long long>(step), static_cast<long long>(f.steps),
                   interval_loss / static_cast<double>(interval_examples),
                   interval_correct / static_cast<double>(interval_examples), last_valid.loss,
-                  last_valid.accuracy, train::format_duration(elapsed).c_str());
+                  last_valid.accuracy, train::format_duration(elapsed).c_str(),
+                  train::format_duration(eta).c_str());
       std::fflush(stdout);
       interval_loss = interval_correct = 0;
       interval_examples = 0;
