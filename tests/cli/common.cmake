@@ -67,3 +67,23 @@ function(read_metrics run count)
   set(records "${lines}" PARENT_SCOPE)
 endfunction()
 
+# Sets `var` to "file=sha256" of every file under `dir`: a fingerprint of a
+# run directory, to check that a refused command changed nothing.
+function(directory_hashes dir var)
+  file(GLOB_RECURSE files ${dir}/*)
+  set(hashes "")
+  foreach(f ${files})
+    file(SHA256 ${f} h)
+    list(APPEND hashes "${f}=${h}")
+  endforeach()
+  set(${var} "${hashes}" PARENT_SCOPE)
+endfunction()
+
+# Fails, naming `what`, unless `dir` still has the fingerprint `before`
+# (from directory_hashes).
+function(require_unchanged dir before what)
+  directory_hashes(${dir} now)
+  if(NOT now STREQUAL before)
+    message(FATAL_ERROR "${what} changed ${dir}:\nbefore ${before}\nafter ${now}")
+  endif()
+endfunction()
