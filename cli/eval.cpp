@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -56,7 +57,10 @@ void add_eval_command(CLI::App& app) {
     const int64_t context = f->context > 0 ? f->context : run.trainer.context();
     const auto split = tasks::split_from_string(f->split);
     const auto start = std::chrono::steady_clock::now();
-    const auto m = train::evaluate(run.model, *run.task, split, batch, context, f->max_batches);
+    train::StructureStats structure;
+    const bool sac = static_cast<bool>(run.model->edge_predictor());
+    const auto m = train::evaluate(run.model, *run.task, split, batch, context, f->max_batches,
+                                   sac ? &structure : nullptr);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const auto positions = static_cast<int64_t>(m.positions);
     const auto& used = f->attention.empty() ? trained : f->attention;
@@ -68,6 +72,15 @@ void add_eval_command(CLI::App& app) {
                 run.task->metric_name().c_str(), run.task->metric(m), m.loss(), m.scored);
     std::printf("%.2f s for %lld positions: %.2f us per position\n", seconds,
                 static_cast<long long>(positions), 1e6 * seconds / static_cast<double>(positions));
+    const bool partners = structure.partner_rows > 0;
+    if (sac) {
+      std::printf("SAC structures (beam search): %.2f edges per node, %.1f%% with a self-edge",
+                  structure.edges_per_node(), 100 * structure.self_edges / std::max(structure.nodes, 1.0));
+      if (partners)
+        std::printf("; %.1f%% of the positions see their partner, %.1f%% of their predicted edges point at it",
+                    100 * structure.partner_recall(), 100 * structure.partner_precision());
+      std::printf("\n");
+    }
     if (!f->json.empty()) {
       nlohmann::json doc = {{"run", f->run},
                             {"checkpoint", run.checkpoint},
@@ -88,6 +101,14 @@ void add_eval_command(CLI::App& app) {
                             {"seconds", seconds},
                             {"positions", positions},
                             {"threads", num_threads()}};
+      if (sac) {
+        doc["structure"] = {{"edges_per_node", structure.edges_per_node()},
+                            {"self_edge_fraction", structure.self_edges / std::max(structure.nodes, 1.0)}};
+        if (partners) {
+          doc["structure"]["partner_recall"] = structure.partner_recall();
+          doc["structure"]["partner_precision"] = structure.partner_precision();
+        }
+      }
       train::write_file_atomically(f->json, doc.dump(2) + "\n");
     }
   });

@@ -37,6 +37,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
     kind_ = Kind::multihead;
     self_ = register_module("self_attention",
                             nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H).attention(spec)));
+    sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   }
   norm_self_ = register_module("norm_self", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
   if (cross) {
@@ -163,6 +164,8 @@ void TransformerBlockImpl::set_attention(const std::string& spec) {
               kind_ == Kind::relative ? "relative-position blocks hold exact attention only"
                                       : "agglomerative blocks hold class projections instead of "
                                         "query/key projections, so their weights do not carry over");
+  TORCH_CHECK(!sac_ && info->name != "sac", "Transformer: cannot swap '", spec_, "' for '", spec,
+              "': SAC's structures come from an edge predictor trained with the model");
   self_->set_attention(spec);
   spec_ = spec;
   info_ = info;

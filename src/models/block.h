@@ -8,6 +8,7 @@
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/registry.h>
+#include <attnkit/nn/sac.h>
 
 #include <memory>
 #include <string>
@@ -47,6 +48,12 @@ class TransformerBlockImpl : public torch::nn::Module {
   /// Another self-attention behind the same projections (multi-head blocks).
   void set_attention(const std::string& spec);
   Kind kind() const { return kind_; }
+  /// True when the self-attention is "sac" (its structures come from the model).
+  bool uses_sac() const { return sac_ != nullptr; }
+  /// SAC blocks: the structures of the next forward calls, one per sequence.
+  void set_structures(const std::vector<EdgeList>& structures) {
+    if (sac_) sac_->set_structures(structures);
+  }
   /// Multi-head blocks: the self-attention's probe (nn::MultiheadAttentionImpl::probe);
   /// other kinds ignore it.
   void set_self_attention_probe(
@@ -69,6 +76,7 @@ class TransformerBlockImpl : public torch::nn::Module {
   std::string spec_;
   const nn::MechanismInfo* info_ = nullptr;
   nn::MultiheadAttention self_{nullptr}, cross_{nullptr};
+  nn::SacAttentionImpl* sac_ = nullptr;  // self_'s mechanism when it is "sac"
   nn::RelativePositionAttention relative_{nullptr};
   nn::AgglomerativeAttention agglomerative_{nullptr};
   nn::Linear ff1_{nullptr}, ff2_{nullptr};

@@ -187,6 +187,16 @@ void validate(const TransformerOptions& o) {
     if (encoder) check_block_spec(o, spec, false);
     if (decoder) check_block_spec(o, spec, true);
   }
+  // SAC blocks read one structure per sequence from the model's one edge
+  // predictor, so they must agree on its options.
+  std::string sac;
+  for (const auto& text : specs) {
+    const auto spec = nn::resolve_mechanism(text).second;
+    if (spec.name != "sac") continue;
+    TORCH_CHECK(sac.empty() || sac == spec.str(), where, ": the SAC blocks share one edge predictor, "
+                "so their specs must be the same, got '", sac, "' and '", spec.str(), "'");
+    sac = spec.str();
+  }
   if (o.architecture() == Architecture::encoder_decoder) {
     const auto [info, spec] = nn::resolve_mechanism(o.cross_attention());
     TORCH_CHECK(info->make && info->supports.cross, where, ": cross-attention '",

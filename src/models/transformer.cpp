@@ -99,6 +99,33 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
   }
   if (!options_.tie_embeddings())
     output_ = register_module("output", nn::Linear(d, options_.vocab_size()));
+  for (const auto& spec : options_.attention()) {
+    const auto parsed = nn::resolve_mechanism(spec).second;
+    if (parsed.name != "sac") continue;  // (validate: every sac spec is the same)
+    const auto sac = nn::SacOptions::from_spec(parsed);
+    edge_predictor_ = register_module("edge_predictor", nn::EdgePredictor(sac.predictor(d, options_.heads())));
+    sac_beam_ = sac.beam;
+    break;
+  }
+}
+
+void TransformerImpl::predict_structures(const torch::Tensor& x) {
+  // The predictor reads the embeddings without sending gradients into them:
+  // REINFORCE trains the predictor, the likelihood trains the network.
+  const auto nodes = x.detach();
+  sac_structures_ = {};
+  if (is_training()) {
+    auto sample = edge_predictor_->sample_batch(nodes);
+    sac_structures_.edges = std::move(sample.edges);
+    sac_structures_.log_prob = sample.log_prob;
+    sac_structures_.tokens = sample.tokens;
+    sac_structures_.step_log_prob = sample.step_log_prob;
+  } else {
+    for (int64_t b = 0; b < nodes.size(0); ++b)
+      sac_structures_.edges.push_back(edge_predictor_->beam_search(nodes[b], sac_beam_).edges);
+  }
+  for (auto* blocks : {&encoder_blocks_, &decoder_blocks_})
+    for (auto& block : *blocks) block->set_structures(sac_structures_.edges);
 }
 
 torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens, bool source, int64_t offset) {
@@ -143,6 +170,7 @@ torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::
   check_tokens("source", source, 2, vocab);
   detail::check_lengths(kModel, "source_lengths", source_lengths, source.size(0), source.size(1));
   auto x = embed(source, true, 0);
+  if (edge_predictor_) predict_structures(x);
   for (size_t i = 0; i < encoder_blocks_.size(); ++i) {
     probe_layer(*encoder_blocks_[i], static_cast<int64_t>(i));
     x = encoder_blocks_[i]->forward(x, source_lengths);
@@ -174,6 +202,10 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
 }
 
 void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
+  for (const auto& spec : specs)
+    TORCH_CHECK(!edge_predictor_ && nn::resolve_mechanism(spec).second.name != "sac", kModel,
+                ": cannot swap attention ", edge_predictor_ ? "out of" : "into",
+                " SAC: its structures come from an edge predictor trained with the model");
   auto changed = options_;
   changed.attention(specs);
   validate(changed);

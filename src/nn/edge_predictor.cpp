@@ -34,11 +34,13 @@ std::string to_string(EdgePredictorVariant variant) {
 }
 
 // Everything a decoding pass needs about one set of nodes.
+// Everything a decoding pass needs about G graphs of n nodes (G = 1 except in
+// sample_batch).
 struct EdgePredictorImpl::Context {
-  torch::Tensor nodes;            // (n, node_dim)
-  torch::Tensor w;                // (n, hidden): pointer vectors W x_i
+  torch::Tensor nodes;            // (G n, node_dim): graph g's nodes are rows g n .. g n + n - 1
+  torch::Tensor w;                // (G, n, hidden): pointer vectors W x_i
   std::vector<int64_t> distance;  // n x n clipped distances (empty: no encoding)
-  int64_t n = 0;
+  int64_t n = 0, graphs = 1;
 };
 
 EdgePredictorImpl::EdgePredictorImpl(const EdgePredictorOptions& options_) : options(options_) {
@@ -74,6 +76,7 @@ void EdgePredictorImpl::reset() {
         "head_embedding",
         torch::randn({o.heads(), o.head_embedding_dim()}) / std::sqrt(double(o.head_embedding_dim())));
   }
+  reward_baseline = register_buffer("reward_baseline", torch::zeros({2}, torch::kFloat64));
   if (o.max_distance() > 0) {
     distance = register_parameter(
         "distance",
@@ -83,21 +86,26 @@ void EdgePredictorImpl::reset() {
 
 EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes,
                                                       const torch::Tensor& distances,
-                                                      const char* op) const {
-  TORCH_CHECK(nodes.defined() && nodes.dim() == 2, kModule, ".", op,
-              ": argument 'nodes' must be 2-D (n, node_dim), got ",
+                                                      const char* op, bool batched) const {
+  const int64_t dims = batched ? 3 : 2;
+  const char* layout = batched ? "(B, n, node_dim)" : "(n, node_dim)";
+  TORCH_CHECK(nodes.defined() && nodes.dim() == dims, kModule, ".", op, ": argument 'nodes' must be ",
+              dims, "-D ", layout, ", got ",
               nodes.defined() ? std::to_string(nodes.dim()) + "-D" : std::string("undefined"));
-  TORCH_CHECK(nodes.size(0) >= 1, kModule, ".", op, ": argument 'nodes' must have at least one node");
-  TORCH_CHECK(nodes.size(1) == options.node_dim(), kModule, ".", op,
+  const auto x = batched ? nodes : nodes.unsqueeze(0);
+  TORCH_CHECK(x.size(0) >= 1, kModule, ".", op, ": argument 'nodes' must hold at least one graph");
+  TORCH_CHECK(x.size(1) >= 1, kModule, ".", op, ": argument 'nodes' must have at least one node");
+  TORCH_CHECK(x.size(2) == options.node_dim(), kModule, ".", op,
               ": argument 'nodes' must have node_dim = ", options.node_dim(), " columns, got ",
-              nodes.size(1));
+              x.size(2));
   TORCH_CHECK(nodes.scalar_type() == pointer.scalar_type(), kModule, ".", op,
               ": argument 'nodes' has dtype ", nodes.scalar_type(), ", the parameters ",
               pointer.scalar_type());
   Context ctx;
-  ctx.n = nodes.size(0);
-  ctx.nodes = nodes;
-  ctx.w = attnkit::linear(nodes, pointer);
+  ctx.graphs = x.size(0);
+  ctx.n = x.size(1);
+  ctx.nodes = x.reshape({ctx.graphs * ctx.n, options.node_dim()});
+  ctx.w = attnkit::linear(x, pointer);
   if (options.max_distance() > 0) {
     const int64_t n = ctx.n;
     torch::Tensor d;
@@ -131,7 +139,11 @@ torch::Tensor EdgePredictorImpl::step_input(const Context& ctx, int64_t head, in
   if (t == 0) {
     x = start.unsqueeze(0).expand({B, options.node_dim()});
   } else {
-    x = ctx.nodes.index_select(0, torch::tensor(previous, torch::kInt64));
+    // Row b reads graph b's chosen node, or the one graph's (beam search).
+    std::vector<int64_t> rows(previous);
+    if (ctx.graphs > 1)
+      for (int64_t b = 0; b < B; ++b) rows[b] += b * ctx.n;
+    x = ctx.nodes.index_select(0, torch::tensor(rows, torch::kInt64));
   }
   if (options.variant() == EdgePredictorVariant::head_adaptive) {
     x = torch::cat({x, head_embedding[head].unsqueeze(0).expand({B, options.head_embedding_dim()})}, 1);
@@ -141,7 +153,8 @@ torch::Tensor EdgePredictorImpl::step_input(const Context& ctx, int64_t head, in
 
 torch::Tensor EdgePredictorImpl::step_log_probs(const Context& ctx, const torch::Tensor& g,
                                                 const std::vector<int64_t>& origins) const {
-  auto logits = attnkit::linear(g, ctx.w);  // (B, n): g . w_j
+  // (B, n): g_b . w_j, over graph b's nodes or the one graph's.
+  auto logits = ctx.graphs == 1 ? attnkit::linear(g, ctx.w[0]) : (ctx.w * g.unsqueeze(1)).sum(2);
   if (!origins.empty() && !ctx.distance.empty()) {
     const int64_t B = g.size(0), n = ctx.n;
     auto dh = attnkit::linear(g, distance);  // (B, max + 1): g . v_d
@@ -178,38 +191,74 @@ Step step_kind(const EdgePredictorOptions& o, int64_t t) {
 EdgeSample EdgePredictorImpl::sample(const torch::Tensor& nodes,
                                      c10::optional<at::Generator> generator,
                                      const torch::Tensor& distances) {
-  const auto ctx = context(nodes, distances, "sample");
-  const int64_t S = sequences(), T = steps(ctx.n);
-  auto tokens = torch::empty({S, T}, torch::kInt64);
-  auto tok = tokens.accessor<int64_t, 2>();
-  auto h = torch::zeros({1, options.hidden_size()}, pointer.options());
-  auto c = h;
-  std::vector<torch::Tensor> picks;
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t t = 0; t < T; ++t) {
-      std::tie(h, c) = lstm->forward(step_input(ctx, s, t, {t == 0 ? 0 : tok[s][t - 1]}),
-                                     std::make_tuple(h, c));
-      const Step kind = step_kind(options, t);
-      if (kind.forced) {
-        tok[s][t] = kind.forced_token;
-        continue;
-      }
-      std::vector<int64_t> origin;
-      if (kind.destination) origin.push_back(tok[s][t - 1]);
-      const auto logp = step_log_probs(ctx, h, origin);  // (1, n)
-      const auto choice =
-          torch::multinomial(logp.detach().exp(), 1, /*replacement=*/false, generator);
-      const int64_t j = choice.item<int64_t>();
-      tok[s][t] = j;
-      picks.push_back(logp[0][j]);
-    }
-  }
+  auto batch = sample_from(context(nodes, distances, "sample"), std::move(generator));
   EdgeSample out;
-  out.tokens = tokens;
-  out.log_prob = torch::stack(picks).sum();
-  out.edges = edges_from_tokens(tokens, ctx.n);
+  out.edges = std::move(batch.edges[0]);
+  out.log_prob = batch.log_prob[0];
+  out.tokens = batch.tokens[0];
   return out;
 }
+
+EdgeSampleBatch EdgePredictorImpl::sample_batch(const torch::Tensor& nodes,
+                                                c10::optional<at::Generator> generator,
+                                                const torch::Tensor& distances) {
+  return sample_from(context(nodes, distances, "sample_batch", /*batched=*/true), std::move(generator));
+}
+
+EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional<at::Generator> generator) {
+  const int64_t B = ctx.graphs, S = sequences(), T = steps(ctx.n);
+  auto tokens = torch::empty({B, S, T}, torch::kInt64);
+  auto tok = tokens.accessor<int64_t, 3>();
+  auto h = torch::zeros({B, options.hidden_size()}, pointer.options());
+  auto c = h;
+  std::vector<torch::Tensor> picks;  // (B) log-probabilities of each step, 0 where fed
+  std::vector<int64_t> previous(B, 0), origins;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t b = 0; b < B; ++b) previous[b] = t == 0 ? 0 : tok[b][s][t - 1];
+      std::tie(h, c) = lstm->forward(step_input(ctx, s, t, previous), std::make_tuple(h, c));
+      const Step kind = step_kind(options, t);
+      if (kind.forced) {
+        for (int64_t b = 0; b < B; ++b) tok[b][s][t] = kind.forced_token;
+        picks.push_back(torch::zeros({B}, pointer.options()));
+        continue;
+      }
+      origins.clear();
+      if (kind.destination) origins = previous;
+      const auto logp = step_log_probs(ctx, h, origins);  // (B, n)
+      const auto choice =
+          torch::multinomial(logp.detach().exp(), 1, /*replacement=*/false, generator);  // (B, 1)
+      const auto chosen = choice.contiguous();
+      const int64_t* j = chosen.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) tok[b][s][t] = j[b];
+      picks.push_back(logp.gather(1, choice).squeeze(1));
+    }
+  }
+  EdgeSampleBatch out;
+  out.tokens = tokens;
+  out.step_log_prob = torch::stack(picks, 1).view({B, S, T});
+  out.log_prob = out.step_log_prob.sum({1, 2});
+  for (int64_t b = 0; b < B; ++b) out.edges.push_back(edges_from_tokens(tokens[b], ctx.n));
+  return out;
+}
+
+double EdgePredictorImpl::update_baseline(const torch::Tensor& rewards, double decay) {
+  TORCH_CHECK(rewards.defined() && rewards.numel() >= 1, kModule,
+              ".update_baseline: argument 'rewards' must hold at least one reward");
+  TORCH_CHECK(decay >= 0 && decay < 1, kModule, ".update_baseline: decay must be in [0, 1), got ",
+              decay);
+  const double mean = rewards.detach().to(torch::kFloat64).mean().item<double>();
+  TORCH_CHECK(std::isfinite(mean), kModule, ".update_baseline: the rewards' mean is ", mean);
+  torch::NoGradGuard no_grad;
+  auto state = reward_baseline.to(torch::kFloat64);
+  const double b = state[0].item<double>(), updates = state[1].item<double>();
+  const double used = updates == 0 ? mean : b;
+  const double next = updates == 0 ? mean : decay * b + (1 - decay) * mean;
+  reward_baseline.copy_(torch::tensor({next, updates + 1}, torch::kFloat64));
+  return used;
+}
+
+double EdgePredictorImpl::baseline() const { return reward_baseline[0].item<double>(); }
 
 torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torch::Tensor& tokens,
                                           const torch::Tensor& distances) {

@@ -3,6 +3,7 @@
 #include <attnkit/nn/clustered.h>
 #include <attnkit/nn/linear.h>
 #include <attnkit/nn/registry.h>
+#include <attnkit/nn/sac.h>
 
 #include <algorithm>
 #include <cmath>
@@ -508,6 +509,42 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   return m;
 }
 
+// sac -------------------------------------------------------------------------------------
+
+MechanismInfo sac_entry() {
+  MechanismInfo m;
+  m.name = "sac";
+  m.summary = "SAC: attention over a structure that a learned edge predictor chooses per sequence "
+              "(in a model; alone: over random_structure)";
+  m.options = {{"alpha", "1", "predicted edges per node (plus the self-edge)"},
+               {"variant", "shared", "shared | all-connected | head-adaptive"},
+               {"max_distance", "16", "distance encoding clip (0: off)"},
+               {"hidden", "64", "the edge predictor's LSTM width"},
+               {"beam", "5", "beam width of the structure at evaluation"},
+               {"seed", "0", "random_structure's seed when no predictor supplies one"},
+               {"reward", "sequence", "REINFORCE credit: sequence (the paper) | edge (per edge's row)"}};
+  m.supports = {false, false, false, true, false};
+  m.inputs = {"q", "k", "v"};
+  m.sample = sample_qkv;
+  m.make = [](const MechanismSpec& spec) -> std::shared_ptr<MechanismImpl> {
+    return std::make_shared<SacAttentionImpl>(spec);
+  };
+  auto edges_for = [](const Inputs& x, const MechanismSpec& spec) {
+    const auto o = SacOptions::from_spec(spec);
+    return random_structure(x[0].size(2), o.alpha, o.seed);
+  };
+  m.run = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return sparse_attention(x[0], x[1], x[2], edges_for(x, spec));
+  };
+  m.reference = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return reference::sparse_attention(x[0], x[1], x[2], edges_for(x, spec), {});
+  };
+  m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
+  };
+  return m;
+}
+
 std::vector<MechanismInfo> build_registry() {
   std::vector<MechanismInfo> r;
   r.push_back(full_entry());
@@ -518,6 +555,7 @@ std::vector<MechanismInfo> build_registry() {
   r.push_back(clustered_entry("clustered"));
   r.push_back(clustered_entry("improved-clustered"));
   for (const auto& p : sparse_patterns()) r.push_back(sparse_entry(p));
+  r.push_back(sac_entry());
   return r;
 }
 
@@ -560,13 +598,21 @@ std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::stri
       spec.get_bool(o.key, false);
     } else if (o.key == "feature_map") {
       feature_map_from_string(spec.get(o.key, d));
+    } else if (o.key == "variant") {
+      edge_predictor_variant_from_string(spec.get(o.key, d));
+    } else if (o.key == "reward") {
+      const auto reward = spec.get(o.key, d);
+      TORCH_CHECK(reward == "sequence" || reward == "edge", "mechanism '", spec.str(),
+                  "': option 'reward' must be sequence or edge, got '", reward, "'");
     } else if (d.find_first_of(".e") != std::string::npos) {
       spec.get_double(o.key, 0);
     } else {
       // Counts of things (clusters, bits, topk, spans) need one; seeds and
       // K-means iterations may be 0 (0 iterations: the initial assignment).
       // classes=0 is agglomerative attention's "the model's head count".
-      const int64_t least = o.key == "seed" || o.key == "iterations" || o.key == "classes" ? 0 : 1;
+      // max_distance=0 turns SAC's distance encoding off.
+      const int64_t least =
+          o.key == "seed" || o.key == "iterations" || o.key == "classes" || o.key == "max_distance" ? 0 : 1;
       TORCH_CHECK(spec.get_int(o.key, 0) >= least, "mechanism '", spec.str(), "': option '", o.key,
                   "' must be >= ", least);
     }

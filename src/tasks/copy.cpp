@@ -78,4 +78,13 @@ std::vector<Batch> CopyTask::eval_batches(Split split, int64_t batch, int64_t co
   return out;
 }
 
+std::vector<int64_t> CopyTask::partners(int64_t context) const {
+  std::vector<int64_t> partner(sequence_length(context), -1);
+  for (int64_t i = 1; i <= length_; ++i) {
+    partner[i] = i + length_ + 1;
+    partner[i + length_ + 1] = i;
+  }
+  return partner;
+}
+
 }  // namespace attnkit::tasks

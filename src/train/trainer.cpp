@@ -1,4 +1,5 @@
 // The training loop, checkpoints of a run, resume, loading a run for eval.
+#include <attnkit/nn/sac.h>
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
@@ -12,6 +13,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -179,6 +181,51 @@ std::vector<std::string> resume_mismatches(const Header& stored, const TrainerOp
   return out;
 }
 
+/// The log-probability of every target under `logits` (N, L), float64, no
+/// gradient: SAC's rewards are made of these.
+torch::Tensor target_log_probs(const torch::Tensor& logits, const tasks::Batch& batch) {
+  torch::NoGradGuard no_grad;
+  return torch::log_softmax(logits.to(torch::kFloat64), -1).gather(-1, batch.target.unsqueeze(-1)).squeeze(-1);
+}
+
+/// SAC's REINFORCE surrogate for one batch (its gradient is the policy-gradient
+/// estimate, minimised with the task loss), the rewards' mean, and the
+/// predictor's baseline update. `edge_rewards`: nn::SacOptions::reward "edge".
+/// Undefined when no position of the batch is scored.
+struct Reinforce {
+  torch::Tensor surrogate;
+  double mean_reward = 0;
+};
+Reinforce sac_reinforce(nn::EdgePredictor& predictor, const models::SacStructures& sac,
+                        const torch::Tensor& logits, const tasks::Batch& batch, bool edge_rewards) {
+  const auto lp = target_log_probs(logits, batch);
+  const auto w = batch.weight.to(torch::kFloat64);
+  const int64_t N = lp.size(0);
+  torch::Tensor rewards, scored, log_probs;  // matching shapes
+  if (edge_rewards) {
+    // Edge (o, d) of steps (2p, 2p + 1) feeds row o: it earns position o's reward.
+    const int64_t S = sac.tokens.size(1), P = sac.tokens.size(2) / 2;
+    const auto origins = sac.tokens.view({N, S, P, 2}).select(3, 0).reshape({N, S * P});
+    rewards = lp.gather(1, origins).view({N, S, P});
+    scored = w.gather(1, origins).view({N, S, P}) > 0;
+    log_probs = sac.step_log_prob.view({N, S, P, 2}).sum(3);
+  } else {
+    // The paper's R: the sequence's mean log-probability of its labels.
+    const auto counts = w.sum(1);
+    rewards = (lp * w).sum(1) / counts.clamp_min(1);
+    scored = counts > 0;
+    log_probs = sac.log_prob;
+  }
+  Reinforce out;
+  if (!scored.any().item<bool>()) return out;
+  const auto earned = rewards.masked_select(scored);
+  out.mean_reward = earned.mean().item<double>();
+  const double b = predictor->update_baseline(earned);
+  const auto advantage = torch::where(scored, rewards - b, torch::zeros_like(rewards));
+  out.surrogate = -(advantage.to(log_probs.scalar_type()) * log_probs).sum() / static_cast<double>(N);
+  return out;
+}
+
 json metrics_json(const std::string& prefix, const tasks::Metrics& m) {
   return {{prefix + "loss", m.loss()}, {prefix + "bpc", m.bits()}, {prefix + "accuracy", m.accuracy()}};
 }
@@ -320,9 +367,26 @@ TrainResult Trainer::run() {
   const int64_t tokens_per_step = options_.batch() * task_->sequence_length(options_.context());
   const std::string metric_name = task_->metric_name();
 
-  std::vector<torch::Tensor> params;
+  // The gradient norm is clipped separately for the network and for SAC's
+  // edge predictor: the policy gradient's scale (rewards times summed
+  // log-probabilities over 2 alpha n steps) has nothing to do with the
+  // likelihood's, and one global bound would let it squeeze the network's steps.
+  auto& predictor = model_->edge_predictor();
+  std::vector<torch::Tensor> params, predictor_params;
+  if (predictor) predictor_params = predictor->parameters();
   for (const auto& group : optimizer_->param_groups())
-    for (const auto& p : group.params()) params.push_back(p);
+    for (const auto& p : group.params()) {
+      const bool in_predictor = std::any_of(predictor_params.begin(), predictor_params.end(),
+                                            [&](const torch::Tensor& q) { return q.is_same(p); });
+      if (!in_predictor) params.push_back(p);
+    }
+  bool edge_rewards = false;
+  for (const auto& spec : model_options_.attention()) {
+    const auto parsed = nn::resolve_mechanism(spec).second;
+    if (parsed.name == "sac") edge_rewards = nn::SacOptions::from_spec(parsed).reward == "edge";
+  }
+  double reward_sum = 0;  // SAC: the interval's summed batch-mean rewards
+  int64_t reward_batches = 0;
 
   model_->train();
   for (int64_t step = start_step_; step < options_.steps(); ++step) {
@@ -340,8 +404,23 @@ TrainResult Trainer::run() {
                                std::to_string(step + 1) + "; stopping without a checkpoint (the last one: " +
                                (result.checkpoint.empty() ? resumed_from_ : result.checkpoint) +
                                "); try a lower --lr or a tighter --clip");
-    loss.backward();
-    if (options_.clip() > 0) grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
+    auto objective = loss;
+    if (predictor) {
+      // REINFORCE: -sum_t grad log p(y_t | y_<t) (R - b), b the moving average
+      // of past rewards (kept in the predictor's buffer).
+      const auto reinforce = sac_reinforce(predictor, model_->sac_structures(), logits.detach(), batch,
+                                           edge_rewards);
+      if (reinforce.surrogate.defined()) {
+        objective = loss + reinforce.surrogate;
+        reward_sum += reinforce.mean_reward;
+        ++reward_batches;
+      }
+    }
+    objective.backward();
+    if (options_.clip() > 0) {
+      grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
+      if (predictor) torch::nn::utils::clip_grad_norm_(predictor_params, options_.clip());
+    }
     optimizer_->step();
     interval += tasks::score(logits.detach(), batch);
     last_lr = lr;
@@ -378,6 +457,12 @@ TrainResult Trainer::run() {
                      {"elapsed", elapsed_before_ + (now - start)}};
       record.update(metrics_json("", interval));
       if (options_.clip() > 0) record["grad_norm"] = grad_norm;
+      if (reward_batches > 0) {
+        record["sac_reward"] = reward_sum / static_cast<double>(reward_batches);
+        record["sac_baseline"] = predictor->baseline();
+      }
+      reward_sum = 0;
+      reward_batches = 0;
       if (evaluate_now) {
         result.valid = evaluate(model_, *task_, tasks::Split::valid, options_.batch(), options_.context(),
                                 options_.eval_batches());
@@ -445,15 +530,52 @@ LoadedRun load_run(const std::string& run_dir) {
   return run;
 }
 
+namespace {
+
+/// Adds one structure (shared or per head) to `stats`.
+void count_structure(const EdgeList& edges, const std::vector<int64_t>& partner, StructureStats& stats) {
+  const auto offsets = edges.offsets.reshape({-1, edges.num_queries() + 1}).contiguous();
+  const auto columns = edges.columns.contiguous();
+  const int64_t* col = columns.data_ptr<int64_t>();
+  const int64_t n = edges.num_queries();
+  for (int64_t h = 0; h < offsets.size(0); ++h) {
+    const int64_t* off = offsets[h].data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      bool self = false, found = false;
+      const int64_t want = i < static_cast<int64_t>(partner.size()) ? partner[i] : -1;
+      for (int64_t e = off[i]; e < off[i + 1]; ++e) {
+        self |= col[e] == i;
+        found |= col[e] == want;
+      }
+      const double count = static_cast<double>(off[i + 1] - off[i]);
+      stats.nodes += 1;
+      stats.edges += count;
+      stats.self_edges += self;
+      if (want >= 0) {
+        stats.partner_rows += 1;
+        stats.partner_found += found;
+        stats.predicted_edges += count - self;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tasks::Split split,
-                        int64_t batch, int64_t context, int64_t max_batches) {
+                        int64_t batch, int64_t context, int64_t max_batches, StructureStats* structure) {
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();
   tasks::Metrics total;
   const auto batches = task.eval_batches(split, batch, context);
   const std::size_t n = max_batches > 0 ? std::min<std::size_t>(batches.size(), max_batches) : batches.size();
-  for (std::size_t i = 0; i < n; ++i) total += tasks::score(model->forward(batches[i].input), batches[i]);
+  const auto partner = structure ? task.partners(context) : std::vector<int64_t>{};
+  for (std::size_t i = 0; i < n; ++i) {
+    total += tasks::score(model->forward(batches[i].input), batches[i]);
+    if (structure)
+      for (const auto& edges : model->sac_structures().edges) count_structure(edges, partner, *structure);
+  }
   model->train(was_training);
   return total;
 }

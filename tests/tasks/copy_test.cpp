@@ -38,6 +38,19 @@ void expect_copy_batch(const Batch& b, int64_t length, int64_t rows) {
   // and never a position masked in the other half.
   EXPECT_FALSE(masked.select(1, 0).any().item<bool>());
   EXPECT_FALSE(masked.select(1, length + 1).any().item<bool>());
+  // partners(): every masked position's partner holds the symbol it must copy.
+  const auto partner = CopyTask(length).partners(0);
+  ASSERT_EQ(static_cast<int64_t>(partner.size()), L);
+  EXPECT_EQ(partner[0], -1);
+  EXPECT_EQ(partner[length + 1], -1);
+  for (int64_t i = 0; i < L; ++i) {
+    if (partner[i] < 0) continue;
+    EXPECT_EQ(partner[partner[i]], i);
+    for (int64_t r = 0; r < rows; ++r)
+      if (masked[r][i].item<bool>()) {
+        EXPECT_EQ(b.input[r][partner[i]].item<int64_t>(), b.target[r][i].item<int64_t>());
+      }
+  }
   const auto m1 = masked.slice(1, 1, length + 1), m2 = masked.slice(1, length + 2);
   const auto k = CopyTask::masked_per_half(length);
   EXPECT_TRUE(m1.sum(1).eq(k).all().item<bool>());

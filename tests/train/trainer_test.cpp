@@ -115,6 +115,37 @@ void check_resume_is_bitwise(const std::string& name, const models::TransformerO
   EXPECT_EQ(steps, (std::vector<int64_t>{5, 10, 15, 20}));
 }
 
+/// The predictor's weights move, the baseline follows the rewards,
+/// metrics.jsonl logs both, and the validation (beam search) is finite.
+void check_sac_training(const std::string& reward) {
+  ThreadsGuard threads;
+  const auto dir = fresh_dir("sac_train_" + reward);
+  const auto encoder = tiny_decoder()
+                           .architecture(models::Architecture::encoder)
+                           .attention({"sac:alpha=1,variant=all-connected,hidden=8,max_distance=9,reward=" + reward});
+  Trainer trainer(tiny_run(dir), encoder, {"copy", "", 8});
+  std::map<std::string, torch::Tensor> initial;
+  for (const auto& p : trainer.model()->named_parameters())
+    if (p.key().rfind("edge_predictor.", 0) == 0) initial[p.key()] = p.value().detach().clone();
+  ASSERT_FALSE(initial.empty());
+  const auto result = trainer.run();
+  auto trained = trainer.model()->named_parameters();
+  for (const auto& [key, value] : initial) EXPECT_FALSE(torch::equal(value, trained[key])) << key;
+  const double baseline = trainer.model()->edge_predictor()->baseline();
+  EXPECT_LT(baseline, 0.0);  // a mean log-probability
+  std::ifstream in(fs::path(dir) / "metrics.jsonl");
+  int records = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto r = nlohmann::json::parse(line);
+    ASSERT_TRUE(r.contains("sac_reward") && r.contains("sac_baseline")) << line;
+    EXPECT_LT(r["sac_reward"].get<double>(), 0.0);
+    ++records;
+  }
+  EXPECT_EQ(records, 4);
+  EXPECT_TRUE(result.validated);
+  EXPECT_TRUE(std::isfinite(result.valid.loss()));
+}
+
 }  // namespace
 
 // A char-lm decoder with dropout (the generator state matters) and a copy-task
@@ -131,6 +162,24 @@ TEST(TrainTrainer, ResumeEqualsUninterruptedBitwise) {
                              .architecture(models::Architecture::encoder)
                              .attention({"improved-clustered:clusters=4,topk=4"});
     check_resume_is_bitwise("copy", encoder, {"copy", "", 8});
+  }
+  {
+    // The edge predictor samples from torch's generator and keeps its
+    // REINFORCE baseline in a buffer: both must survive the stop.
+    SCOPED_TRACE("copy encoder, SAC");
+    const auto encoder = tiny_decoder()
+                             .architecture(models::Architecture::encoder)
+                             .attention({"sac:alpha=1,variant=all-connected,hidden=8,max_distance=9"});
+    check_resume_is_bitwise("sac", encoder, {"copy", "", 8});
+  }
+}
+
+// SAC trains its predictor by REINFORCE in the same loop, with either credit
+// (nn::SacOptions::reward).
+TEST(TrainTrainer, SacTrainsItsEdgePredictor) {
+  for (const std::string reward : {"sequence", "edge"}) {
+    SCOPED_TRACE(reward);
+    check_sac_training(reward);
   }
 }
 
@@ -253,7 +302,8 @@ TEST(TrainTrainer, SwapInEvaluationOfEveryMechanism) {
       .run();
   auto lm = load_run(lm_dir), copy = load_run(copy_dir);
   const std::map<std::string, std::string> refused = {
-      {"agglomerative", "agglomerative"}, {"sparse-bp-tree", "adds nodes"}, {"sparse-star", "adds nodes"}};
+      {"agglomerative", "agglomerative"}, {"sparse-bp-tree", "adds nodes"}, {"sparse-star", "adds nodes"},
+      {"sac", "edge predictor"}};
   int in_decoder = 0, in_encoder = 0;
   for (const auto& info : nn::mechanisms()) {
     SCOPED_TRACE(info.name);

@@ -18,6 +18,7 @@
 
 #include <attnkit/nn/agglomerative.h>
 #include <attnkit/nn/dense.h>
+#include <attnkit/nn/edge_predictor.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/zoo.h>
 #include <torch/nn/module.h>
@@ -114,6 +115,21 @@ struct GenerateOptions {
 class TransformerBlockImpl;
 struct BlockState;
 
+/// The structures SAC blocks attended over in a forward pass (models with a
+/// "sac" attention spec; nn/sac.h).
+struct SacStructures {
+  /// One EdgeList per sequence of the batch (shared by the SAC blocks; per
+  /// head for variant=head-adaptive).
+  std::vector<EdgeList> edges;
+  /// (N): the log-probability of each sequence's sampled structure,
+  /// differentiable in the edge predictor's parameters; undefined when the
+  /// structures were decoded by beam search (eval mode).
+  torch::Tensor log_prob;
+  /// Training only: (N, sequences, 2 alpha n) the predictor's steps (origins at
+  /// even positions) and their log-probabilities (EdgeSampleBatch).
+  torch::Tensor tokens, step_log_prob;
+};
+
 /// Everything incremental decoding of a batch of streams carries from one
 /// token to the next: per block the mechanism's state (a key/value cache for
 /// exact and windowed sparse attention; (S, z) for causal linear attention; the
@@ -176,6 +192,14 @@ class TransformerImpl : public torch::nn::Module {
                                             const torch::Tensor& k, const torch::Tensor& v)>;
   void set_attention_probe(AttentionProbe probe);
 
+  /// The edge predictor of a model with "sac" blocks (null otherwise). It
+  /// reads the token embeddings (detached: the main network learns only from
+  /// its loss) and predicts one structure per sequence at every forward():
+  /// sampled in training mode, beam search in eval mode.
+  nn::EdgePredictor& edge_predictor() { return edge_predictor_; }
+  /// The structures of the last forward() (empty for a model without SAC).
+  const SacStructures& sac_structures() const { return sac_structures_; }
+
   /// Parameters (a tied embedding counted once).
   int64_t parameter_count() const;
   const TransformerOptions& options() const { return options_; }
@@ -186,6 +210,9 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor logits(const torch::Tensor& hidden);
   /// Points `block`'s self-attention probe at probe_ as `layer` (when a probe is set).
   void probe_layer(TransformerBlockImpl& block, int64_t layer);
+  /// SAC: predicts the structures of a batch from its embeddings x (N, L, d)
+  /// and hands them to the SAC blocks.
+  void predict_structures(const torch::Tensor& x);
 
   TransformerOptions options_;
   torch::nn::Embedding embedding_{nullptr}, source_embedding_{nullptr};
@@ -196,6 +223,9 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::LayerNorm encoder_norm_{nullptr}, decoder_norm_{nullptr};  // pre-norm only
   nn::Linear output_{nullptr};  // untied output layer
   AttentionProbe probe_;
+  nn::EdgePredictor edge_predictor_{nullptr};
+  int64_t sac_beam_ = 0;  // the sac spec's beam width
+  SacStructures sac_structures_;
 };
 TORCH_MODULE(Transformer);
 

@@ -98,6 +98,21 @@ struct EdgeSample {
   torch::Tensor tokens;
 };
 
+/// Structures for a batch of graphs, one per graph (EdgePredictor::sample_batch).
+struct EdgeSampleBatch {
+  /// edges[b]: the structure of graph b (shared, or per head for head_adaptive).
+  std::vector<EdgeList> edges;
+  /// (B): the summed log-probability of each graph's predicted steps,
+  /// differentiable in the predictor's parameters.
+  torch::Tensor log_prob;
+  /// (B, sequences, 2 alpha n): the log-probability of every step (0 at the
+  /// fed origins of all_connected), differentiable; log_prob is its sum per
+  /// graph. For credit assignment per edge (an edge (o, d) changes row o).
+  torch::Tensor step_log_prob;
+  /// int64 (B, sequences, 2 alpha n): the steps of every graph.
+  torch::Tensor tokens;
+};
+
 class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
  public:
   explicit EdgePredictorImpl(const EdgePredictorOptions& options);
@@ -113,6 +128,24 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
   EdgeSample sample(const torch::Tensor& nodes,
                     c10::optional<at::Generator> generator = c10::nullopt,
                     const torch::Tensor& distances = {});
+
+  /// sample() for B graphs of n nodes at once, `nodes` (B, n, node_dim), one
+  /// `distances` matrix for all: the B sequences advance together (one LSTM
+  /// step of the whole batch per step), which is what makes the predictor
+  /// affordable inside a model's training step. Deterministic for a given
+  /// generator state; with B = 1 it draws what sample() draws.
+  EdgeSampleBatch sample_batch(const torch::Tensor& nodes,
+                               c10::optional<at::Generator> generator = c10::nullopt,
+                               const torch::Tensor& distances = {});
+
+  /// The REINFORCE baseline b: a moving average of past rewards,
+  /// b <- decay b + (1 - decay) mean(rewards), starting at the first batch's
+  /// mean. Kept in the buffer `reward_baseline` ([b, updates], float64), so a
+  /// checkpoint carries it and a resumed run continues with the same b.
+  /// Returns the baseline to use for `rewards` (the one before this update).
+  double update_baseline(const torch::Tensor& rewards, double decay = 0.9);
+  /// The current baseline (0 before the first update).
+  double baseline() const;
 
   /// Beam search (the paper's test-time decoding, width 5) over whole
   /// sequences (all heads' for head_adaptive); returns the most probable
@@ -140,15 +173,22 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
   torch::Tensor pointer;         // W: (hidden, node_dim)
   torch::Tensor head_embedding;  // (heads, head_embedding_dim), head_adaptive only
   torch::Tensor distance;        // (max_distance + 1, hidden), max_distance > 0 only
+  torch::Tensor reward_baseline; // buffer, float64 (2): [b, updates]
 
  private:
   struct Context;
-  Context context(const torch::Tensor& nodes, const torch::Tensor& distances,
-                  const char* op) const;
-  // Log-probabilities (B, n) of step `t` of head `head` for B hidden states g
-  // and B current origins (used on destination steps).
+  // `nodes` (n, node_dim), or (B, n, node_dim) when `batched`.
+  Context context(const torch::Tensor& nodes, const torch::Tensor& distances, const char* op,
+                  bool batched = false) const;
+  // Log-probabilities (B, n) for B hidden states g and B current origins (used
+  // on destination steps): row b scores the nodes of graph b, or of the one
+  // graph for every row when the context holds one (beam search).
   torch::Tensor step_log_probs(const Context& ctx, const torch::Tensor& g,
                                const std::vector<int64_t>& origins) const;
+  // Samples one structure per graph of the context.
+  EdgeSampleBatch sample_from(const Context& ctx, c10::optional<at::Generator> generator);
+  // The LSTM input of step t of head `head`: the start vector at t = 0, else
+  // the nodes chosen at t - 1 (row b from graph b, or from the one graph).
   torch::Tensor step_input(const Context& ctx, int64_t head, int64_t t,
                            const std::vector<int64_t>& previous) const;
 };

@@ -50,6 +50,10 @@ class CopyTask : public Task {
   /// kEvalSequences sequences per split from a fixed seed of that split (the
   /// same whatever `batch`), in batches of `batch`; `context` is ignored.
   std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const override;
+  /// Symbol i of one half (positions 1..length) and its twin in the other
+  /// (positions length + 2 .. 2 length + 1) are partners, length + 1 apart;
+  /// the separators (0 and length + 1) have none.
+  std::vector<int64_t> partners(int64_t context) const override;
 
   int64_t length() const { return length_; }
 

@@ -74,6 +74,12 @@ class Task {
   /// Evaluation batches that cover `split` deterministically (no seed).
   virtual std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const = 0;
 
+  /// For tasks whose right attention structure is known (copy: each symbol's
+  /// twin in the other half): partner[i] is the position that position i of a
+  /// sequence of sequence_length(context) tokens needs to see, -1 where there
+  /// is none. Empty (the default) when the task has no such structure.
+  virtual std::vector<int64_t> partners(int64_t context) const { return {}; }
+
   /// Text <-> token ids for tasks over text (char-lm); the defaults throw,
   /// naming the task.
   virtual torch::Tensor encode(const std::string& text) const;

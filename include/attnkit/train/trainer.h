@@ -160,9 +160,30 @@ struct StoredOptions {
 };
 StoredOptions read_stored_options(const std::string& run_dir);
 
+/// What the structures of a SAC model looked like over an evaluation: counts
+/// summed over every evaluated sequence.
+struct StructureStats {
+  double nodes = 0;            ///< rows (per head for head-adaptive structures)
+  double edges = 0;            ///< edges, self-edges included
+  double self_edges = 0;
+  /// Tasks with known partners (Task::partners), rows whose position has one:
+  double partner_rows = 0;     ///< such rows
+  double partner_found = 0;    ///< ... whose edges include the partner
+  double predicted_edges = 0;  ///< their edges other than the self-edge
+  double edges_per_node() const { return nodes > 0 ? edges / nodes : 0; }
+  /// Fraction of rows that see their partner (recall).
+  double partner_recall() const { return partner_rows > 0 ? partner_found / partner_rows : 0; }
+  /// Fraction of the predicted (non-self) edges of those rows that point at the
+  /// partner (precision).
+  double partner_precision() const { return predicted_edges > 0 ? partner_found / predicted_edges : 0; }
+};
+
 /// Metrics of `model` (eval mode, no autograd) over the first `max_batches`
 /// (0: all) evaluation batches of `split`, `batch` sequences of `context` tokens.
+/// For a SAC model, `structure` (when given) receives statistics of the
+/// structures it decoded.
 tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tasks::Split split,
-                        int64_t batch, int64_t context, int64_t max_batches);
+                        int64_t batch, int64_t context, int64_t max_batches,
+                        StructureStats* structure = nullptr);
 
 }  // namespace attnkit::train

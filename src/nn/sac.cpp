@@ -1,0 +1,88 @@
+// SAC attention: see include/attnkit/nn/sac.h.
+#include <attnkit/nn/sac.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <ostream>
+
+#include "ops/checks.h"
+
+namespace attnkit::nn {
+
+SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
+  SacOptions o;
+  o.alpha = spec.get_int("alpha", o.alpha);
+  o.variant = edge_predictor_variant_from_string(spec.get("variant", to_string(o.variant)));
+  o.max_distance = spec.get_int("max_distance", o.max_distance);
+  o.hidden = spec.get_int("hidden", o.hidden);
+  o.beam = spec.get_int("beam", o.beam);
+  o.seed = static_cast<uint64_t>(spec.get_int("seed", static_cast<int64_t>(o.seed)));
+  o.reward = spec.get("reward", o.reward);
+  TORCH_CHECK(o.reward == "sequence" || o.reward == "edge", "sac: reward must be sequence or edge, got '",
+              o.reward, "'");
+  return o;
+}
+
+EdgePredictorOptions SacOptions::predictor(int64_t node_dim, int64_t heads) const {
+  return EdgePredictorOptions(node_dim, hidden)
+      .alpha(alpha)
+      .variant(variant)
+      .heads(heads)
+      .max_distance(max_distance);
+}
+
+EdgeList random_structure(int64_t n, int64_t alpha, uint64_t seed) {
+  TORCH_CHECK(n >= 1 && alpha >= 1, "random_structure: needs n >= 1 and alpha >= 1, got n = ", n,
+              ", alpha = ", alpha);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto drawn = torch::randint(n, {n, alpha}, generator, torch::kInt64).contiguous();
+  const int64_t* d = drawn.data_ptr<int64_t>();
+  std::vector<int64_t> offsets{0}, columns;
+  columns.reserve(n * (alpha + 1));
+  std::vector<int64_t> row;
+  for (int64_t i = 0; i < n; ++i) {
+    row.assign(d + i * alpha, d + (i + 1) * alpha);
+    row.push_back(i);
+    std::sort(row.begin(), row.end());
+    row.erase(std::unique(row.begin(), row.end()), row.end());
+    columns.insert(columns.end(), row.begin(), row.end());
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  return {torch::tensor(offsets, torch::kInt64), torch::tensor(columns, torch::kInt64)};
+}
+
+SacAttentionImpl::SacAttentionImpl(MechanismSpec spec)
+    : spec_(std::move(spec)), options_(SacOptions::from_spec(spec_)) {}
+
+torch::Tensor SacAttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const AttendArgs& args) {
+  detail::check_qkv("sac", q, k, v);
+  check_supports(find_mechanism("sac"), q, k, v, args);
+  if (structures_.empty())
+    return sparse_attention(q, k, v, random_structure(q.size(2), options_.alpha, options_.seed));
+  const int64_t N = q.size(0);
+  TORCH_CHECK(static_cast<int64_t>(structures_.size()) == N, "sac: the model set ",
+              structures_.size(), " structures for a batch of ", N, " sequences");
+  // One call per sequence: each has its own structure.
+  std::vector<torch::Tensor> out;
+  out.reserve(N);
+  for (int64_t b = 0; b < N; ++b) {
+    out.push_back(sparse_attention(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
+                                   structures_[b]));
+  }
+  return N == 1 ? out[0] : torch::cat(out, 0);
+}
+
+std::shared_ptr<MechanismImpl> SacAttentionImpl::copy(const c10::optional<torch::Device>&) const {
+  auto other = std::make_shared<SacAttentionImpl>(spec_);
+  other->structures_ = structures_;
+  return other;
+}
+
+void SacAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << "attnkit::nn::SacAttention(" << spec_.str() << ")";
+}
+
+}  // namespace attnkit::nn

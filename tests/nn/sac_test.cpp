@@ -1,0 +1,211 @@
+// SAC inside a model: the batched sampler against the single-graph one and
+// teacher forcing, the REINFORCE baseline, random_structure, the "sac"
+// per-head module over given structures, and the transformer that predicts
+// them (sampled in training, beam search in eval, no gradient into the
+// network from the predictor, swaps and mixed specs refused).
+#include <ATen/CPUGeneratorImpl.h>
+#include <attnkit/models/transformer.h>
+#include <attnkit/nn/sac.h>
+
+#include <vector>
+
+#include "reference/reference.h"
+#include "test_util.h"
+
+namespace attnkit::nn {
+namespace {
+
+using testing::expect_error;
+using testing::f64;
+
+// float64 computations of the same sums in another order: rounding only.
+constexpr double kDoubleTol = 1e-12;
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+EdgePredictor make(EdgePredictorOptions o) {
+  torch::manual_seed(7);
+  EdgePredictor p(o);
+  p->to(torch::kFloat64);
+  return p;
+}
+
+TEST(SacBatch, OneGraphDrawsWhatSampleDraws) {
+  for (auto variant : {EdgePredictorVariant::shared_structure, EdgePredictorVariant::all_connected,
+                       EdgePredictorVariant::head_adaptive}) {
+    SCOPED_TRACE(to_string(variant));
+    auto p = make(EdgePredictorOptions(6, 8).alpha(2).variant(variant).heads(2).max_distance(3));
+    const auto nodes = torch::randn({5, 6}, f64());
+    const auto one = p->sample(nodes, generator(3));
+    const auto batch = p->sample_batch(nodes.unsqueeze(0), generator(3));
+    EXPECT_TRUE(torch::equal(one.tokens, batch.tokens[0]));
+    EXPECT_NEAR(one.log_prob.item<double>(), batch.log_prob[0].item<double>(), kDoubleTol);
+    EXPECT_TRUE(torch::equal(one.edges.offsets, batch.edges[0].offsets));
+    EXPECT_TRUE(torch::equal(one.edges.columns, batch.edges[0].columns));
+  }
+}
+
+// Each graph of a batch is scored against its own nodes: the batched
+// log-probabilities equal teacher-forced ones graph by graph, in value and in
+// the gradient of every parameter.
+TEST(SacBatch, EachGraphMatchesTeacherForcingInValueAndGradient) {
+  for (auto variant : {EdgePredictorVariant::shared_structure, EdgePredictorVariant::all_connected,
+                       EdgePredictorVariant::head_adaptive}) {
+    SCOPED_TRACE(to_string(variant));
+    auto p = make(EdgePredictorOptions(4, 6).alpha(1).variant(variant).heads(3).max_distance(2));
+    const int64_t B = 3, n = 7;
+    const auto nodes = torch::randn({B, n, 4}, f64());
+    const auto batch = p->sample_batch(nodes, generator(11));
+    ASSERT_EQ(batch.tokens.sizes(), (std::vector<int64_t>{B, p->sequences(), p->steps(n)}));
+    ASSERT_EQ(batch.edges.size(), static_cast<size_t>(B));
+    const auto weights = torch::randn({B}, f64());
+    const auto params = p->parameters();
+    const auto g_batch = torch::autograd::grad({(batch.log_prob * weights).sum()}, params);
+    torch::Tensor forced_sum = torch::zeros({}, f64());
+    EXPECT_LT(testing::rel_err(batch.step_log_prob.sum({1, 2}), batch.log_prob), 1e-14);
+    if (variant == EdgePredictorVariant::all_connected)  // fed origins cost nothing
+      EXPECT_EQ(testing::max_abs(batch.step_log_prob.select(2, 0)), 0.0);
+    for (int64_t b = 0; b < B; ++b) {
+      const auto forced = p->log_prob(nodes[b], batch.tokens[b]);
+      EXPECT_NEAR(batch.log_prob[b].item<double>(), forced.item<double>(), kDoubleTol) << "graph " << b;
+      forced_sum = forced_sum + forced * weights[b];
+      const auto edges = p->edges_from_tokens(batch.tokens[b], n);
+      EXPECT_TRUE(torch::equal(edges.offsets, batch.edges[b].offsets));
+      EXPECT_TRUE(torch::equal(edges.columns, batch.edges[b].columns));
+    }
+    const auto g_forced = torch::autograd::grad({forced_sum}, params);
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_LT(testing::rel_err(g_batch[i], g_forced[i]), 1e-10) << "parameter " << i;
+    // Different graphs, different draws (7 nodes, 7+ steps: a tie is 7^-7 likely).
+    EXPECT_FALSE(torch::equal(batch.tokens[0], batch.tokens[1]));
+  }
+}
+
+TEST(SacBatch, BaselineIsAMovingAverageKeptInABuffer) {
+  auto p = make(EdgePredictorOptions(4, 6));
+  EXPECT_EQ(p->baseline(), 0.0);
+  // The first batch: its own mean is the baseline it is compared with.
+  EXPECT_DOUBLE_EQ(p->update_baseline(torch::tensor({-2.0, -4.0}, f64())), -3.0);
+  EXPECT_DOUBLE_EQ(p->baseline(), -3.0);
+  // Then the average before the update.
+  EXPECT_DOUBLE_EQ(p->update_baseline(torch::tensor({-1.0}, f64()), 0.5), -3.0);
+  EXPECT_DOUBLE_EQ(p->baseline(), -2.0);
+  const auto buffers = p->named_buffers();
+  ASSERT_TRUE(buffers.contains("reward_baseline"));
+  EXPECT_EQ(buffers["reward_baseline"][1].item<double>(), 2.0);
+  expect_error([&] { p->update_baseline(torch::tensor({std::nan("")}, f64())); }, {"update_baseline", "nan"});
+  expect_error([&] { p->update_baseline(torch::tensor({1.0}, f64()), 1.0); }, {"decay", "[0, 1)"});
+}
+
+TEST(SacStructure, RandomStructureIsSeededWithSelfEdges) {
+  const auto a = random_structure(9, 2, 4), b = random_structure(9, 2, 4), c = random_structure(9, 2, 5);
+  EXPECT_TRUE(torch::equal(a.columns, b.columns) && torch::equal(a.offsets, b.offsets));
+  EXPECT_FALSE(torch::equal(a.offsets, c.offsets) && torch::equal(a.columns, c.columns));
+  check_edge_list(a, 9, 9, 1);
+  const auto off = a.offsets.accessor<int64_t, 1>();
+  const auto col = a.columns.accessor<int64_t, 1>();
+  for (int64_t i = 0; i < 9; ++i) {
+    const int64_t count = off[i + 1] - off[i];
+    EXPECT_GE(count, 1);
+    EXPECT_LE(count, 3);
+    bool self = false;
+    for (int64_t e = off[i]; e < off[i + 1]; ++e) self |= col[e] == i;
+    EXPECT_TRUE(self) << "row " << i;
+  }
+}
+
+// Given structures, the module is sparse attention per sequence; without,
+// the functional form over random_structure.
+TEST(SacStructure, ModuleAttendsOverTheStructuresItIsGiven) {
+  auto module = std::dynamic_pointer_cast<SacAttentionImpl>(make_mechanism("sac:alpha=2,seed=3"));
+  ASSERT_TRUE(module);
+  const int64_t N = 3, H = 2, L = 6;
+  auto q = torch::randn({N, H, L, 4}, f64()), k = torch::randn({N, H, L, 4}, f64()),
+       v = torch::randn({N, H, L, 5}, f64());
+  EXPECT_LT(testing::rel_err(module->forward(q, k, v), attend("sac:alpha=2,seed=3", q, k, v)), 1e-15);
+  std::vector<EdgeList> structures;
+  for (int64_t b = 0; b < N; ++b) structures.push_back(random_structure(L, 1 + b, 10 + b));
+  module->set_structures(structures);
+  const auto out = module->forward(q, k, v);
+  for (int64_t b = 0; b < N; ++b) {
+    const auto expected = reference::sparse_attention(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
+                                                      structures[b], {});
+    EXPECT_LT(testing::rel_err(out.narrow(0, b, 1), expected), 1e-12) << "sequence " << b;
+  }
+  expect_error([&] { module->forward(q.narrow(0, 0, 2), k.narrow(0, 0, 2), v.narrow(0, 0, 2)); },
+               {"sac", "3 structures", "batch of 2"});
+  expect_error([] { resolve_mechanism("sac:variant=star"); }, {"variant", "shared, all-connected, head-adaptive"});
+  expect_error([] { resolve_mechanism("sac:alpha=0"); }, {"'alpha' must be >= 1"});
+  expect_error([] { resolve_mechanism("sac:reward=row"); }, {"reward", "sequence or edge", "'row'"});
+  EXPECT_NO_THROW(resolve_mechanism("sac:max_distance=0"));
+}
+
+models::TransformerOptions sac_encoder(const std::string& spec) {
+  return models::TransformerOptions(12)
+      .architecture(models::Architecture::encoder)
+      .layers(2)
+      .width(16)
+      .heads(2)
+      .ffn(32)
+      .dropout(0)
+      .attention({spec});
+}
+
+TEST(SacModel, PredictsOneStructurePerSequenceAndTrainsOnlyThePredictorByIt) {
+  for (const std::string variant : {"shared", "all-connected", "head-adaptive"}) {
+    SCOPED_TRACE(variant);
+    torch::manual_seed(2);
+    models::Transformer model(sac_encoder("sac:alpha=1,hidden=8,max_distance=4,variant=" + variant));
+    ASSERT_TRUE(model->edge_predictor());
+    const auto tokens = torch::randint(12, {3, 9}, torch::kInt64);
+    model->train();
+    const auto logits = model->forward(tokens);
+    const auto& sac = model->sac_structures();
+    ASSERT_EQ(sac.edges.size(), 3u);
+    EXPECT_EQ(sac.edges[0].per_head(), variant == "head-adaptive");
+    for (const auto& e : sac.edges) check_edge_list(e, 9, 9, 2);
+    ASSERT_TRUE(sac.log_prob.defined());
+    EXPECT_EQ(sac.log_prob.sizes(), (std::vector<int64_t>{3}));
+    // The policy gradient reaches the predictor only; the likelihood reaches
+    // the network only.
+    sac.log_prob.sum().backward({}, /*retain_graph=*/true);
+    for (const auto& p : model->named_parameters()) {
+      const bool predictor = p.key().rfind("edge_predictor.", 0) == 0;
+      const bool has = p.value().grad().defined() && testing::max_abs(p.value().grad()) > 0;
+      if (predictor) EXPECT_TRUE(has) << p.key();
+      else EXPECT_FALSE(has) << p.key();
+    }
+    model->zero_grad();
+    logits.sum().backward();
+    for (const auto& p : model->named_parameters())
+      if (p.key().rfind("edge_predictor.", 0) == 0)
+        EXPECT_FALSE(p.value().grad().defined() && testing::max_abs(p.value().grad()) > 0) << p.key();
+
+    // Eval: beam search, the same structure every time, no log-probability.
+    model->eval();
+    torch::NoGradGuard no_grad;
+    const auto a = model->forward(tokens);
+    const auto first = model->sac_structures().edges;
+    EXPECT_FALSE(model->sac_structures().log_prob.defined());
+    const auto b = model->forward(tokens);
+    EXPECT_TRUE(torch::equal(a, b));
+    for (size_t i = 0; i < first.size(); ++i)
+      EXPECT_TRUE(torch::equal(first[i].columns, model->sac_structures().edges[i].columns));
+  }
+}
+
+TEST(SacModel, RefusesWhatItCannotDo) {
+  expect_error([] { models::Transformer(sac_encoder("sac").architecture(models::Architecture::decoder)); },
+               {"sac"});
+  expect_error([] { models::Transformer(sac_encoder("sac").attention({"sac:alpha=1", "sac:alpha=2"})); },
+               {"share one edge predictor", "sac:alpha=1", "sac:alpha=2"});
+  EXPECT_NO_THROW(models::Transformer(sac_encoder("sac").attention({"full", "sac:alpha=2"})));
+  models::Transformer with(sac_encoder("sac")), without(sac_encoder("full"));
+  expect_error([&] { with->set_attention({"full"}); }, {"out of SAC", "edge predictor"});
+  expect_error([&] { without->set_attention({"sac"}); }, {"into SAC", "edge predictor"});
+  EXPECT_FALSE(without->edge_predictor());
+  EXPECT_TRUE(without->sac_structures().edges.empty());
+}
+
+}  // namespace
+}  // namespace attnkit::nn
