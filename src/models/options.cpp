@@ -142,9 +142,6 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               "' cannot serve a decoder: it supports neither the causal flag nor a causal "
               "pattern, and a decoder must not see later positions; usable in a decoder: ",
               decoder_capable_names());
-  TORCH_CHECK(info->name != "sparse-bp-tree" && info->name != "sparse-star", where,
-              ": attention '", text, "' adds nodes of its own (a graph pattern, not a sequence "
-              "pattern) and cannot attend over a token sequence");
   if (info->name == "agglomerative") {
     const int64_t classes = spec.get_int("classes", 0) > 0 ? spec.get_int("classes", 0) : o.heads();
     TORCH_CHECK(o.width() % classes == 0, where, ": agglomerative attention with ", classes,
@@ -159,6 +156,29 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
 }
 
 }  // namespace
+
+bool adds_nodes(const std::string& mechanism) {
+  return mechanism == "sparse-bp-tree" || mechanism == "sparse-star";
+}
+
+std::vector<std::pair<int64_t, int64_t>> extra_node_spans(const std::string& mechanism, int64_t tokens) {
+  if (mechanism == "sparse-star") return {{0, tokens}};  // the relay: every token
+  TORCH_CHECK(mechanism == "sparse-bp-tree", "extra_node_spans: '", mechanism, "' adds no nodes");
+  // A span node's row holds its two children; its span is theirs joined.
+  const auto edges = nn::pattern_edges("bp-tree", 2 * tokens - 1, 0);
+  const auto off = edges.offsets.accessor<int64_t, 1>();
+  const auto col = edges.columns.accessor<int64_t, 1>();
+  std::vector<std::pair<int64_t, int64_t>> spans(2 * tokens - 1);
+  for (int64_t i = 0; i < tokens; ++i) spans[i] = {i, i + 1};
+  // Children have larger ids than their parent (pre-order): fill from the last.
+  for (int64_t node = 2 * tokens - 2; node >= tokens; --node) {
+    TORCH_CHECK(off[node + 1] - off[node] == 2, "extra_node_spans: span node ", node, " has ",
+                off[node + 1] - off[node], " children");
+    spans[node] = {std::min(spans[col[off[node]]].first, spans[col[off[node] + 1]].first),
+                   std::max(spans[col[off[node]]].second, spans[col[off[node] + 1]].second)};
+  }
+  return {spans.begin() + tokens, spans.end()};
+}
 
 void validate(const TransformerOptions& o) {
   const char* where = "Transformer";
@@ -186,6 +206,15 @@ void validate(const TransformerOptions& o) {
   for (const auto& spec : specs) {
     if (encoder) check_block_spec(o, spec, false);
     if (decoder) check_block_spec(o, spec, true);
+  }
+  // Patterns that add nodes (BP-Transformer's spans, Star-Transformer's relay)
+  // change the node set every block attends over: one spec for all blocks.
+  for (const auto& text : specs) {
+    const auto name = nn::resolve_mechanism(text).second.name;
+    if (!adds_nodes(name)) continue;
+    for (const auto& other : specs)
+      TORCH_CHECK(other == text, where, ": attention '", text, "' adds nodes of its own, so every "
+                  "block must use it (the blocks attend over one node set), got '", other, "' too");
   }
   // SAC blocks read one structure per sequence from the model's one edge
   // predictor, so they must agree on its options.

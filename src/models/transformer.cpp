@@ -101,12 +101,30 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
     output_ = register_module("output", nn::Linear(d, options_.vocab_size()));
   for (const auto& spec : options_.attention()) {
     const auto parsed = nn::resolve_mechanism(spec).second;
+    if (adds_nodes(parsed.name)) extra_nodes_ = parsed.name;  // (validate: then every block's)
     if (parsed.name != "sac") continue;  // (validate: every sac spec is the same)
     const auto sac = nn::SacOptions::from_spec(parsed);
     edge_predictor_ = register_module("edge_predictor", nn::EdgePredictor(sac.predictor(d, options_.heads())));
     sac_beam_ = sac.beam;
     break;
   }
+}
+
+torch::Tensor TransformerImpl::add_extra_nodes(const torch::Tensor& x) const {
+  const int64_t N = x.size(0), t = x.size(1), d = x.size(2);
+  std::vector<int64_t> lo, hi;
+  std::vector<float> inverse;
+  for (const auto& [a, b] : extra_node_spans(extra_nodes_, t)) {
+    lo.push_back(a);
+    hi.push_back(b);
+    inverse.push_back(1.0f / static_cast<float>(b - a));
+  }
+  // Span sums from prefix sums: O(t d) whatever the spans.
+  const auto prefix = torch::cat({torch::zeros({N, 1, d}, x.options()), x.cumsum(1)}, 1);
+  const auto sums = prefix.index_select(1, torch::tensor(hi, torch::kInt64)) -
+                    prefix.index_select(1, torch::tensor(lo, torch::kInt64));
+  const auto scale = torch::tensor(inverse).to(x.scalar_type()).view({1, -1, 1});
+  return torch::cat({x, sums * scale}, 1);
 }
 
 void TransformerImpl::predict_structures(const torch::Tensor& x) {
@@ -170,11 +188,14 @@ torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::
   check_tokens("source", source, 2, vocab);
   detail::check_lengths(kModel, "source_lengths", source_lengths, source.size(0), source.size(1));
   auto x = embed(source, true, 0);
+  const int64_t tokens = x.size(1);
+  if (!extra_nodes_.empty()) x = add_extra_nodes(x);
   if (edge_predictor_) predict_structures(x);
   for (size_t i = 0; i < encoder_blocks_.size(); ++i) {
     probe_layer(*encoder_blocks_[i], static_cast<int64_t>(i));
     x = encoder_blocks_[i]->forward(x, source_lengths);
   }
+  if (!extra_nodes_.empty()) x = x.narrow(1, 0, tokens);
   return encoder_norm_ ? encoder_norm_(x) : x;
 }
 
@@ -202,10 +223,15 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
 }
 
 void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
-  for (const auto& spec : specs)
-    TORCH_CHECK(!edge_predictor_ && nn::resolve_mechanism(spec).second.name != "sac", kModel,
-                ": cannot swap attention ", edge_predictor_ ? "out of" : "into",
+  for (const auto& spec : specs) {
+    const auto name = nn::resolve_mechanism(spec).second.name;
+    TORCH_CHECK(!edge_predictor_ && name != "sac", kModel, ": cannot swap attention ",
+                edge_predictor_ ? "out of" : "into",
                 " SAC: its structures come from an edge predictor trained with the model");
+    TORCH_CHECK(extra_nodes_.empty() && !adds_nodes(name), kModel, ": cannot swap '",
+                extra_nodes_.empty() ? name : extra_nodes_, "' ", extra_nodes_.empty() ? "in" : "out",
+                ": it adds nodes of its own, and the model's node set is fixed when it is built");
+  }
   auto changed = options_;
   changed.attention(specs);
   validate(changed);

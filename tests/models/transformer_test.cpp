@@ -153,8 +153,9 @@ TEST(Transformer, BuilderRefusesImpossibleCombinations) {
                {"one per block (3)", "got 2"});
   expect_error([] { Transformer(small().positions(Positions::relative).attention({"causal-linear"})); },
                {"relative positions", "'full'"});
-  expect_error([] { Transformer(small().architecture(Architecture::encoder).attention({"sparse-bp-tree"})); },
-               {"graph pattern"});
+  expect_error([] { Transformer(small().architecture(Architecture::encoder).attention({"sparse-bp-tree", "full"})); },
+               {"adds nodes of its own", "every block"});
+  expect_error([] { Transformer(small().attention({"sparse-star"})); }, {"sparse-star", "cannot serve a decoder"});
   expect_error([] { Transformer(small().shared_weights(true).attention({"full", "full"})); },
                {"shared weights", "one attention spec"});
   expect_error([] { Transformer(small().attention({"fast"})); }, {"unknown attention mechanism 'fast'"});
@@ -269,6 +270,77 @@ TEST(Transformer, AttentionProbeReportsEveryLayersInputs) {
   encoder->set_attention_probe({});
   EXPECT_TRUE(torch::equal(encoder->forward(tokens), probed));
   EXPECT_EQ(calls, 3);
+}
+
+TEST(Transformer, ExtraNodeSpansAreTheTreesSpans) {
+  EXPECT_EQ(extra_node_spans("sparse-star", 6), (std::vector<std::pair<int64_t, int64_t>>{{0, 6}}));
+  for (int64_t t : {1, 2, 5, 8}) {
+    SCOPED_TRACE(t);
+    const auto spans = extra_node_spans("sparse-bp-tree", t);
+    ASSERT_EQ(static_cast<int64_t>(spans.size()), t - 1);
+    if (t > 1) EXPECT_EQ(spans[0], (std::pair<int64_t, int64_t>{0, t}));  // the root
+    // Pre-order binary partition: each span splits into two spans (or tokens).
+    const auto edges = nn::pattern_edges("bp-tree", 2 * t - 1, 0);
+    const auto off = edges.offsets.accessor<int64_t, 1>();
+    const auto col = edges.columns.accessor<int64_t, 1>();
+    auto span_of = [&](int64_t node) {
+      return node < t ? std::pair<int64_t, int64_t>{node, node + 1} : spans[node - t];
+    };
+    for (int64_t s = 0; s + 1 < t; ++s) {
+      // (A row's columns are sorted by node id, not by position.)
+      auto left = span_of(col[off[t + s]]), right = span_of(col[off[t + s] + 1]);
+      if (right.first < left.first) std::swap(left, right);
+      EXPECT_EQ(left.second, right.first);
+      EXPECT_EQ(spans[s], (std::pair<int64_t, int64_t>{left.first, right.second}));
+    }
+  }
+}
+
+// Encoders with BP-Transformer's span nodes or Star-Transformer's relay:
+// the blocks attend over tokens and extra nodes, the extra nodes start as the
+// means of their spans, the output keeps the tokens, and everything trains.
+TEST(Transformer, PatternsThatAddNodesTrainInAnEncoder) {
+  for (const std::string spec : {"sparse-bp-tree", "sparse-star"}) {
+    SCOPED_TRACE(spec);
+    torch::manual_seed(8);
+    Transformer model(small().architecture(Architecture::encoder).attention({spec}).dropout(0));
+    const int64_t t = 9, extra = spec == "sparse-star" ? 1 : t - 1;
+    auto tokens = torch::randint(0, 11, {2, t}, torch::kLong);
+    std::vector<int64_t> nodes;
+    torch::Tensor first_v;
+    model->set_attention_probe([&](int64_t layer, const torch::Tensor&, const torch::Tensor& k,
+                                   const torch::Tensor& v) {
+      nodes.push_back(k.size(2));
+      if (layer == 0) first_v = v.detach();
+    });
+    const auto logits = model->forward(tokens);
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, t, 11}));
+    EXPECT_EQ(nodes, (std::vector<int64_t>{t + extra, t + extra}));
+    // Values are linear in the (pre-norm: normalised) node inputs, so no
+    // closed form here; the spans' means are checked through add_extra_nodes'
+    // effect: a token outside a span does not change that span node's value.
+    auto changed = tokens.clone();
+    changed[0][t - 1] = (changed[0][t - 1].item<int64_t>() + 1) % 11;
+    torch::Tensor changed_v;
+    model->set_attention_probe([&](int64_t layer, const torch::Tensor&, const torch::Tensor&,
+                                   const torch::Tensor& v) {
+      if (layer == 0) changed_v = v.detach();
+    });
+    model->forward(changed);
+    const auto spans = extra_node_spans(spec, t);
+    for (int64_t s = 0; s < extra; ++s) {
+      const bool covers = spans[s].second == t;
+      const bool same = torch::allclose(first_v[0].select(1, t + s), changed_v[0].select(1, t + s));
+      EXPECT_EQ(same, !covers) << "extra node " << s;
+    }
+    model->set_attention_probe({});
+    (logits * torch::randn_like(logits)).sum().backward();
+    for (const auto& p : model->named_parameters())
+      EXPECT_TRUE(p.value().grad().defined() && testing::max_abs(p.value().grad()) > 0) << p.key();
+    expect_error([&] { model->set_attention({"full"}); }, {"adds nodes", "out"});
+  }
+  Transformer plain(small().architecture(Architecture::encoder));
+  expect_error([&] { plain->set_attention({"sparse-star"}); }, {"adds nodes", "in"});
 }
 
 }  // namespace

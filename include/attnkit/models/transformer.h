@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace attnkit::models {
@@ -103,6 +104,16 @@ struct TransformerOptions {
 /// agglomerative classes that do not divide the width, per-block specs whose
 /// count is not `layers`, ...
 void validate(const TransformerOptions& options);
+
+/// True for the patterns that add nodes to a token sequence: "sparse-bp-tree"
+/// (t - 1 span nodes over t tokens) and "sparse-star" (one relay node). In an
+/// encoder built with one of them, the extra nodes follow the tokens, each
+/// starting as the mean of the embeddings of the tokens it spans, every block
+/// attends over tokens and extra nodes, and the output keeps the tokens.
+bool adds_nodes(const std::string& mechanism);
+/// The token span [lo, hi) of each extra node of `mechanism` over `tokens`
+/// tokens, in node order (node t + i spans the i-th).
+std::vector<std::pair<int64_t, int64_t>> extra_node_spans(const std::string& mechanism, int64_t tokens);
 
 /// Sampling settings of generate().
 struct GenerateOptions {
@@ -213,6 +224,9 @@ class TransformerImpl : public torch::nn::Module {
   /// SAC: predicts the structures of a batch from its embeddings x (N, L, d)
   /// and hands them to the SAC blocks.
   void predict_structures(const torch::Tensor& x);
+  /// Patterns that add nodes: x (N, t, d) -> (N, t + extra, d), each extra
+  /// node the mean of the embeddings of its span (extra_node_spans).
+  torch::Tensor add_extra_nodes(const torch::Tensor& x) const;
 
   TransformerOptions options_;
   torch::nn::Embedding embedding_{nullptr}, source_embedding_{nullptr};
@@ -225,6 +239,7 @@ class TransformerImpl : public torch::nn::Module {
   AttentionProbe probe_;
   nn::EdgePredictor edge_predictor_{nullptr};
   int64_t sac_beam_ = 0;  // the sac spec's beam width
+  std::string extra_nodes_;  // the blocks' mechanism when it adds nodes (adds_nodes), else ""
   SacStructures sac_structures_;
 };
 TORCH_MODULE(Transformer);
