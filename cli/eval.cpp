@@ -1,6 +1,7 @@
 // `attnkit eval`: a trained run's metric on a split, with its own attention or
 // with another mechanism swapped into every block (or one per block) behind
 // the same trained weights.
+#include <attnkit/nn/registry.h>
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/trainer.h>
@@ -72,6 +73,21 @@ void add_eval_command(CLI::App& app) {
                 run.task->metric_name().c_str(), run.task->metric(m), m.loss(), m.scored);
     std::printf("%.2f s for %lld positions: %.2f us per position\n", seconds,
                 static_cast<long long>(positions), 1e6 * seconds / static_cast<double>(positions));
+    // A fixed sparse pattern: its edges per node over the sequence (and the
+    // nodes the pattern adds), for comparisons at equal edge counts.
+    double pattern_edges_per_node = 0;
+    const auto [info, spec] = nn::resolve_mechanism(used.front());
+    if (!sac && used.size() == 1 && info->name.rfind("sparse-", 0) == 0) {
+      const int64_t tokens = run.task->sequence_length(context);
+      const int64_t nodes =
+          tokens + (models::adds_nodes(info->name) ? models::extra_node_spans(info->name, tokens).size() : 0);
+      const auto& option = info->options;
+      const int64_t param = option.empty() ? 0 : spec.get_int(option[0].key, std::stoll(option[0].default_value));
+      const auto edges = nn::pattern_edges(info->name.substr(7), nodes, param);
+      pattern_edges_per_node = static_cast<double>(edges.num_edges()) / static_cast<double>(nodes);
+      std::printf("pattern %s: %.2f edges per node over %lld nodes\n", info->name.c_str(), pattern_edges_per_node,
+                  static_cast<long long>(nodes));
+    }
     const bool partners = structure.partner_rows > 0;
     if (sac) {
       std::printf("SAC structures (beam search): %.2f edges per node, %.1f%% with a self-edge",
@@ -101,6 +117,7 @@ void add_eval_command(CLI::App& app) {
                             {"seconds", seconds},
                             {"positions", positions},
                             {"threads", num_threads()}};
+      if (pattern_edges_per_node > 0) doc["structure"] = {{"edges_per_node", pattern_edges_per_node}};
       if (sac) {
         doc["structure"] = {{"edges_per_node", structure.edges_per_node()},
                             {"self_edge_fraction", structure.self_edges / std::max(structure.nodes, 1.0)}};
