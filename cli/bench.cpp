@@ -50,6 +50,7 @@ struct Result {
   int threads;
   double ms = 0;
   c10::optional<double> gflops;
+  c10::optional<double> ns_per_edge;  // full, sparse-*, sac: time per attended (query, key) pair
   int64_t peak_bytes = 0;
   c10::optional<double> err, approx_err;
   std::string note;  // non-empty: the row did not run (why)
@@ -140,7 +141,13 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   }
   r.peak_bytes = peak;
   if (info.flops)
-    if (auto f = info.flops(shape, c.causal, spec)) r.gflops = (backward ? 3.5 : 1.0) * *f / (r.ms * 1e6);
+    if (auto f = info.flops(shape, c.causal, spec)) {
+      r.gflops = (backward ? 3.5 : 1.0) * *f / (r.ms * 1e6);
+      // These count 2 (E + M) flops per attended pair: exact attention's
+      // (query, key) pairs, a sparse pattern's edges.
+      const bool pairs = info.name == "full" || info.name == "sac" || info.name.rfind("sparse-", 0) == 0;
+      if (pairs && *f > 0) r.ns_per_edge = r.ms * 1e6 / (*f / (2.0 * double(shape.E + shape.M)));
+    }
 
   if (shape.N * shape.H * shape.L * shape.S > c.check_limit) return r;
   // err: this row's output (and input gradients) against the mechanism's own
@@ -179,7 +186,8 @@ void print_header(const MachineRecord& machine) {
             << std::left << std::setw(22) << "attention" << std::setw(11) << "impl" << std::setw(17)
             << "pass" << std::right << std::setw(7) << "L" << std::setw(7) << "S" << std::setw(11)
             << "ms" << std::setw(10)
-            << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(10) << "peak MiB" << std::setw(10)
+            << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(9) << "ns/edge" << std::setw(10)
+            << "peak MiB" << std::setw(10)
             << "err" << std::setw(11) << "approx_err" << "\n";
 }
 
@@ -202,7 +210,8 @@ void print_row(const Result& r, double peak) {
   c10::optional<double> pct;
   if (r.gflops) pct = 100.0 * *r.gflops / peak;
   std::cout << std::setw(11) << fmt(r.ms, 2) << std::setw(10) << opt(r.gflops, 1) << std::setw(7)
-            << opt(pct, 0) << std::setw(10) << fmt(r.peak_bytes / 1048576.0, 1) << std::setw(10)
+            << opt(pct, 0) << std::setw(9) << opt(r.ns_per_edge, 2) << std::setw(10)
+            << fmt(r.peak_bytes / 1048576.0, 1) << std::setw(10)
             << opt(r.err, 1, true) << std::setw(11) << opt(r.approx_err, 3) << "\n";
 }
 
@@ -213,6 +222,8 @@ void print_legend() {
       << "ms          median wall time of --repeats calls after an untimed warm-up\n"
       << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
       << "%peak       GFLOP/s over the best sgemm peak measured before the row (header: the first)\n"
+      << "ns/edge     full, sparse-*, sac: time per attended (query, key) pair, summed over the\n"
+      << "            batch and heads (exact attention's pairs; a sparse pattern's edges)\n"
       << "peak MiB    most memory held during a call beyond the inputs (tensors + scratch)\n"
       << "err         max |x - ref| / max |ref| against the mechanism's own float64 definition,\n"
       << "            worst of the output and (forward_backward) the input gradients\n"
@@ -235,6 +246,7 @@ nlohmann::json to_json(const Result& r, double peak) {
           {"ms", r.ms},
           {"gflops", opt_json(r.gflops)},
           {"fraction_of_peak", r.gflops ? nlohmann::json(*r.gflops / peak) : nlohmann::json(nullptr)},
+          {"ns_per_edge", opt_json(r.ns_per_edge)},
           {"peak_bytes", r.peak_bytes},
           {"err", opt_json(r.err)},
           {"approx_err", opt_json(r.approx_err)}};

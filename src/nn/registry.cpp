@@ -460,6 +460,13 @@ MechanismInfo agglomerative_entry() {
 
 // sparse-<pattern> ------------------------------------------------------------------------
 
+/// Exact attention's count per visible pair, per edge: q . k and p v, 2 (E + M)
+/// flops, over every edge of every head (a shared list serves H heads).
+double sparse_flops(const AttentionShape& s, const EdgeList& edges) {
+  const double per_head = edges.per_head() ? 1.0 : double(s.H);
+  return 2.0 * double(s.E + s.M) * double(s.N) * per_head * double(edges.num_edges());
+}
+
 MechanismInfo sparse_entry(const Pattern& pattern) {
   MechanismInfo m;
   m.name = std::string("sparse-") + pattern.name;
@@ -506,6 +513,9 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
     return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
   };
+  m.flops = [pattern](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
+    return sparse_flops(s, pattern_edges(pattern.name, s.L, pattern.param ? spec.get_int(pattern.param, 32) : 0));
+  };
   return m;
 }
 
@@ -541,6 +551,10 @@ MechanismInfo sac_entry() {
   };
   m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
     return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
+  };
+  m.flops = [](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
+    const auto o = SacOptions::from_spec(spec);
+    return sparse_flops(s, random_structure(s.L, o.alpha, o.seed));
   };
   return m;
 }
