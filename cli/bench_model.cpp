@@ -151,7 +151,7 @@ StepFlops model_step_flops(const ModelConfig& c, models::Transformer& model, con
   const bool causal = causal_model(c) && (info->supports.causal || info->always_causal);
   nn::AttentionShape s;
   s.N = batch;
-  s.L = s.S = context;
+  s.L = s.S = models::attention_nodes(info->name, context);  // bp-tree and star add nodes
   if (info->name == "agglomerative") {
     const int64_t classes = parsed.get_int("classes", 0);
     s.H = classes > 0 ? classes : c.heads;  // one head per class over width / classes
@@ -163,15 +163,6 @@ StepFlops model_step_flops(const ModelConfig& c, models::Transformer& model, con
   if (info->flops) {
     forward = info->flops(s, causal, parsed);
     if (forward) f.attention_rule = "registry closed form, x3 for forward + backward";
-  }
-  if (!forward && info->name.rfind("sparse-", 0) == 0) {
-    // A fixed edge list: 2 (E + M) per edge and head, as full attention counts per (i, j).
-    const std::string pattern = info->name.substr(7);
-    const int64_t param = info->options.empty() ? 0 : parsed.get_int(info->options[0].key,
-                                                    std::stoll(info->options[0].default_value));
-    const auto edges = nn::pattern_edges(pattern, context, param);
-    forward = 2.0 * s.N * s.H * double(edges.num_edges()) * (s.E + s.M);
-    f.attention_rule = "2 (E + M) per edge of the pattern, x3 for forward + backward";
   }
   if (forward) {
     f.attention = 3.0 * c.layers * *forward;

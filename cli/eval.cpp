@@ -78,9 +78,7 @@ void add_eval_command(CLI::App& app) {
     double pattern_edges_per_node = 0;
     const auto [info, spec] = nn::resolve_mechanism(used.front());
     if (!sac && used.size() == 1 && info->name.rfind("sparse-", 0) == 0) {
-      const int64_t tokens = run.task->sequence_length(context);
-      const int64_t nodes =
-          tokens + (models::adds_nodes(info->name) ? models::extra_node_spans(info->name, tokens).size() : 0);
+      const int64_t nodes = models::attention_nodes(info->name, run.task->sequence_length(context));
       const auto& option = info->options;
       const int64_t param = option.empty() ? 0 : spec.get_int(option[0].key, std::stoll(option[0].default_value));
       const auto edges = nn::pattern_edges(info->name.substr(7), nodes, param);
@@ -90,10 +88,11 @@ void add_eval_command(CLI::App& app) {
     }
     const bool partners = structure.partner_rows > 0;
     if (sac) {
-      std::printf("SAC structures (beam search): %.2f edges per node, %.1f%% with a self-edge",
-                  structure.edges_per_node(), 100 * structure.self_edges / std::max(structure.nodes, 1.0));
+      std::printf("SAC structures (beam search): %.2f edges per node (self-edges included)",
+                  structure.edges_per_node());
       if (partners)
-        std::printf("; %.1f%% of the positions see their partner, %.1f%% of their predicted edges point at it",
+        std::printf("; %.1f%% of the scored positions see their partner, %.1f%% of their predicted edges "
+                    "point at it",
                     100 * structure.partner_recall(), 100 * structure.partner_precision());
       std::printf("\n");
     }
@@ -119,8 +118,7 @@ void add_eval_command(CLI::App& app) {
                             {"threads", num_threads()}};
       if (pattern_edges_per_node > 0) doc["structure"] = {{"edges_per_node", pattern_edges_per_node}};
       if (sac) {
-        doc["structure"] = {{"edges_per_node", structure.edges_per_node()},
-                            {"self_edge_fraction", structure.self_edges / std::max(structure.nodes, 1.0)}};
+        doc["structure"] = {{"edges_per_node", structure.edges_per_node()}};
         if (partners) {
           doc["structure"]["partner_recall"] = structure.partner_recall();
           doc["structure"]["partner_precision"] = structure.partner_precision();

@@ -180,6 +180,29 @@ std::vector<std::pair<int64_t, int64_t>> extra_node_spans(const std::string& mec
   return {spans.begin() + tokens, spans.end()};
 }
 
+int64_t attention_nodes(const std::string& mechanism, int64_t tokens) {
+  return tokens + (adds_nodes(mechanism) ? static_cast<int64_t>(extra_node_spans(mechanism, tokens).size()) : 0);
+}
+
+torch::Tensor append_extra_nodes(const torch::Tensor& x, const std::string& mechanism) {
+  const int64_t N = x.size(0), t = x.size(1), d = x.size(2);
+  const auto spans = extra_node_spans(mechanism, t);
+  if (spans.empty()) return x;  // one token: a tree without spans
+  std::vector<int64_t> lo, hi;
+  std::vector<double> inverse;
+  for (const auto& [a, b] : spans) {
+    lo.push_back(a);
+    hi.push_back(b);
+    inverse.push_back(1.0 / static_cast<double>(b - a));
+  }
+  // Span sums from prefix sums: O(t d) whatever the spans.
+  const auto prefix = torch::cat({torch::zeros({N, 1, d}, x.options()), x.cumsum(1)}, 1);
+  const auto sums = prefix.index_select(1, torch::tensor(hi, torch::kInt64)) -
+                    prefix.index_select(1, torch::tensor(lo, torch::kInt64));
+  const auto scale = torch::tensor(inverse, torch::kFloat64).to(x.scalar_type()).view({1, -1, 1});
+  return torch::cat({x, sums * scale}, 1);
+}
+
 void validate(const TransformerOptions& o) {
   const char* where = "Transformer";
   TORCH_CHECK(o.vocab_size() >= 1, where, ": vocab_size must be >= 1, got ", o.vocab_size());

@@ -103,28 +103,11 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
     const auto parsed = nn::resolve_mechanism(spec).second;
     if (adds_nodes(parsed.name)) extra_nodes_ = parsed.name;  // (validate: then every block's)
     if (parsed.name != "sac") continue;  // (validate: every sac spec is the same)
-    const auto sac = nn::SacOptions::from_spec(parsed);
-    edge_predictor_ = register_module("edge_predictor", nn::EdgePredictor(sac.predictor(d, options_.heads())));
-    sac_beam_ = sac.beam;
+    sac_options_ = nn::SacOptions::from_spec(parsed);
+    edge_predictor_ =
+        register_module("edge_predictor", nn::EdgePredictor(sac_options_.predictor(d, options_.heads())));
     break;
   }
-}
-
-torch::Tensor TransformerImpl::add_extra_nodes(const torch::Tensor& x) const {
-  const int64_t N = x.size(0), t = x.size(1), d = x.size(2);
-  std::vector<int64_t> lo, hi;
-  std::vector<float> inverse;
-  for (const auto& [a, b] : extra_node_spans(extra_nodes_, t)) {
-    lo.push_back(a);
-    hi.push_back(b);
-    inverse.push_back(1.0f / static_cast<float>(b - a));
-  }
-  // Span sums from prefix sums: O(t d) whatever the spans.
-  const auto prefix = torch::cat({torch::zeros({N, 1, d}, x.options()), x.cumsum(1)}, 1);
-  const auto sums = prefix.index_select(1, torch::tensor(hi, torch::kInt64)) -
-                    prefix.index_select(1, torch::tensor(lo, torch::kInt64));
-  const auto scale = torch::tensor(inverse).to(x.scalar_type()).view({1, -1, 1});
-  return torch::cat({x, sums * scale}, 1);
 }
 
 void TransformerImpl::predict_structures(const torch::Tensor& x) {
@@ -140,7 +123,7 @@ void TransformerImpl::predict_structures(const torch::Tensor& x) {
     sac_structures_.step_log_prob = sample.step_log_prob;
   } else {
     for (int64_t b = 0; b < nodes.size(0); ++b)
-      sac_structures_.edges.push_back(edge_predictor_->beam_search(nodes[b], sac_beam_).edges);
+      sac_structures_.edges.push_back(edge_predictor_->beam_search(nodes[b], sac_options_.beam).edges);
   }
   for (auto* blocks : {&encoder_blocks_, &decoder_blocks_})
     for (auto& block : *blocks) block->set_structures(sac_structures_.edges);
@@ -189,7 +172,7 @@ torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::
   detail::check_lengths(kModel, "source_lengths", source_lengths, source.size(0), source.size(1));
   auto x = embed(source, true, 0);
   const int64_t tokens = x.size(1);
-  if (!extra_nodes_.empty()) x = add_extra_nodes(x);
+  if (!extra_nodes_.empty()) x = append_extra_nodes(x, extra_nodes_);
   if (edge_predictor_) predict_structures(x);
   for (size_t i = 0; i < encoder_blocks_.size(); ++i) {
     probe_layer(*encoder_blocks_[i], static_cast<int64_t>(i));
@@ -223,6 +206,7 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
 }
 
 void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
+  if (specs == options_.attention()) return;  // what it has (e.g. eval --attention with the trained spec)
   for (const auto& spec : specs) {
     const auto name = nn::resolve_mechanism(spec).second.name;
     TORCH_CHECK(!edge_predictor_ && name != "sac", kModel, ": cannot swap attention ",

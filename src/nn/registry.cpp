@@ -615,9 +615,7 @@ std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::stri
     } else if (o.key == "variant") {
       edge_predictor_variant_from_string(spec.get(o.key, d));
     } else if (o.key == "reward") {
-      const auto reward = spec.get(o.key, d);
-      TORCH_CHECK(reward == "sequence" || reward == "edge", "mechanism '", spec.str(),
-                  "': option 'reward' must be sequence or edge, got '", reward, "'");
+      SacOptions::from_spec(spec);  // the reward and what it needs
     } else if (d.find_first_of(".e") != std::string::npos) {
       spec.get_double(o.key, 0);
     } else {

@@ -20,8 +20,13 @@ SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
   o.beam = spec.get_int("beam", o.beam);
   o.seed = static_cast<uint64_t>(spec.get_int("seed", static_cast<int64_t>(o.seed)));
   o.reward = spec.get("reward", o.reward);
-  TORCH_CHECK(o.reward == "sequence" || o.reward == "edge", "sac: reward must be sequence or edge, got '",
-              o.reward, "'");
+  TORCH_CHECK(o.reward == "sequence" || o.reward == "edge", "mechanism '", spec.str(),
+              "': option 'reward' must be sequence or edge, got '", o.reward, "'");
+  // Per-edge credit rewards a destination with its origin's label; a predicted
+  // origin has no row of its own to be credited with.
+  TORCH_CHECK(o.reward == "sequence" || o.variant == EdgePredictorVariant::all_connected,
+              "mechanism '", spec.str(), "': reward=edge credits each destination with its origin's "
+              "label and needs the origins fed: variant=all-connected");
   return o;
 }
 

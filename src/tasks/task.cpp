@@ -68,6 +68,11 @@ torch::Tensor target_nll(const char* op, const torch::Tensor& logits, const Batc
 
 }  // namespace
 
+torch::Tensor target_log_probs(const torch::Tensor& logits, const Batch& batch) {
+  torch::NoGradGuard no_grad;
+  return -target_nll("target_log_probs", logits.to(torch::kFloat64), batch);
+}
+
 torch::Tensor loss(const torch::Tensor& logits, const Batch& batch) {
   auto weight = batch.weight.to(logits.scalar_type());
   // Unscored positions contribute 0 even when their logits make the nll infinite.

@@ -1,5 +1,4 @@
 // The training loop, checkpoints of a run, resume, loading a run for eval.
-#include <attnkit/nn/sac.h>
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
@@ -181,51 +180,6 @@ std::vector<std::string> resume_mismatches(const Header& stored, const TrainerOp
   return out;
 }
 
-/// The log-probability of every target under `logits` (N, L), float64, no
-/// gradient: SAC's rewards are made of these.
-torch::Tensor target_log_probs(const torch::Tensor& logits, const tasks::Batch& batch) {
-  torch::NoGradGuard no_grad;
-  return torch::log_softmax(logits.to(torch::kFloat64), -1).gather(-1, batch.target.unsqueeze(-1)).squeeze(-1);
-}
-
-/// SAC's REINFORCE surrogate for one batch (its gradient is the policy-gradient
-/// estimate, minimised with the task loss), the rewards' mean, and the
-/// predictor's baseline update. `edge_rewards`: nn::SacOptions::reward "edge".
-/// Undefined when no position of the batch is scored.
-struct Reinforce {
-  torch::Tensor surrogate;
-  double mean_reward = 0;
-};
-Reinforce sac_reinforce(nn::EdgePredictor& predictor, const models::SacStructures& sac,
-                        const torch::Tensor& logits, const tasks::Batch& batch, bool edge_rewards) {
-  const auto lp = target_log_probs(logits, batch);
-  const auto w = batch.weight.to(torch::kFloat64);
-  const int64_t N = lp.size(0);
-  torch::Tensor rewards, scored, log_probs;  // matching shapes
-  if (edge_rewards) {
-    // Edge (o, d) of steps (2p, 2p + 1) feeds row o: it earns position o's reward.
-    const int64_t S = sac.tokens.size(1), P = sac.tokens.size(2) / 2;
-    const auto origins = sac.tokens.view({N, S, P, 2}).select(3, 0).reshape({N, S * P});
-    rewards = lp.gather(1, origins).view({N, S, P});
-    scored = w.gather(1, origins).view({N, S, P}) > 0;
-    log_probs = sac.step_log_prob.view({N, S, P, 2}).sum(3);
-  } else {
-    // The paper's R: the sequence's mean log-probability of its labels.
-    const auto counts = w.sum(1);
-    rewards = (lp * w).sum(1) / counts.clamp_min(1);
-    scored = counts > 0;
-    log_probs = sac.log_prob;
-  }
-  Reinforce out;
-  if (!scored.any().item<bool>()) return out;
-  const auto earned = rewards.masked_select(scored);
-  out.mean_reward = earned.mean().item<double>();
-  const double b = predictor->update_baseline(earned);
-  const auto advantage = torch::where(scored, rewards - b, torch::zeros_like(rewards));
-  out.surrogate = -(advantage.to(log_probs.scalar_type()) * log_probs).sum() / static_cast<double>(N);
-  return out;
-}
-
 json metrics_json(const std::string& prefix, const tasks::Metrics& m) {
   return {{prefix + "loss", m.loss()}, {prefix + "bpc", m.bits()}, {prefix + "accuracy", m.accuracy()}};
 }
@@ -380,11 +334,8 @@ TrainResult Trainer::run() {
                                             [&](const torch::Tensor& q) { return q.is_same(p); });
       if (!in_predictor) params.push_back(p);
     }
-  bool edge_rewards = false;
-  for (const auto& spec : model_options_.attention()) {
-    const auto parsed = nn::resolve_mechanism(spec).second;
-    if (parsed.name == "sac") edge_rewards = nn::SacOptions::from_spec(parsed).reward == "edge";
-  }
+  const bool edge_credit = predictor && model_->sac_options().reward == "edge";
+  double predictor_grad_norm = 0;
   double reward_sum = 0;  // SAC: the interval's summed batch-mean rewards
   int64_t reward_batches = 0;
 
@@ -408,8 +359,8 @@ TrainResult Trainer::run() {
     if (predictor) {
       // REINFORCE: -sum_t grad log p(y_t | y_<t) (R - b), b the moving average
       // of past rewards (kept in the predictor's buffer).
-      const auto reinforce = sac_reinforce(predictor, model_->sac_structures(), logits.detach(), batch,
-                                           edge_rewards);
+      const auto reinforce = sac_reinforce(*predictor, model_->sac_structures(), logits.detach(), batch,
+                                           edge_credit);
       if (reinforce.surrogate.defined()) {
         objective = loss + reinforce.surrogate;
         reward_sum += reinforce.mean_reward;
@@ -419,7 +370,7 @@ TrainResult Trainer::run() {
     objective.backward();
     if (options_.clip() > 0) {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
-      if (predictor) torch::nn::utils::clip_grad_norm_(predictor_params, options_.clip());
+      if (predictor) predictor_grad_norm = torch::nn::utils::clip_grad_norm_(predictor_params, options_.clip());
     }
     optimizer_->step();
     interval += tasks::score(logits.detach(), batch);
@@ -460,6 +411,7 @@ TrainResult Trainer::run() {
       if (reward_batches > 0) {
         record["sac_reward"] = reward_sum / static_cast<double>(reward_batches);
         record["sac_baseline"] = predictor->baseline();
+        if (options_.clip() > 0) record["sac_grad_norm"] = predictor_grad_norm;
       }
       reward_sum = 0;
       reward_batches = 0;
@@ -530,10 +482,47 @@ LoadedRun load_run(const std::string& run_dir) {
   return run;
 }
 
+SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacStructures& sac,
+                          const torch::Tensor& logits, const tasks::Batch& batch, bool edge_credit) {
+  TORCH_CHECK(sac.log_prob.defined() && sac.step_log_prob.defined() && sac.tokens.defined(),
+              "sac_reinforce: the structures were not sampled (a model in training mode samples them)");
+  const auto lp = tasks::target_log_probs(logits, batch);
+  const auto w = batch.weight.to(torch::kFloat64);
+  const int64_t N = lp.size(0);
+  torch::Tensor rewards, scored, log_probs;  // matching shapes
+  if (edge_credit) {
+    // The destination step of edge k (step 2k + 1) earns its origin's reward.
+    const int64_t S = sac.tokens.size(1), P = sac.tokens.size(2) / 2;
+    const auto origins = sac.tokens.view({N, S, P, 2}).select(3, 0).reshape({N, S * P});
+    rewards = lp.gather(1, origins).view({N, S, P});
+    scored = w.gather(1, origins).view({N, S, P}) > 0;
+    log_probs = sac.step_log_prob.view({N, S, P, 2}).select(3, 1);
+  } else {
+    // The paper's R: the sequence's mean log-probability of its scored labels.
+    const auto counts = w.sum(1);
+    rewards = (lp * w).sum(1) / counts.clamp_min(1);
+    scored = counts > 0;
+    log_probs = sac.log_prob;
+  }
+  SacReinforce out;
+  if (!scored.any().item<bool>()) return out;
+  const auto earned = rewards.masked_select(scored);
+  out.mean_reward = earned.mean().item<double>();
+  out.baseline = predictor.update_baseline(earned);
+  const auto advantage = torch::where(scored, rewards - out.baseline, torch::zeros_like(rewards));
+  out.surrogate = -(advantage.to(log_probs.scalar_type()) * log_probs).sum() / static_cast<double>(N);
+  return out;
+}
+
 namespace {
 
-/// Adds one structure (shared or per head) to `stats`.
-void count_structure(const EdgeList& edges, const std::vector<int64_t>& partner, StructureStats& stats) {
+/// Adds one structure (shared or per head) to `stats`; rows whose position is
+/// not scored in `weight` (N = 1 row of the batch's weights) are left out of
+/// the partner counts.
+void count_structure(const EdgeList& edges, const std::vector<int64_t>& partner, const torch::Tensor& weight,
+                     StructureStats& stats) {
+  const auto scored = weight.to(torch::kFloat32).contiguous();
+  const float* w = scored.data_ptr<float>();
   const auto offsets = edges.offsets.reshape({-1, edges.num_queries() + 1}).contiguous();
   const auto columns = edges.columns.contiguous();
   const int64_t* col = columns.data_ptr<int64_t>();
@@ -542,7 +531,7 @@ void count_structure(const EdgeList& edges, const std::vector<int64_t>& partner,
     const int64_t* off = offsets[h].data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       bool self = false, found = false;
-      const int64_t want = i < static_cast<int64_t>(partner.size()) ? partner[i] : -1;
+      const int64_t want = i < static_cast<int64_t>(partner.size()) && w[i] > 0 ? partner[i] : -1;
       for (int64_t e = off[i]; e < off[i + 1]; ++e) {
         self |= col[e] == i;
         found |= col[e] == want;
@@ -550,7 +539,6 @@ void count_structure(const EdgeList& edges, const std::vector<int64_t>& partner,
       const double count = static_cast<double>(off[i + 1] - off[i]);
       stats.nodes += 1;
       stats.edges += count;
-      stats.self_edges += self;
       if (want >= 0) {
         stats.partner_rows += 1;
         stats.partner_found += found;
@@ -573,8 +561,11 @@ tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tas
   const auto partner = structure ? task.partners(context) : std::vector<int64_t>{};
   for (std::size_t i = 0; i < n; ++i) {
     total += tasks::score(model->forward(batches[i].input), batches[i]);
-    if (structure)
-      for (const auto& edges : model->sac_structures().edges) count_structure(edges, partner, *structure);
+    if (structure) {
+      const auto& edges = model->sac_structures().edges;
+      for (size_t b = 0; b < edges.size(); ++b)
+        count_structure(edges[b], partner, batches[i].weight[static_cast<int64_t>(b)], *structure);
+    }
   }
   model->train(was_training);
   return total;

@@ -296,6 +296,28 @@ TEST(Transformer, ExtraNodeSpansAreTheTreesSpans) {
   }
 }
 
+TEST(Transformer, ExtraNodesAreTheMeansOfTheirSpans) {
+  const auto x = torch::randn({2, 5, 3}, torch::kDouble);
+  for (const std::string mechanism : {"sparse-bp-tree", "sparse-star"}) {
+    SCOPED_TRACE(mechanism);
+    const auto y = append_extra_nodes(x, mechanism);
+    const auto spans = extra_node_spans(mechanism, 5);
+    ASSERT_EQ(y.size(1), 5 + static_cast<int64_t>(spans.size()));
+    EXPECT_EQ(attention_nodes(mechanism, 5), y.size(1));
+    EXPECT_TRUE(torch::equal(y.narrow(1, 0, 5), x));
+    for (size_t s = 0; s < spans.size(); ++s) {
+      const auto [lo, hi] = spans[s];
+      const auto mean = x.narrow(1, lo, hi - lo).mean(1);
+      EXPECT_LT(rel_err(y.select(1, 5 + static_cast<int64_t>(s)), mean), 1e-14) << "extra node " << s;
+    }
+  }
+  EXPECT_EQ(attention_nodes("full", 5), 5);
+  // One token: a tree without spans, nothing appended.
+  EXPECT_TRUE(torch::equal(append_extra_nodes(x.narrow(1, 0, 1), "sparse-bp-tree"), x.narrow(1, 0, 1)));
+  Transformer tree(small().architecture(Architecture::encoder).attention({"sparse-bp-tree"}));
+  EXPECT_EQ(tree->forward(torch::zeros({1, 1}, torch::kLong)).sizes(), (std::vector<int64_t>{1, 1, 11}));
+}
+
 // Encoders with BP-Transformer's span nodes or Star-Transformer's relay:
 // the blocks attend over tokens and extra nodes, the extra nodes start as the
 // means of their spans, the output keeps the tokens, and everything trains.

@@ -1,5 +1,5 @@
-// SAC inside a model: the batched sampler against the single-graph one and
-// teacher forcing, the REINFORCE baseline, random_structure, the "sac"
+// SAC inside a model: the batched sampler against teacher forcing, the
+// REINFORCE baseline, random_structure, the "sac"
 // per-head module over given structures, and the transformer that predicts
 // them (sampled in training, beam search in eval, no gradient into the
 // network from the predictor, swaps and mixed specs refused).
@@ -28,21 +28,6 @@ EdgePredictor make(EdgePredictorOptions o) {
   EdgePredictor p(o);
   p->to(torch::kFloat64);
   return p;
-}
-
-TEST(SacBatch, OneGraphDrawsWhatSampleDraws) {
-  for (auto variant : {EdgePredictorVariant::shared_structure, EdgePredictorVariant::all_connected,
-                       EdgePredictorVariant::head_adaptive}) {
-    SCOPED_TRACE(to_string(variant));
-    auto p = make(EdgePredictorOptions(6, 8).alpha(2).variant(variant).heads(2).max_distance(3));
-    const auto nodes = torch::randn({5, 6}, f64());
-    const auto one = p->sample(nodes, generator(3));
-    const auto batch = p->sample_batch(nodes.unsqueeze(0), generator(3));
-    EXPECT_TRUE(torch::equal(one.tokens, batch.tokens[0]));
-    EXPECT_NEAR(one.log_prob.item<double>(), batch.log_prob[0].item<double>(), kDoubleTol);
-    EXPECT_TRUE(torch::equal(one.edges.offsets, batch.edges[0].offsets));
-    EXPECT_TRUE(torch::equal(one.edges.columns, batch.edges[0].columns));
-  }
 }
 
 // Each graph of a batch is scored against its own nodes: the batched
@@ -137,6 +122,8 @@ TEST(SacStructure, ModuleAttendsOverTheStructuresItIsGiven) {
   expect_error([] { resolve_mechanism("sac:variant=star"); }, {"variant", "shared, all-connected, head-adaptive"});
   expect_error([] { resolve_mechanism("sac:alpha=0"); }, {"'alpha' must be >= 1"});
   expect_error([] { resolve_mechanism("sac:reward=row"); }, {"reward", "sequence or edge", "'row'"});
+  expect_error([] { resolve_mechanism("sac:reward=edge"); }, {"reward=edge", "variant=all-connected"});
+  EXPECT_NO_THROW(resolve_mechanism("sac:reward=edge,variant=all-connected"));
   EXPECT_NO_THROW(resolve_mechanism("sac:max_distance=0"));
 }
 
@@ -201,6 +188,7 @@ TEST(SacModel, RefusesWhatItCannotDo) {
                {"share one edge predictor", "sac:alpha=1", "sac:alpha=2"});
   EXPECT_NO_THROW(models::Transformer(sac_encoder("sac").attention({"full", "sac:alpha=2"})));
   models::Transformer with(sac_encoder("sac")), without(sac_encoder("full"));
+  EXPECT_NO_THROW(with->set_attention({"sac"}));  // what it has: nothing to swap
   expect_error([&] { with->set_attention({"full"}); }, {"out of SAC", "edge predictor"});
   expect_error([&] { without->set_attention({"sac"}); }, {"into SAC", "edge predictor"});
   EXPECT_FALSE(without->edge_predictor());

@@ -144,6 +144,13 @@ void check_sac_training(const std::string& reward) {
   EXPECT_EQ(records, 4);
   EXPECT_TRUE(result.validated);
   EXPECT_TRUE(std::isfinite(result.valid.loss()));
+  // Partner hits count the scored (masked) positions only, every one of them.
+  StructureStats stats;
+  const auto m = evaluate(trainer.model(), trainer.task(), tasks::Split::valid, 4, 18, 0, &stats);
+  EXPECT_EQ(stats.partner_rows, m.scored);
+  EXPECT_GE(stats.partner_found, 0);
+  EXPECT_LE(stats.partner_found, stats.partner_rows);
+  EXPECT_NEAR(stats.edges_per_node(), 2.0, 0.2);  // one predicted edge and the self-edge, some merged
 }
 
 }  // namespace
@@ -172,6 +179,52 @@ TEST(TrainTrainer, ResumeEqualsUninterruptedBitwise) {
                              .attention({"sac:alpha=1,variant=all-connected,hidden=8,max_distance=9"});
     check_resume_is_bitwise("sac", encoder, {"copy", "", 8});
   }
+}
+
+// The REINFORCE term on a hand-made batch: its gradient with respect to each
+// step's log-probability is -(R - b) / N where the step is credited, 0
+// elsewhere; the baseline is the first batch's mean reward.
+TEST(TrainTrainer, SacReinforceCreditsTheRightSteps) {
+  torch::manual_seed(1);
+  nn::EdgePredictor predictor(nn::EdgePredictorOptions(4, 4).variant(nn::EdgePredictorVariant::all_connected));
+  const int64_t N = 2, L = 3, V = 4;
+  tasks::Batch batch{torch::zeros({N, L}, torch::kLong), torch::tensor({{1, 2, 3}, {0, 1, 2}}),
+                     torch::tensor({{1.f, 0.f, 1.f}, {0.f, 0.f, 0.f}})};
+  const auto logits = torch::randn({N, L, V});
+  const auto lp = tasks::target_log_probs(logits, batch);  // (N, L)
+  // all-connected, alpha 1: origins 0, 1, 2 fed at steps 0, 2, 4.
+  models::SacStructures sac;
+  sac.tokens = torch::tensor({{{0, 2, 1, 0, 2, 2}}, {{0, 1, 1, 1, 2, 0}}});
+  sac.step_log_prob = torch::randn({N, 1, 6}).requires_grad_(true);
+  sac.log_prob = sac.step_log_prob.sum({1, 2});
+  {
+    SCOPED_TRACE("edge credit");
+    auto r = train::sac_reinforce(*predictor, sac, logits, batch, true);
+    // Credited: sequence 0, destinations of origins 0 and 2 (scored); nothing in sequence 1.
+    const double r0 = lp[0][0].item<double>(), r2 = lp[0][2].item<double>();
+    EXPECT_NEAR(r.mean_reward, (r0 + r2) / 2, 1e-12);
+    EXPECT_NEAR(r.baseline, (r0 + r2) / 2, 1e-12);
+    const auto g = torch::autograd::grad({r.surrogate}, {sac.step_log_prob})[0];
+    auto expected = torch::zeros({N, 1, 6});
+    expected[0][0][1] = -(r0 - r.baseline) / N;
+    expected[0][0][5] = -(r2 - r.baseline) / N;
+    EXPECT_LT((g - expected).abs().max().item<double>(), 1e-6);
+  }
+  {
+    SCOPED_TRACE("sequence credit");
+    const double before = predictor->baseline();
+    auto r = train::sac_reinforce(*predictor, sac, logits, batch, false);
+    const double R0 = (lp[0][0].item<double>() + lp[0][2].item<double>()) / 2;  // sequence 1 unscored
+    EXPECT_NEAR(r.mean_reward, R0, 1e-12);
+    EXPECT_NEAR(r.baseline, before, 1e-12);  // compared with the average before this batch
+    const auto g = torch::autograd::grad({r.surrogate}, {sac.step_log_prob})[0];
+    auto expected = torch::zeros({N, 1, 6});
+    expected[0] = -(R0 - before) / N;
+    EXPECT_LT((g - expected).abs().max().item<double>(), 1e-6);
+  }
+  // Nothing scored: no term.
+  batch.weight.zero_();
+  EXPECT_FALSE(train::sac_reinforce(*predictor, sac, logits, batch, true).surrogate.defined());
 }
 
 // SAC trains its predictor by REINFORCE in the same loop, with either credit

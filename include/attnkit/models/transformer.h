@@ -19,6 +19,7 @@
 #include <attnkit/nn/agglomerative.h>
 #include <attnkit/nn/dense.h>
 #include <attnkit/nn/edge_predictor.h>
+#include <attnkit/nn/sac.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/zoo.h>
 #include <torch/nn/module.h>
@@ -114,6 +115,13 @@ bool adds_nodes(const std::string& mechanism);
 /// The token span [lo, hi) of each extra node of `mechanism` over `tokens`
 /// tokens, in node order (node t + i spans the i-th).
 std::vector<std::pair<int64_t, int64_t>> extra_node_spans(const std::string& mechanism, int64_t tokens);
+/// The nodes a block of `mechanism` attends over for `tokens` tokens: tokens
+/// plus the extra nodes of a pattern that adds some.
+int64_t attention_nodes(const std::string& mechanism, int64_t tokens);
+/// x (N, t, d) followed by the extra nodes of `mechanism` over its t tokens:
+/// (N, t + extra, d), each extra node the mean of the rows of its span
+/// (sums from prefix sums, O(t d)).
+torch::Tensor append_extra_nodes(const torch::Tensor& x, const std::string& mechanism);
 
 /// Sampling settings of generate().
 struct GenerateOptions {
@@ -210,6 +218,8 @@ class TransformerImpl : public torch::nn::Module {
   nn::EdgePredictor& edge_predictor() { return edge_predictor_; }
   /// The structures of the last forward() (empty for a model without SAC).
   const SacStructures& sac_structures() const { return sac_structures_; }
+  /// The options of the model's "sac" spec (meaningful with an edge predictor).
+  const nn::SacOptions& sac_options() const { return sac_options_; }
 
   /// Parameters (a tied embedding counted once).
   int64_t parameter_count() const;
@@ -224,9 +234,6 @@ class TransformerImpl : public torch::nn::Module {
   /// SAC: predicts the structures of a batch from its embeddings x (N, L, d)
   /// and hands them to the SAC blocks.
   void predict_structures(const torch::Tensor& x);
-  /// Patterns that add nodes: x (N, t, d) -> (N, t + extra, d), each extra
-  /// node the mean of the embeddings of its span (extra_node_spans).
-  torch::Tensor add_extra_nodes(const torch::Tensor& x) const;
 
   TransformerOptions options_;
   torch::nn::Embedding embedding_{nullptr}, source_embedding_{nullptr};
@@ -238,7 +245,7 @@ class TransformerImpl : public torch::nn::Module {
   nn::Linear output_{nullptr};  // untied output layer
   AttentionProbe probe_;
   nn::EdgePredictor edge_predictor_{nullptr};
-  int64_t sac_beam_ = 0;  // the sac spec's beam width
+  nn::SacOptions sac_options_;
   std::string extra_nodes_;  // the blocks' mechanism when it adds nodes (adds_nodes), else ""
   SacStructures sac_structures_;
 };

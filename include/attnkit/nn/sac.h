@@ -34,9 +34,10 @@ struct SacOptions {
   int64_t beam = 5;           ///< beam width at evaluation
   uint64_t seed = 0;          ///< random_structure's seed when no predictor supplies one
   /// REINFORCE credit: "sequence" (the paper: every step of a sequence gets
-  /// its reward, the mean log-probability of the sequence's labels) or "edge"
-  /// (both steps of an edge (o, d) get the log-probability of position o's
-  /// label, the row the edge feeds; edges from unscored positions get none).
+  /// its reward, the mean log-probability of the sequence's scored labels) or
+  /// "edge" (each destination step gets the log-probability of its origin's
+  /// label, the row the edge feeds; edges from unscored positions get none;
+  /// needs variant=all-connected, whose origins are fed, not predicted).
   std::string reward = "sequence";
 
   /// Reads a resolved "sac" spec (the registry has checked keys and numbers).

@@ -51,6 +51,10 @@ Metrics score(const torch::Tensor& logits, const Batch& batch);
 /// outside [0, V).
 torch::Tensor loss(const torch::Tensor& logits, const Batch& batch);
 
+/// log p(target) at every position, float64 (N, L), without gradient (scored
+/// or not): what SAC's rewards are made of.
+torch::Tensor target_log_probs(const torch::Tensor& logits, const Batch& batch);
+
 class Task {
  public:
   virtual ~Task() = default;
@@ -75,9 +79,10 @@ class Task {
   virtual std::vector<Batch> eval_batches(Split split, int64_t batch, int64_t context) const = 0;
 
   /// For tasks whose right attention structure is known (copy: each symbol's
-  /// twin in the other half): partner[i] is the position that position i of a
-  /// sequence of sequence_length(context) tokens needs to see, -1 where there
-  /// is none. Empty (the default) when the task has no such structure.
+  /// twin in the other half): partner[i] is the position that holds what
+  /// position i must predict when it is scored (masked), for sequences of
+  /// sequence_length(context) tokens; -1 where there is none. Empty (the
+  /// default) when the task has no such structure.
   virtual std::vector<int64_t> partners(int64_t context) const { return {}; }
 
   /// Text <-> token ids for tasks over text (char-lm); the defaults throw,

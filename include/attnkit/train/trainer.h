@@ -46,7 +46,7 @@ struct TrainerOptions {
   typedef std::tuple<double, double> betas_t;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
   TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, clip) = 1.0;      ///< global gradient norm bound; 0: no clipping
+  TORCH_ARG(double, clip) = 1.0;      ///< gradient norm bound (the network; a SAC predictor separately); 0: none
   TORCH_ARG(uint64_t, seed) = 0;
   TORCH_ARG(int, threads) = 0;        ///< attnkit::set_num_threads and at::set_num_threads; 0: default
   TORCH_ARG(int64_t, log_every) = 10;        ///< steps per progress line / metrics.jsonl record
@@ -165,8 +165,8 @@ StoredOptions read_stored_options(const std::string& run_dir);
 struct StructureStats {
   double nodes = 0;            ///< rows (per head for head-adaptive structures)
   double edges = 0;            ///< edges, self-edges included
-  double self_edges = 0;
-  /// Tasks with known partners (Task::partners), rows whose position has one:
+  /// Tasks with known partners (Task::partners), rows whose position is scored
+  /// and has one (the copy task's masked symbols):
   double partner_rows = 0;     ///< such rows
   double partner_found = 0;    ///< ... whose edges include the partner
   double predicted_edges = 0;  ///< their edges other than the self-edge
@@ -177,6 +177,20 @@ struct StructureStats {
   /// partner (precision).
   double partner_precision() const { return predicted_edges > 0 ? partner_found / predicted_edges : 0; }
 };
+
+/// One batch's REINFORCE term for a SAC model's predictor (docs/MATH.md,
+/// "SAC"): `surrogate` (undefined when nothing in the batch is scored) has the
+/// policy-gradient estimate as its gradient; `mean_reward` over the credited
+/// rewards; `baseline` the b they were compared with, after which the
+/// predictor's moving average is updated. `sac` the structures the model
+/// sampled for `batch` (training mode), `logits` its output (no gradient is
+/// taken through them); `edge_credit`: nn::SacOptions::reward "edge".
+struct SacReinforce {
+  torch::Tensor surrogate;
+  double mean_reward = 0, baseline = 0;
+};
+SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacStructures& sac,
+                          const torch::Tensor& logits, const tasks::Batch& batch, bool edge_credit);
 
 /// Metrics of `model` (eval mode, no autograd) over the first `max_batches`
 /// (0: all) evaluation batches of `split`, `batch` sequences of `context` tokens.
