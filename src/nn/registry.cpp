@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <sstream>
 
 #include "ops/checks.h"
@@ -460,11 +461,25 @@ MechanismInfo agglomerative_entry() {
 
 // sparse-<pattern> ------------------------------------------------------------------------
 
-/// Exact attention's count per visible pair, per edge: q . k and p v, 2 (E + M)
-/// flops, over every edge of every head (a shared list serves H heads).
-double sparse_flops(const AttentionShape& s, const EdgeList& edges) {
-  const double per_head = edges.per_head() ? 1.0 : double(s.H);
-  return 2.0 * double(s.E + s.M) * double(s.N) * per_head * double(edges.num_edges());
+/// Fills the functional forms of a mechanism that is sparse_attention over the
+/// edge list `edges(L, spec)` of L nodes: run, reference, dispatch, and flops
+/// (exact attention's count per visible pair, per edge: q . k and p v,
+/// 2 (E + M), over every edge of every head; a shared list serves H heads).
+void attend_over_edges(MechanismInfo& m, std::function<EdgeList(int64_t, const MechanismSpec&)> edges) {
+  m.run = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec));
+  };
+  m.reference = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return reference::sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec), {});
+  };
+  m.dispatch = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
+    return sparse_attention_dispatch(x[0], x[1], x[2], edges(x[0].size(2), spec));
+  };
+  m.flops = [edges](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
+    const auto e = edges(s.L, spec);
+    const double per_head = e.per_head() ? 1.0 : double(s.H);
+    return 2.0 * double(s.E + s.M) * double(s.N) * per_head * double(e.num_edges());
+  };
 }
 
 MechanismInfo sparse_entry(const Pattern& pattern) {
@@ -500,22 +515,9 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
-  auto edges_for = [pattern](const Inputs& x, const MechanismSpec& spec) {
-    const int64_t param = pattern.param ? spec.get_int(pattern.param, 32) : 0;
-    return pattern_edges(pattern.name, x[0].size(2), param);
-  };
-  m.run = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention(x[0], x[1], x[2], edges_for(x, spec));
-  };
-  m.reference = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return reference::sparse_attention(x[0], x[1], x[2], edges_for(x, spec), {});
-  };
-  m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
-  };
-  m.flops = [pattern](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
-    return sparse_flops(s, pattern_edges(pattern.name, s.L, pattern.param ? spec.get_int(pattern.param, 32) : 0));
-  };
+  attend_over_edges(m, [pattern](int64_t n, const MechanismSpec& spec) {
+    return pattern_edges(pattern.name, n, pattern.param ? spec.get_int(pattern.param, 32) : 0);
+  });
   return m;
 }
 
@@ -539,23 +541,10 @@ MechanismInfo sac_entry() {
   m.make = [](const MechanismSpec& spec) -> std::shared_ptr<MechanismImpl> {
     return std::make_shared<SacAttentionImpl>(spec);
   };
-  auto edges_for = [](const Inputs& x, const MechanismSpec& spec) {
+  attend_over_edges(m, [](int64_t n, const MechanismSpec& spec) {
     const auto o = SacOptions::from_spec(spec);
-    return random_structure(x[0].size(2), o.alpha, o.seed);
-  };
-  m.run = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention(x[0], x[1], x[2], edges_for(x, spec));
-  };
-  m.reference = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return reference::sparse_attention(x[0], x[1], x[2], edges_for(x, spec), {});
-  };
-  m.dispatch = [edges_for](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention_dispatch(x[0], x[1], x[2], edges_for(x, spec));
-  };
-  m.flops = [](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
-    const auto o = SacOptions::from_spec(spec);
-    return sparse_flops(s, random_structure(s.L, o.alpha, o.seed));
-  };
+    return random_structure(n, o.alpha, o.seed);
+  });
   return m;
 }
 

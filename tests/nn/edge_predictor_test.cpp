@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "nn/edge_predictor_util.h"
 #include "test_util.h"
 
 namespace attnkit::nn {
@@ -23,14 +24,8 @@ using testing::f64;
 // float64 computations of the same sums in another order: rounding only.
 constexpr double kDoubleTol = 1e-12;
 
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-EdgePredictor make(EdgePredictorOptions o, uint64_t seed = 0) {
-  torch::manual_seed(seed);
-  EdgePredictor p(o);
-  p->to(torch::kFloat64);
-  return p;
-}
+using testing::generator;
+EdgePredictor make(const EdgePredictorOptions& o, uint64_t seed = 0) { return testing::make_predictor(o, seed); }
 
 int64_t sequences(const EdgePredictorOptions& o) {
   return o.variant() == EdgePredictorVariant::head_adaptive ? o.heads() : 1;

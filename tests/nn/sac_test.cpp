@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "reference/reference.h"
+#include "nn/edge_predictor_util.h"
 #include "test_util.h"
 
 namespace attnkit::nn {
@@ -21,14 +22,8 @@ using testing::f64;
 // float64 computations of the same sums in another order: rounding only.
 constexpr double kDoubleTol = 1e-12;
 
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-EdgePredictor make(EdgePredictorOptions o) {
-  torch::manual_seed(7);
-  EdgePredictor p(o);
-  p->to(torch::kFloat64);
-  return p;
-}
+using testing::generator;
+EdgePredictor make(const EdgePredictorOptions& o) { return testing::make_predictor(o, 7); }
 
 // Each graph of a batch is scored against its own nodes: the batched
 // log-probabilities equal teacher-forced ones graph by graph, in value and in
