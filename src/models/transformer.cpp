@@ -121,6 +121,7 @@ void TransformerImpl::predict_structures(const torch::Tensor& x) {
     sac_structures_.log_prob = sample.log_prob;
     sac_structures_.tokens = sample.tokens;
     sac_structures_.step_log_prob = sample.step_log_prob;
+    sac_structures_.entropy = sample.entropy;
   } else {
     for (int64_t b = 0; b < nodes.size(0); ++b)
       sac_structures_.edges.push_back(edge_predictor_->beam_search(nodes[b], sac_options_.beam).edges);

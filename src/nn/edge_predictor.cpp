@@ -212,6 +212,7 @@ EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional
   auto h = torch::zeros({B, options.hidden_size()}, pointer.options());
   auto c = h;
   std::vector<torch::Tensor> picks;  // (B) log-probabilities of each step, 0 where fed
+  std::vector<torch::Tensor> entropies;  // (B) entropy of each predicted step
   std::vector<int64_t> previous(B, 0), origins;
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t t = 0; t < T; ++t) {
@@ -232,12 +233,14 @@ EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional
       const int64_t* j = chosen.data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b) tok[b][s][t] = j[b];
       picks.push_back(logp.gather(1, choice).squeeze(1));
+      entropies.push_back(-(logp.exp() * logp).sum(1));
     }
   }
   EdgeSampleBatch out;
   out.tokens = tokens;
   out.step_log_prob = torch::stack(picks, 1).view({B, S, T});
   out.log_prob = out.step_log_prob.sum({1, 2});
+  out.entropy = torch::stack(entropies, 1).sum(1);
   for (int64_t b = 0; b < B; ++b) out.edges.push_back(edges_from_tokens(tokens[b], ctx.n));
   return out;
 }

@@ -534,7 +534,8 @@ MechanismInfo sac_entry() {
                {"hidden", "64", "the edge predictor's LSTM width"},
                {"beam", "5", "beam width of the structure at evaluation"},
                {"seed", "0", "random_structure's seed when no predictor supplies one"},
-               {"reward", "sequence", "REINFORCE credit: sequence (the paper) | edge (per edge's row)"}};
+               {"reward", "sequence", "REINFORCE credit: sequence (the paper) | edge (per edge's row)"},
+               {"entropy", "0.0", "weight of an entropy bonus on the predictor (0: none, the paper)"}};
   m.supports = {false, false, false, true, false};
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;

@@ -20,6 +20,8 @@ SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
   o.beam = spec.get_int("beam", o.beam);
   o.seed = static_cast<uint64_t>(spec.get_int("seed", static_cast<int64_t>(o.seed)));
   o.reward = spec.get("reward", o.reward);
+  o.entropy = spec.get_double("entropy", o.entropy);
+  TORCH_CHECK(o.entropy >= 0, "mechanism '", spec.str(), "': option 'entropy' must be >= 0, got ", o.entropy);
   TORCH_CHECK(o.reward == "sequence" || o.reward == "edge", "mechanism '", spec.str(),
               "': option 'reward' must be sequence or edge, got '", o.reward, "'");
   // Per-edge credit rewards a destination with its origin's label; a predicted

@@ -334,7 +334,6 @@ TrainResult Trainer::run() {
                                             [&](const torch::Tensor& q) { return q.is_same(p); });
       if (!in_predictor) params.push_back(p);
     }
-  const bool edge_credit = predictor && model_->sac_options().reward == "edge";
   double predictor_grad_norm = 0;
   double reward_sum = 0;  // SAC: the interval's summed batch-mean rewards
   int64_t reward_batches = 0;
@@ -360,7 +359,7 @@ TrainResult Trainer::run() {
       // REINFORCE: -sum_t grad log p(y_t | y_<t) (R - b), b the moving average
       // of past rewards (kept in the predictor's buffer).
       const auto reinforce = sac_reinforce(*predictor, model_->sac_structures(), logits.detach(), batch,
-                                           edge_credit);
+                                           model_->sac_options());
       if (reinforce.surrogate.defined()) {
         objective = loss + reinforce.surrogate;
         reward_sum += reinforce.mean_reward;
@@ -483,7 +482,8 @@ LoadedRun load_run(const std::string& run_dir) {
 }
 
 SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacStructures& sac,
-                          const torch::Tensor& logits, const tasks::Batch& batch, bool edge_credit) {
+                          const torch::Tensor& logits, const tasks::Batch& batch, const nn::SacOptions& options) {
+  const bool edge_credit = options.reward == "edge";
   TORCH_CHECK(sac.log_prob.defined() && sac.step_log_prob.defined() && sac.tokens.defined(),
               "sac_reinforce: the structures were not sampled (a model in training mode samples them)");
   const auto lp = tasks::target_log_probs(logits, batch);
@@ -511,6 +511,7 @@ SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacSt
   out.baseline = predictor.update_baseline(earned);
   const auto advantage = torch::where(scored, rewards - out.baseline, torch::zeros_like(rewards));
   out.surrogate = -(advantage.to(log_probs.scalar_type()) * log_probs).sum() / static_cast<double>(N);
+  if (options.entropy > 0) out.surrogate = out.surrogate - options.entropy * sac.entropy.mean();
   return out;
 }
 

@@ -7,6 +7,7 @@
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/sac.h>
 
+#include <cmath>
 #include <vector>
 
 #include "reference/reference.h"
@@ -43,6 +44,11 @@ TEST(SacBatch, EachGraphMatchesTeacherForcingInValueAndGradient) {
     const auto g_batch = torch::autograd::grad({(batch.log_prob * weights).sum()}, params);
     torch::Tensor forced_sum = torch::zeros({}, f64());
     EXPECT_LT(testing::rel_err(batch.step_log_prob.sum({1, 2}), batch.log_prob), 1e-14);
+    // Summed entropies of distributions over n nodes: in [0, steps log n].
+    const double steps = variant == EdgePredictorVariant::all_connected ? p->steps(n) / 2 : p->steps(n);
+    EXPECT_EQ(batch.entropy.sizes(), (std::vector<int64_t>{B}));
+    EXPECT_TRUE((batch.entropy > 0).all().item<bool>() &&
+                (batch.entropy <= p->sequences() * steps * std::log(double(n)) + 1e-9).all().item<bool>());
     if (variant == EdgePredictorVariant::all_connected)  // fed origins cost nothing
       EXPECT_EQ(testing::max_abs(batch.step_log_prob.select(2, 0)), 0.0);
     for (int64_t b = 0; b < B; ++b) {

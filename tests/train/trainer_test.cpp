@@ -197,9 +197,12 @@ TEST(TrainTrainer, SacReinforceCreditsTheRightSteps) {
   sac.tokens = torch::tensor({{{0, 2, 1, 0, 2, 2}}, {{0, 1, 1, 1, 2, 0}}});
   sac.step_log_prob = torch::randn({N, 1, 6}).requires_grad_(true);
   sac.log_prob = sac.step_log_prob.sum({1, 2});
+  sac.entropy = torch::rand({N}).requires_grad_(true);
+  nn::SacOptions edge;
+  edge.reward = "edge";
   {
     SCOPED_TRACE("edge credit");
-    auto r = train::sac_reinforce(*predictor, sac, logits, batch, true);
+    auto r = train::sac_reinforce(*predictor, sac, logits, batch, edge);
     // Credited: sequence 0, destinations of origins 0 and 2 (scored); nothing in sequence 1.
     const double r0 = lp[0][0].item<double>(), r2 = lp[0][2].item<double>();
     EXPECT_NEAR(r.mean_reward, (r0 + r2) / 2, 1e-12);
@@ -213,7 +216,7 @@ TEST(TrainTrainer, SacReinforceCreditsTheRightSteps) {
   {
     SCOPED_TRACE("sequence credit");
     const double before = predictor->baseline();
-    auto r = train::sac_reinforce(*predictor, sac, logits, batch, false);
+    auto r = train::sac_reinforce(*predictor, sac, logits, batch, nn::SacOptions{});
     const double R0 = (lp[0][0].item<double>() + lp[0][2].item<double>()) / 2;  // sequence 1 unscored
     EXPECT_NEAR(r.mean_reward, R0, 1e-12);
     EXPECT_NEAR(r.baseline, before, 1e-12);  // compared with the average before this batch
@@ -222,9 +225,17 @@ TEST(TrainTrainer, SacReinforceCreditsTheRightSteps) {
     expected[0] = -(R0 - before) / N;
     EXPECT_LT((g - expected).abs().max().item<double>(), 1e-6);
   }
+  {
+    SCOPED_TRACE("entropy bonus");
+    nn::SacOptions bonus;
+    bonus.entropy = 0.25;
+    auto r = train::sac_reinforce(*predictor, sac, logits, batch, bonus);
+    const auto g = torch::autograd::grad({r.surrogate}, {sac.entropy})[0];
+    EXPECT_LT((g + 0.25 / N).abs().max().item<double>(), 1e-7);  // -entropy x mean(H)
+  }
   // Nothing scored: no term.
   batch.weight.zero_();
-  EXPECT_FALSE(train::sac_reinforce(*predictor, sac, logits, batch, true).surrogate.defined());
+  EXPECT_FALSE(train::sac_reinforce(*predictor, sac, logits, batch, edge).surrogate.defined());
 }
 
 // SAC trains its predictor by REINFORCE in the same loop, with either credit

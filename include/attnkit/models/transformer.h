@@ -147,6 +147,8 @@ struct SacStructures {
   /// Training only: (N, sequences, 2 alpha n) the predictor's steps (origins at
   /// even positions) and their log-probabilities (EdgeSampleBatch).
   torch::Tensor tokens, step_log_prob;
+  /// Training only: (N) the summed entropy of each sequence's predicted steps.
+  torch::Tensor entropy;
 };
 
 /// Everything incremental decoding of a batch of streams carries from one

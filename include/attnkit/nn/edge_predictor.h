@@ -111,6 +111,10 @@ struct EdgeSampleBatch {
   torch::Tensor step_log_prob;
   /// int64 (B, sequences, 2 alpha n): the steps of every graph.
   torch::Tensor tokens;
+  /// (B): the entropies (nats) of the predicted steps' distributions, summed
+  /// over the steps like log_prob, differentiable: what an entropy bonus
+  /// raises to keep the policy exploring.
+  torch::Tensor entropy;
 };
 
 class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {

@@ -39,6 +39,10 @@ struct SacOptions {
   /// label, the row the edge feeds; edges from unscored positions get none;
   /// needs variant=all-connected, whose origins are fed, not predicted).
   std::string reward = "sequence";
+  /// Weight of an entropy bonus on the predictor's step distributions, per
+  /// step (the surrogate subtracts entropy x sum_t H_t, averaged over the
+  /// batch; 0: the paper's plain REINFORCE); keeps the policy exploring.
+  double entropy = 0;
 
   /// Reads a resolved "sac" spec (the registry has checked keys and numbers).
   static SacOptions from_spec(const MechanismSpec& spec);

@@ -184,13 +184,15 @@ struct StructureStats {
 /// rewards; `baseline` the b they were compared with, after which the
 /// predictor's moving average is updated. `sac` the structures the model
 /// sampled for `batch` (training mode), `logits` its output (no gradient is
-/// taken through them); `edge_credit`: nn::SacOptions::reward "edge".
+/// taken through them); `options` the model's SAC options (`reward`, and
+/// `entropy`: the surrogate also subtracts entropy x the batch mean of
+/// sac.entropy, the sequences' summed step entropies).
 struct SacReinforce {
   torch::Tensor surrogate;
   double mean_reward = 0, baseline = 0;
 };
 SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacStructures& sac,
-                          const torch::Tensor& logits, const tasks::Batch& batch, bool edge_credit);
+                          const torch::Tensor& logits, const tasks::Batch& batch, const nn::SacOptions& options);
 
 /// Metrics of `model` (eval mode, no autograd) over the first `max_batches`
 /// (0: all) evaluation batches of `split`, `batch` sequences of `context` tokens.
