@@ -145,7 +145,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
       r.gflops = (backward ? 3.5 : 1.0) * *f / (r.ms * 1e6);
       // These count 2 (E + M) flops per attended pair: exact attention's
       // (query, key) pairs, a sparse pattern's edges.
-      const bool pairs = info.name == "full" || info.name == "sac" || info.name.rfind("sparse-", 0) == 0;
+      const bool pairs = info.name == "full" || info.edges;
       if (pairs && *f > 0) r.ns_per_edge = r.ms * 1e6 / (*f / (2.0 * double(shape.E + shape.M)));
     }
 

@@ -77,11 +77,9 @@ void add_eval_command(CLI::App& app) {
     // nodes the pattern adds), for comparisons at equal edge counts.
     double pattern_edges_per_node = 0;
     const auto [info, spec] = nn::resolve_mechanism(used.front());
-    if (!sac && used.size() == 1 && info->name.rfind("sparse-", 0) == 0) {
+    if (!sac && used.size() == 1 && info->edges) {
       const int64_t nodes = models::attention_nodes(info->name, run.task->sequence_length(context));
-      const auto& option = info->options;
-      const int64_t param = option.empty() ? 0 : spec.get_int(option[0].key, std::stoll(option[0].default_value));
-      const auto edges = nn::pattern_edges(info->name.substr(7), nodes, param);
+      const auto edges = info->edges(nodes, spec);
       pattern_edges_per_node = static_cast<double>(edges.num_edges()) / static_cast<double>(nodes);
       std::printf("pattern %s: %.2f edges per node over %lld nodes\n", info->name.c_str(), pattern_edges_per_node,
                   static_cast<long long>(nodes));

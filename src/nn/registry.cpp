@@ -466,6 +466,7 @@ MechanismInfo agglomerative_entry() {
 /// (exact attention's count per visible pair, per edge: q . k and p v,
 /// 2 (E + M), over every edge of every head; a shared list serves H heads).
 void attend_over_edges(MechanismInfo& m, std::function<EdgeList(int64_t, const MechanismSpec&)> edges) {
+  m.edges = edges;
   m.run = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
     return sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec));
   };

@@ -51,6 +51,8 @@ TEST(Registry, EveryEntryIsCompleteAndListed) {
     SCOPED_TRACE(m.name);
     EXPECT_TRUE(m.sample && m.run && m.reference);
     EXPECT_FALSE(m.inputs.empty());
+    // Edge-list mechanisms say so (bench's ns/edge, eval's edges per node).
+    EXPECT_EQ(static_cast<bool>(m.edges), m.name.rfind("sparse-", 0) == 0 || m.name == "sac");
     EXPECT_NE(table.find(m.name), std::string::npos);
     for (const auto& o : m.options) EXPECT_NE(table.find(o.key + "=" + o.default_value), std::string::npos);
     // Defaults written in the table are what the entry uses: resolving them is a no-op.

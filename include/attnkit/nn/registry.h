@@ -117,6 +117,9 @@ struct MechanismInfo {
       reference;
   /// Which backend `run` takes on these inputs, and why.
   std::function<Dispatch(const MechanismInputs&, const AttendArgs&, const MechanismSpec&)> dispatch;
+  /// Mechanisms that are sparse_attention over an edge list (sparse-*, and
+  /// sac alone): the list over n nodes for a spec; null for the others.
+  std::function<EdgeList(int64_t n, const MechanismSpec&)> edges;
   /// Floating-point operations of one forward pass, when there is a closed form.
   std::function<c10::optional<double>(const AttentionShape&, bool causal, const MechanismSpec&)>
       flops;
