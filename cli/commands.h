@@ -52,4 +52,8 @@ void add_generate_command(CLI::App& app);
 /// paper's read-outs (none, linear, gated, softmax) trained on cloze questions.
 void add_cloze_command(CLI::App& app);
 
+/// `attnkit node-classify`: a graph attention network (input edges, full,
+/// random extra edges or SAC's learned edges) on a node-classification dataset.
+void add_node_classify_command(CLI::App& app);
+
 }  // namespace attnkit::cli

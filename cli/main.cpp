@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   attnkit::cli::add_generate_command(app);
   attnkit::cli::add_bench_model_command(app);
   attnkit::cli::add_cloze_command(app);
+  attnkit::cli::add_node_classify_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

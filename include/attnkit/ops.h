@@ -221,6 +221,18 @@ EdgeList strided(int64_t n, int64_t stride);
 /// Builds a pattern by name: "full", "causal", "local", "segments", "bp-tree",
 /// "star", "strided"; `param` is the span, segment length or stride.
 EdgeList by_name(const std::string& name, int64_t n, int64_t param);
+/// The union of two shared lists over the same L x S grid: row i holds the
+/// columns of row i of `a` and of `b`, sorted, each once. Per-head lists are
+/// merged head by head (both must then have the same number of heads). The
+/// SAC graph model adds predicted edges to a graph's own this way.
+EdgeList merge(const EdgeList& a, const EdgeList& b);
+/// Hop distances over a square shared list read as a directed graph (an edge
+/// i -> j for every column j of row i): int64 (n, n), entry (i, j) the fewest
+/// edges on a path from i to j, clipped at `max_distance` (also the value of
+/// unreachable pairs); 0 on the diagonal. One breadth-first search per node,
+/// each stopped at depth max_distance: O(n (n + nnz)) time at worst, n^2
+/// int64 of memory. The distance encoding of SAC's edge predictor on graphs.
+torch::Tensor hop_distances(const EdgeList& edges, int64_t max_distance);
 }  // namespace edges
 
 // ----------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -175,6 +177,70 @@ EdgeList by_name(const std::string& name, int64_t n, int64_t param) {
   TORCH_CHECK(false, "edges::by_name: unknown pattern '", name,
               "'; expected one of full, causal, local, local-causal, segments, "
               "segments-causal, bp-tree, star, strided");
+}
+
+EdgeList merge(const EdgeList& a, const EdgeList& b) {
+  constexpr int64_t kAnyKey = std::numeric_limits<int64_t>::max();
+  TORCH_CHECK(a.offsets.defined() && b.offsets.defined(), "edges::merge: both lists need 'offsets'");
+  TORCH_CHECK(a.per_head() == b.per_head(), "edges::merge: cannot merge a shared list with a per-head one");
+  const int64_t L = a.num_queries();
+  TORCH_CHECK(b.num_queries() == L, "edges::merge: the lists have ", L, " and ", b.num_queries(),
+              " queries");
+  const int64_t heads = a.per_head() ? a.offsets.size(0) : 1;
+  TORCH_CHECK(!a.per_head() || b.offsets.size(0) == heads, "edges::merge: the lists have ", heads,
+              " and ", b.offsets.size(0), " heads");
+  check_edge_list(a, L, kAnyKey, heads, "edges::merge");
+  check_edge_list(b, L, kAnyKey, heads, "edges::merge");
+  const auto ao = a.offsets.contiguous().view({heads, L + 1}), bo = b.offsets.contiguous().view({heads, L + 1});
+  const auto ac = a.columns.contiguous(), bc = b.columns.contiguous();
+  const int64_t *ca = ac.data_ptr<int64_t>(), *cb = bc.data_ptr<int64_t>();
+  std::vector<int64_t> offsets, columns;
+  offsets.reserve(heads * (L + 1));
+  columns.reserve(a.num_edges() + b.num_edges());
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t *oa = ao[h].data_ptr<int64_t>(), *ob = bo[h].data_ptr<int64_t>();
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+    for (int64_t i = 0; i < L; ++i) {
+      // Both rows are sorted and duplicate-free: a sorted union.
+      std::set_union(ca + oa[i], ca + oa[i + 1], cb + ob[i], cb + ob[i + 1], std::back_inserter(columns));
+      offsets.push_back(static_cast<int64_t>(columns.size()));
+    }
+  }
+  auto opts = torch::TensorOptions().dtype(torch::kLong);
+  auto off = torch::tensor(offsets, opts);
+  if (a.per_head()) off = off.view({heads, L + 1});
+  return {off, torch::tensor(columns, opts)};
+}
+
+torch::Tensor hop_distances(const EdgeList& edges, int64_t max_distance) {
+  TORCH_CHECK(edges.offsets.defined() && !edges.per_head(),
+              "edges::hop_distances: needs one shared edge list (offsets of shape (n + 1))");
+  check_size("hop_distances", "max_distance", max_distance, 0);
+  const int64_t n = edges.num_queries();
+  check_edge_list(edges, n, n, 1, "edges::hop_distances");
+  TORCH_CHECK(static_cast<double>(n) * static_cast<double>(n) <= static_cast<double>(kMaxEdges),
+              "edges::hop_distances: n = ", n, " nodes give an n x n matrix of more than 2^30 entries");
+  auto out = torch::full({n, n}, max_distance, torch::kInt64);
+  int64_t* d = out.data_ptr<int64_t>();
+  const auto oc = edges.offsets.contiguous(), cc = edges.columns.contiguous();
+  const int64_t *off = oc.data_ptr<int64_t>(), *col = cc.data_ptr<int64_t>();
+  std::vector<int64_t> frontier, next;
+  for (int64_t source = 0; source < n; ++source) {
+    int64_t* row = d + source * n;
+    row[source] = 0;
+    frontier.assign(1, source);
+    for (int64_t depth = 1; depth < max_distance && !frontier.empty(); ++depth) {
+      next.clear();
+      for (const int64_t u : frontier)
+        for (int64_t e = off[u]; e < off[u + 1]; ++e)
+          if (col[e] != source && row[col[e]] == max_distance) {
+            row[col[e]] = depth;
+            next.push_back(col[e]);
+          }
+      frontier.swap(next);
+    }
+  }
+  return out;
 }
 
 }  // namespace attnkit::edges

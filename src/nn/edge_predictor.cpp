@@ -191,7 +191,7 @@ Step step_kind(const EdgePredictorOptions& o, int64_t t) {
 EdgeSample EdgePredictorImpl::sample(const torch::Tensor& nodes,
                                      c10::optional<at::Generator> generator,
                                      const torch::Tensor& distances) {
-  auto batch = sample_from(context(nodes, distances, "sample"), std::move(generator));
+  auto batch = sample_from(context(nodes, distances, "sample"), std::move(generator), 1);
   EdgeSample out;
   out.edges = std::move(batch.edges[0]);
   out.log_prob = batch.log_prob[0];
@@ -202,11 +202,21 @@ EdgeSample EdgePredictorImpl::sample(const torch::Tensor& nodes,
 EdgeSampleBatch EdgePredictorImpl::sample_batch(const torch::Tensor& nodes,
                                                 c10::optional<at::Generator> generator,
                                                 const torch::Tensor& distances) {
-  return sample_from(context(nodes, distances, "sample_batch", /*batched=*/true), std::move(generator));
+  const auto ctx = context(nodes, distances, "sample_batch", /*batched=*/true);
+  return sample_from(ctx, std::move(generator), ctx.graphs);
 }
 
-EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional<at::Generator> generator) {
-  const int64_t B = ctx.graphs, S = sequences(), T = steps(ctx.n);
+EdgeSampleBatch EdgePredictorImpl::sample_many(const torch::Tensor& nodes, int64_t samples,
+                                               c10::optional<at::Generator> generator,
+                                               const torch::Tensor& distances) {
+  TORCH_CHECK(samples >= 1, kModule, ".sample_many: argument 'samples' must be >= 1, got ", samples);
+  return sample_from(context(nodes, distances, "sample_many"), std::move(generator), samples);
+}
+
+EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional<at::Generator> generator,
+                                               int64_t rows) {
+  TORCH_INTERNAL_ASSERT(ctx.graphs == 1 || ctx.graphs == rows);
+  const int64_t B = rows, S = sequences(), T = steps(ctx.n);
   auto tokens = torch::empty({B, S, T}, torch::kInt64);
   auto tok = tokens.accessor<int64_t, 3>();
   auto h = torch::zeros({B, options.hidden_size()}, pointer.options());

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -307,6 +309,242 @@ TEST(EdgesTest, CheckEdgeListRejectsMalformedLists) {
   EXPECT_TRUE(per_head.per_head());
   EXPECT_NO_THROW(check_edge_list(per_head, 2, 3, 2));
   expect_error([&] { check_edge_list(per_head, 2, 3, 3); }, {"per-head", "H = 3"});
+}
+
+// --- merge and hop_distances -----------------------------------------------------------
+
+/// A shared list from rows (each sorted, duplicate-free), built by hand.
+EdgeList list_of(const Rows& rows) {
+  std::vector<int64_t> offsets{0}, columns;
+  for (const auto& r : rows) {
+    columns.insert(columns.end(), r.begin(), r.end());
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  return {torch::tensor(offsets, torch::kLong), torch::tensor(columns, torch::kLong)};
+}
+
+/// A per-head list from rows per head, laid out as the predictor lays it out:
+/// one columns array, head h's offsets continuing where head h - 1's end.
+EdgeList per_head_list_of(const std::vector<Rows>& heads) {
+  std::vector<int64_t> offsets, columns;
+  for (const auto& rows : heads) {
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+    for (const auto& r : rows) {
+      columns.insert(columns.end(), r.begin(), r.end());
+      offsets.push_back(static_cast<int64_t>(columns.size()));
+    }
+  }
+  const int64_t H = static_cast<int64_t>(heads.size());
+  return {torch::tensor(offsets, torch::kLong).view({H, -1}), torch::tensor(columns, torch::kLong)};
+}
+
+/// The rows of head h of a per-head list (read through its own offsets).
+Rows head_rows(const EdgeList& e, int64_t h) {
+  const auto off = e.offsets[h].contiguous();
+  const auto col = e.columns.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t* c = col.data_ptr<int64_t>();
+  Rows rows(off.numel() - 1);
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t p = o[i]; p < o[i + 1]; ++p) rows[i].push_back(c[p]);
+  return rows;
+}
+
+/// Random rows over an L x S grid: each cell with probability `density`, and
+/// every third row (by a coin) left empty.
+Rows random_rows(std::mt19937& rng, int64_t L, int64_t S, double density) {
+  std::bernoulli_distribution cell(density), empty(1.0 / 3.0);
+  Rows rows(L);
+  for (int64_t i = 0; i < L; ++i) {
+    if (empty(rng)) continue;
+    for (int64_t j = 0; j < S; ++j)
+      if (cell(rng)) rows[i].push_back(j);
+  }
+  return rows;
+}
+
+/// Brute-force union, row by row, through std::set.
+Rows set_union_rows(const Rows& a, const Rows& b) {
+  Rows out(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    std::set<int64_t> s(a[i].begin(), a[i].end());
+    s.insert(b[i].begin(), b[i].end());
+    out[i].assign(s.begin(), s.end());
+  }
+  return out;
+}
+
+TEST(EdgesMerge, SharedListsGiveTheRowByRowSetUnion) {
+  std::mt19937 rng(2024);
+  int cases = 0;
+  for (auto [L, S] : {std::pair<int64_t, int64_t>{1, 1}, {5, 5}, {7, 3}, {3, 9}, {12, 12}, {4, 1}})
+    for (double da : {0.0, 0.2, 0.6})
+      for (double db : {0.0, 0.3, 1.0}) {
+        SCOPED_TRACE("L=" + std::to_string(L) + " S=" + std::to_string(S) + " densities " +
+                     std::to_string(da) + ", " + std::to_string(db));
+        const auto ra = random_rows(rng, L, S, da), rb = random_rows(rng, L, S, db);
+        const auto merged = edges::merge(list_of(ra), list_of(rb));
+        EXPECT_EQ(rows_of(merged, L), set_union_rows(ra, rb));  // rows_of checks the CSR invariants
+        EXPECT_NO_THROW(check_edge_list(merged, L, S, 1));
+        // Union is symmetric and idempotent.
+        EXPECT_EQ(rows_of(edges::merge(list_of(rb), list_of(ra)), L), set_union_rows(ra, rb));
+        EXPECT_EQ(rows_of(edges::merge(list_of(ra), list_of(ra)), L), ra);
+        ++cases;
+      }
+  EXPECT_EQ(cases, 54);
+  // Spelled out, L = 3 rows over S = 5 keys, an empty row in each input and
+  // one row empty in both.
+  const Rows a{{0, 3}, {}, {}}, b{{1, 3, 4}, {2}, {}};
+  EXPECT_EQ(rows_of(edges::merge(list_of(a), list_of(b)), 3), (Rows{{0, 1, 3, 4}, {2}, {}}));
+  // Two lists without any edge.
+  const auto none = edges::merge(list_of(Rows(4)), list_of(Rows(4)));
+  EXPECT_EQ(rows_of(none, 4), Rows(4));
+  EXPECT_EQ(none.num_edges(), 0);
+}
+
+TEST(EdgesMerge, PerHeadListsMergeHeadByHead) {
+  std::mt19937 rng(7);
+  const int64_t H = 3, L = 6, S = 8;
+  std::vector<Rows> a, b;
+  for (int64_t h = 0; h < H; ++h) {
+    a.push_back(random_rows(rng, L, S, 0.3));
+    b.push_back(random_rows(rng, L, S, 0.3));
+  }
+  const auto merged = edges::merge(per_head_list_of(a), per_head_list_of(b));
+  ASSERT_TRUE(merged.per_head());
+  ASSERT_EQ(merged.offsets.sizes(), (std::vector<int64_t>{H, L + 1}));
+  EXPECT_NO_THROW(check_edge_list(merged, L, S, H));
+  for (int64_t h = 0; h < H; ++h) EXPECT_EQ(head_rows(merged, h), set_union_rows(a[h], b[h])) << "head " << h;
+
+  // A per-head list whose heads share one columns array (every head's offsets
+  // the same, each starting at 0): the layout a shared list repeated per head
+  // has; it is read through its offsets like any other.
+  const Rows shared{{0}, {1, 2}, {}, {3}, {4, 7}, {5}};
+  const auto base = list_of(shared);
+  const EdgeList repeated{base.offsets.unsqueeze(0).expand({H, L + 1}).contiguous(), base.columns};
+  const auto with_shared = edges::merge(repeated, per_head_list_of(b));
+  for (int64_t h = 0; h < H; ++h)
+    EXPECT_EQ(head_rows(with_shared, h), set_union_rows(shared, b[h])) << "head " << h;
+}
+
+TEST(EdgesMerge, RefusesListsThatDoNotFit) {
+  const auto shared3 = list_of(Rows{{0}, {1}, {2}});
+  const auto per_head3 = per_head_list_of({Rows{{0}, {1}, {2}}, Rows{{1}, {2}, {0}}});
+  expect_error([&] { edges::merge(shared3, per_head3); },
+               {"edges::merge", "cannot merge a shared list with a per-head one"});
+  expect_error([&] { edges::merge(per_head3, shared3); },
+               {"edges::merge", "cannot merge a shared list with a per-head one"});
+  expect_error([&] { edges::merge(shared3, list_of(Rows{{0}, {1}, {2}, {3}})); },
+               {"edges::merge", "3 and 4 queries"});
+  expect_error([&] { edges::merge(per_head3, per_head_list_of({Rows{{0}, {1}, {2}}})); },
+               {"edges::merge", "2 and 1 heads"});
+  // Invalid lists: an unsorted row, a negative column, offsets that overrun.
+  auto t = [](std::vector<int64_t> v) { return torch::tensor(v, torch::kLong); };
+  expect_error([&] { edges::merge(shared3, EdgeList{t({0, 2, 2, 3}), t({1, 0, 2})}); },
+               {"edges::merge", "strictly increasing"});
+  expect_error([&] { edges::merge(EdgeList{t({0, 1, 2, 3}), t({0, -1, 2})}, shared3); },
+               {"edges::merge", "outside the key range"});
+  expect_error([&] { edges::merge(shared3, EdgeList{t({0, 1, 2, 5}), t({0, 1, 2})}); },
+               {"edges::merge", "end at the number of columns"});
+  expect_error([&] { edges::merge(shared3, EdgeList{}); }, {"edges::merge", "'offsets'"});
+}
+
+/// All-pairs fewest-edge distances by Floyd-Warshall over a directed
+/// adjacency (i -> j for every column j of row i), then clipped: an
+/// independent oracle for hop_distances.
+std::vector<std::vector<int64_t>> floyd_warshall(const Rows& rows, int64_t clip) {
+  const int64_t n = static_cast<int64_t>(rows.size()), inf = 1 << 20;
+  std::vector<std::vector<int64_t>> d(n, std::vector<int64_t>(n, inf));
+  for (int64_t i = 0; i < n; ++i) {
+    d[i][i] = 0;
+    for (int64_t j : rows[i])
+      if (j != i) d[i][j] = 1;
+  }
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) d[i][j] = std::min(d[i][j], d[i][k] + d[k][j]);
+  for (auto& r : d)
+    for (auto& x : r) x = std::min(x, clip);
+  return d;
+}
+
+torch::Tensor matrix(const std::vector<std::vector<int64_t>>& m) {
+  std::vector<torch::Tensor> rows;
+  for (const auto& r : m) rows.push_back(torch::tensor(r, torch::kLong));
+  return torch::stack(rows);
+}
+
+TEST(EdgesHopDistances, HandMadeDirectedGraph) {
+  // 4 -> 0 -> 1 -> 2 -> 3, plus the shortcut 0 -> 2; 5 has only its self-edge;
+  // 3 has no out-edge. Read as a directed graph: 1 does not reach 0.
+  const Rows g{{1, 2}, {2}, {3}, {}, {0}, {5}};
+  constexpr int64_t U = 10;  // max_distance 10: every path here is shorter, so U marks "unreachable"
+  const auto d10 = edges::hop_distances(list_of(g), U);
+  EXPECT_EQ(d10.scalar_type(), torch::kLong);
+  ASSERT_EQ(d10.sizes(), (std::vector<int64_t>{6, 6}));
+  const std::vector<std::vector<int64_t>> want10{
+      //0  1  2  3  4  5
+      {0, 1, 1, 2, U, U},  // 0: 2 directly, 3 via 2
+      {U, 0, 1, 2, U, U},  // 1
+      {U, U, 0, 1, U, U},  // 2
+      {U, U, U, 0, U, U},  // 3: reaches nothing
+      {1, 2, 2, 3, 0, U},  // 4: through 0
+      {U, U, U, U, U, 0},  // 5: its self-edge only
+  };
+  EXPECT_TRUE(torch::equal(d10, matrix(want10))) << d10;
+  // Clipped at 2: 0 -> 3 and 4 -> 3 (3 hops) become 2, unreachable pairs 2.
+  const std::vector<std::vector<int64_t>> want2{
+      {0, 1, 1, 2, 2, 2}, {2, 0, 1, 2, 2, 2}, {2, 2, 0, 1, 2, 2},
+      {2, 2, 2, 0, 2, 2}, {1, 2, 2, 2, 0, 2}, {2, 2, 2, 2, 2, 0},
+  };
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(g), 2), matrix(want2)));
+  // max_distance 1: 0 on the diagonal, 1 everywhere else (neighbour, farther
+  // or unreachable alike); 0: all zeros.
+  const auto eye = torch::eye(6, torch::kLong);
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(g), 1), 1 - eye));
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(g), 0), torch::zeros({6, 6}, torch::kLong)));
+  // Self-edges change nothing: the diagonal stays 0.
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(Rows{{0, 1, 2}, {1, 2}, {2}, {3}, {0, 4}, {5}}), U),
+                           edges::hop_distances(list_of(Rows{{1, 2}, {2}, {}, {}, {0}, {}}), U)));
+  // One node; a node-free graph.
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(Rows{{0}}), 3), torch::zeros({1, 1}, torch::kLong)));
+  EXPECT_EQ(edges::hop_distances(list_of(Rows{}), 3).sizes(), (std::vector<int64_t>{0, 0}));
+}
+
+TEST(EdgesHopDistances, RandomGraphsMatchFloydWarshall) {
+  std::mt19937 rng(99);
+  for (int64_t n : {2, 5, 9, 16})
+    for (double density : {0.05, 0.15, 0.4})
+      for (int64_t clip : {1, 2, 3, 100}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " density=" + std::to_string(density) +
+                     " max_distance=" + std::to_string(clip));
+        const auto g = random_rows(rng, n, n, density);
+        const auto got = edges::hop_distances(list_of(g), clip);
+        const auto want = matrix(floyd_warshall(g, clip));
+        EXPECT_TRUE(torch::equal(got, want)) << got << "\n" << want;
+      }
+  // The path 0 - 1 - ... - 7 in both directions (an undirected graph, as a
+  // NodeGraph stores one): |i - j| clipped.
+  Rows path(8);
+  for (int64_t i = 0; i < 8; ++i) {
+    if (i > 0) path[i].push_back(i - 1);
+    path[i].push_back(i);
+    if (i < 7) path[i].push_back(i + 1);
+  }
+  const auto i = torch::arange(8, torch::kLong);
+  EXPECT_TRUE(torch::equal(edges::hop_distances(list_of(path), 5),
+                           (i.unsqueeze(1) - i.unsqueeze(0)).abs().clamp_max(5)));
+}
+
+TEST(EdgesHopDistances, Refusals) {
+  const auto per_head = per_head_list_of({Rows{{0}, {1}}, Rows{{1}, {0}}});
+  expect_error([&] { edges::hop_distances(per_head, 2); }, {"edges::hop_distances", "one shared edge list"});
+  expect_error([] { edges::hop_distances(list_of(Rows{{1}, {0}}), -1); },
+               {"hop_distances", "'max_distance'", ">= 0", "-1"});
+  // Not square: a column outside the n nodes.
+  expect_error([] { edges::hop_distances(list_of(Rows{{0, 2}, {1}}), 2); },
+               {"edges::hop_distances", "outside the key range"});
+  expect_error([] { edges::hop_distances(EdgeList{}, 2); }, {"edges::hop_distances"});
 }
 
 TEST(SparseDispatch, KernelForFloat32CompositeOtherwiseSayingWhy) {

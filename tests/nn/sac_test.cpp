@@ -67,6 +67,64 @@ TEST(SacBatch, EachGraphMatchesTeacherForcingInValueAndGradient) {
   }
 }
 
+// sample_many(nodes, S) is sample_batch of S contiguous copies of nodes, minus
+// the copies: with identically seeded generators the same tokens and edges,
+// and log-probabilities, step log-probabilities and entropies (float64: the
+// same sums in another order, so 1e-6 absolute is a wide bound) that agree in
+// value and in the gradient of every parameter.
+TEST(SacBatch, SampleManyMatchesSampleBatchOfCopies) {
+  constexpr double kTol = 1e-6;
+  const int64_t S = 4, n = 6, dim = 4;
+  torch::manual_seed(3);
+  const auto nodes = torch::randn({n, dim}, f64());
+  // Hop distances of a graph (any non-negative matrix will do), clipped by the predictor.
+  const auto hops = torch::randint(0, 5, {n, n}, torch::kInt64);
+  for (auto variant : {EdgePredictorVariant::shared_structure, EdgePredictorVariant::all_connected,
+                       EdgePredictorVariant::head_adaptive})
+    for (int64_t max_distance : {0, 3})
+      for (bool given : {false, true}) {
+        if (max_distance == 0 && given) continue;  // distances need the encoding
+        SCOPED_TRACE(to_string(variant) + " max_distance " + std::to_string(max_distance) +
+                     (given ? " with distances" : " without distances"));
+        auto p = make(EdgePredictorOptions(dim, 5).alpha(2).variant(variant).heads(2).max_distance(max_distance));
+        const auto d = given ? hops : torch::Tensor();
+        const auto many = p->sample_many(nodes, S, generator(21), d);
+        const auto copies = nodes.unsqueeze(0).expand({S, n, dim}).contiguous();
+        const auto batch = p->sample_batch(copies, generator(21), d);
+        ASSERT_EQ(many.tokens.sizes(), (std::vector<int64_t>{S, p->sequences(), p->steps(n)}));
+        EXPECT_TRUE(torch::equal(many.tokens, batch.tokens));
+        ASSERT_EQ(many.edges.size(), static_cast<size_t>(S));
+        for (int64_t b = 0; b < S; ++b) {
+          EXPECT_TRUE(torch::equal(many.edges[b].offsets, batch.edges[b].offsets)) << "sample " << b;
+          EXPECT_TRUE(torch::equal(many.edges[b].columns, batch.edges[b].columns)) << "sample " << b;
+        }
+        EXPECT_EQ(many.log_prob.sizes(), (std::vector<int64_t>{S}));
+        EXPECT_LT(testing::max_abs(many.log_prob - batch.log_prob), kTol);
+        EXPECT_LT(testing::max_abs(many.step_log_prob - batch.step_log_prob), kTol);
+        EXPECT_LT(testing::max_abs(many.entropy - batch.entropy), kTol);
+        // Independent draws: the samples differ (>= 12 predictions over 6 nodes each).
+        EXPECT_FALSE(torch::equal(many.tokens[0], many.tokens[1]));
+        // Each sample's log-probability is its tokens' teacher-forced one.
+        for (int64_t b = 0; b < S; ++b)
+          EXPECT_NEAR(many.log_prob[b].item<double>(), p->log_prob(nodes, many.tokens[b], d).item<double>(), kTol);
+        const auto weights = torch::randn({S}, f64());
+        const auto params = p->parameters();
+        const auto g_many = torch::autograd::grad({(many.log_prob * weights).sum()}, params);
+        const auto g_batch = torch::autograd::grad({(batch.log_prob * weights).sum()}, params);
+        for (size_t i = 0; i < params.size(); ++i)
+          EXPECT_LT(testing::max_abs(g_many[i] - g_batch[i]), kTol) << "parameter " << i;
+        // One sample is sample().
+        const auto one = p->sample_many(nodes, 1, generator(5), d);
+        const auto single = p->sample(nodes, generator(5), d);
+        EXPECT_TRUE(torch::equal(one.tokens[0], single.tokens));
+        EXPECT_NEAR(one.log_prob[0].item<double>(), single.log_prob.item<double>(), kTol);
+      }
+  auto p = make(EdgePredictorOptions(dim, 5));
+  expect_error([&] { p->sample_many(nodes, 0); }, {"EdgePredictor.sample_many", "'samples' must be >= 1", "got 0"});
+  expect_error([&] { p->sample_many(nodes, -2); }, {"'samples' must be >= 1", "got -2"});
+  expect_error([&] { p->sample_many(nodes.unsqueeze(0), 2); }, {"EdgePredictor.sample_many", "'nodes' must be 2-D"});
+}
+
 TEST(SacBatch, BaselineIsAMovingAverageKeptInABuffer) {
   auto p = make(EdgePredictorOptions(4, 6));
   EXPECT_EQ(p->baseline(), 0.0);

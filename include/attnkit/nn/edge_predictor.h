@@ -142,6 +142,15 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
                                c10::optional<at::Generator> generator = c10::nullopt,
                                const torch::Tensor& distances = {});
 
+  /// `samples` independent structures for one graph `nodes` (n, node_dim):
+  /// sample_batch of `samples` copies of it, without the copies (the pointer
+  /// scores of all rows are one product with the one graph's W x, so time and
+  /// the memory kept for the backward pass grow with samples x n, not samples
+  /// x n x hidden). Deterministic for a given generator state.
+  EdgeSampleBatch sample_many(const torch::Tensor& nodes, int64_t samples,
+                              c10::optional<at::Generator> generator = c10::nullopt,
+                              const torch::Tensor& distances = {});
+
   /// The REINFORCE baseline b: a moving average of past rewards,
   /// b <- decay b + (1 - decay) mean(rewards), starting at the first batch's
   /// mean. Kept in the buffer `reward_baseline` ([b, updates], float64), so a
@@ -189,8 +198,9 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
   // graph for every row when the context holds one (beam search).
   torch::Tensor step_log_probs(const Context& ctx, const torch::Tensor& g,
                                const std::vector<int64_t>& origins) const;
-  // Samples one structure per graph of the context.
-  EdgeSampleBatch sample_from(const Context& ctx, c10::optional<at::Generator> generator);
+  // Samples `rows` structures: one per graph of the context, or `rows` of its
+  // one graph.
+  EdgeSampleBatch sample_from(const Context& ctx, c10::optional<at::Generator> generator, int64_t rows);
   // The LSTM input of step t of head `head`: the start vector at t = 0, else
   // the nodes chosen at t - 1 (row b from graph b, or from the one graph).
   torch::Tensor step_input(const Context& ctx, int64_t head, int64_t t,

@@ -1,0 +1,451 @@
+// `attnkit node-classify`: trains a graph attention network
+// (models/graph_attention.h) on a node-classification dataset
+// (tasks/node_graph.h; scripts/package-graph writes one) into a run directory:
+//   OUT/checkpoint-<epoch>.ckpt  the newest two (train/checkpoint.h's container;
+//                                the header holds the run's settings and the
+//                                early-stopping state)
+//   OUT/metrics.jsonl            one record per --eval-every epochs: training
+//                                loss and accuracy, validation and test loss
+//                                and accuracy, the structure's edges per node
+//                                and the share of its edges that join nodes of
+//                                one class, SAC's reward and baseline
+//   OUT/result.json              at the end: the test accuracy at the epoch of
+//                                the best validation accuracy, and the settings
+// Training is transductive and full-batch, as in GAT: an epoch is one optimiser
+// step on the whole graph, scored on the train nodes' labels; the same
+// evaluation forward scores the valid and the test nodes; the run stops after
+// --epochs or when the validation accuracy has not improved (ties broken by
+// the lower validation loss) for --patience epochs.
+// --resume continues from the newest checkpoint: flags not given are taken from
+// it, flags given must match it (except --epochs, --patience, --threads and
+// --eval-every).
+#include <attnkit/models/graph_attention.h>
+#include <attnkit/runtime.h>
+#include <attnkit/tasks/node_graph.h>
+#include <attnkit/train/checkpoint.h>
+#include <attnkit/train/progress.h>
+#include <attnkit/train/signals.h>
+#include <attnkit/train/trainer.h>
+
+#include <ATen/Parallel.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adam.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+
+namespace attnkit::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr std::size_t kKeepCheckpoints = 2;
+constexpr const char* kCommand = "node-classify";
+
+struct NodeFlags {
+  std::string data, attention = "input", out;
+  int64_t epochs = 200, width = 64, heads = 8, layers = 2, samples = 1, patience = 100, eval_every = 1;
+  double dropout = 0.6, lr = 0.005, weight_decay = 5e-4, clip = 5.0;
+  uint64_t seed = 1;
+  int threads = 0;
+  bool resume = false, residual = false;
+};
+
+// The settings that define a run, stored in its checkpoints. Keys are the flag
+// names without "--" and with '_' for '-'.
+json settings(const NodeFlags& f) {
+  return json{{"data", f.data},       {"attention", f.attention}, {"width", f.width},
+              {"heads", f.heads},     {"layers", f.layers},       {"samples", f.samples},
+              {"dropout", f.dropout}, {"lr", f.lr},               {"weight_decay", f.weight_decay},
+              {"clip", f.clip},       {"seed", f.seed},           {"residual", f.residual}};
+}
+
+void apply_settings(const json& s, NodeFlags& f) {
+  s.at("data").get_to(f.data);
+  s.at("attention").get_to(f.attention);
+  s.at("width").get_to(f.width);
+  s.at("heads").get_to(f.heads);
+  s.at("layers").get_to(f.layers);
+  s.at("samples").get_to(f.samples);
+  s.at("dropout").get_to(f.dropout);
+  s.at("lr").get_to(f.lr);
+  s.at("weight_decay").get_to(f.weight_decay);
+  s.at("clip").get_to(f.clip);
+  s.at("seed").get_to(f.seed);
+  f.residual = s.value("residual", false);
+}
+
+std::string loadavg() {
+  std::ifstream in("/proc/loadavg");
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string utc_now() {
+  const auto t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+/// What a structure looks like: edges per node (self-edges included), and the
+/// share of the edges between two different nodes that join nodes of one class
+/// (homophily; the input graph's own share is the reference).
+struct StructureSummary {
+  double edges_per_node = 0, same_class = 0;
+};
+
+StructureSummary summarize(const EdgeList& edges, const torch::Tensor& labels) {
+  StructureSummary s;
+  if (!edges.offsets.defined()) return s;
+  const auto off = edges.offsets.reshape({-1, edges.num_queries() + 1}).contiguous();
+  const auto col = edges.columns.contiguous();
+  const int64_t* c = col.data_ptr<int64_t>();
+  const int64_t* y = labels.data_ptr<int64_t>();
+  double rows = 0, all = 0, between = 0, same = 0;
+  for (int64_t h = 0; h < off.size(0); ++h) {
+    const int64_t* o = off[h].data_ptr<int64_t>();
+    for (int64_t i = 0; i < edges.num_queries(); ++i) {
+      rows += 1;
+      all += static_cast<double>(o[i + 1] - o[i]);
+      for (int64_t e = o[i]; e < o[i + 1]; ++e) {
+        if (c[e] == i) continue;
+        between += 1;
+        same += y[c[e]] == y[i];
+      }
+    }
+  }
+  s.edges_per_node = rows > 0 ? all / rows : 0;
+  s.same_class = between > 0 ? same / between : 0;
+  return s;
+}
+
+struct Evaluation {
+  tasks::Metrics valid, test;
+  StructureSummary structure;
+};
+
+Evaluation evaluate(models::GraphAttentionNetwork& model, const tasks::NodeGraph& graph,
+                    const torch::Tensor& distances) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto logits = model->forward(graph.features, graph.edges, distances);
+  Evaluation e;
+  e.valid = tasks::score(logits, graph.batch(tasks::Split::valid));
+  e.test = tasks::score(logits, graph.batch(tasks::Split::test));
+  const auto& structures = model->structures();
+  e.structure = structures.empty() ? StructureSummary{static_cast<double>(graph.nodes()), 0}
+                                   : summarize(structures[0], graph.labels);
+  if (structures.empty()) {  // full attention: every pair
+    const auto counts = torch::bincount(graph.labels).to(torch::kFloat64);
+    const double n = static_cast<double>(graph.nodes());
+    e.structure.same_class = ((counts * (counts - 1)).sum().item<double>()) / (n * (n - 1));
+  }
+  model->train();
+  return e;
+}
+
+/// The early-stopping state, kept in the checkpoints.
+struct Best {
+  int64_t epoch = 0;
+  double valid_accuracy = -1, valid_loss = 0, test_accuracy = 0, test_loss = 0;
+  StructureSummary structure;
+
+  bool improved_by(const Evaluation& e) const {
+    return e.valid.accuracy() > valid_accuracy ||
+           (e.valid.accuracy() == valid_accuracy && e.valid.loss() < valid_loss);
+  }
+  json to_json() const {
+    return json{{"epoch", epoch},
+                {"valid_accuracy", valid_accuracy},
+                {"valid_loss", valid_loss},
+                {"test_accuracy", test_accuracy},
+                {"test_loss", test_loss},
+                {"edges_per_node", structure.edges_per_node},
+                {"same_class", structure.same_class}};
+  }
+  static Best from_json(const json& j) {
+    Best b;
+    j.at("epoch").get_to(b.epoch);
+    j.at("valid_accuracy").get_to(b.valid_accuracy);
+    j.at("valid_loss").get_to(b.valid_loss);
+    j.at("test_accuracy").get_to(b.test_accuracy);
+    j.at("test_loss").get_to(b.test_loss);
+    j.at("edges_per_node").get_to(b.structure.edges_per_node);
+    j.at("same_class").get_to(b.structure.same_class);
+    return b;
+  }
+};
+
+void run(NodeFlags f, CLI::App* cmd) {
+  const fs::path out(f.out);
+  const auto checkpoints = train::list_checkpoints(f.out);
+  json header;
+  std::string resumed_from;
+  if (f.resume) {
+    TORCH_CHECK(!checkpoints.empty(), kCommand, ": --resume: '", f.out, "' holds no checkpoint to resume");
+    resumed_from = checkpoints[0].path;
+  } else {
+    TORCH_CHECK(checkpoints.empty(), kCommand, ": '", f.out, "' already holds checkpoints (newest ",
+                checkpoints[0].path, "); pass --resume to continue that run or choose another --out");
+  }
+  train::CheckpointFile file;
+  if (!resumed_from.empty()) {
+    file = train::read_checkpoint_file(resumed_from);
+    header = json::parse(file.header);
+    TORCH_CHECK(header.value("kind", "") == "attnkit-node-classify", kCommand, ": --resume: ", resumed_from,
+                " is not a checkpoint of `attnkit node-classify` (kind '", header.value("kind", ""), "')");
+    const json stored = header.at("settings");
+    const json given = settings(f);
+    for (const auto& [key, value] : stored.items()) {
+      std::string flag = "--" + key;
+      for (auto& c : flag) c = c == '_' ? '-' : c;
+      if (cmd->count(flag) > 0 && given.at(key) != value)
+        TORCH_CHECK(false, kCommand, ": --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
+                    given.at(key).dump(), " (only --epochs, --patience, --threads and --eval-every may change)");
+    }
+    apply_settings(stored, f);
+  }
+  TORCH_CHECK(!f.data.empty(), kCommand, ": --data (a dataset directory, e.g. from scripts/package-graph) is required");
+  if (f.threads > 0) {
+    attnkit::set_num_threads(f.threads);
+    at::set_num_threads(f.threads);
+  }
+  const std::string load_start = loadavg();
+  const double wall_start = now_seconds();
+
+  const auto graph = tasks::load_node_graph(f.data);
+  const auto options = models::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
+                           .width(f.width)
+                           .heads(f.heads)
+                           .layers(f.layers)
+                           .dropout(f.dropout)
+                           .attention(f.attention)
+                           .samples(f.samples)
+                           .residual(f.residual);
+  torch::manual_seed(f.seed);
+  models::GraphAttentionNetwork model(options);
+  auto& predictor = model->edge_predictor();
+  const bool sac = static_cast<bool>(predictor);
+  const auto distances = sac && model->sac_options().max_distance > 0
+                             ? edges::hop_distances(graph.edges, model->sac_options().max_distance)
+                             : torch::Tensor();
+  // Adam with L2 weight decay, as GAT trains.
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(f.lr).weight_decay(f.weight_decay));
+  std::vector<torch::Tensor> network_params, predictor_params;
+  for (const auto& item : model->named_parameters())
+    (item.key().rfind("edge_predictor.", 0) == 0 ? predictor_params : network_params).push_back(item.value());
+
+  int64_t start_epoch = 0;
+  double elapsed_before = 0;
+  Best best;
+  if (!resumed_from.empty()) {
+    train::load_training_state(file.payload, header.at("tensors").dump(), *model, &optimizer,
+                               /*restore_generator=*/true, resumed_from);
+    start_epoch = header.at("step").get<int64_t>();
+    elapsed_before = header.at("elapsed").get<double>();
+    best = Best::from_json(header.at("best"));
+  }
+  fs::create_directories(out);
+  const std::string metrics_path = (out / "metrics.jsonl").string();
+  if (!resumed_from.empty())
+    train::trim_metrics(metrics_path, start_epoch);
+  else
+    fs::remove(metrics_path);
+  train::MetricsLog metrics(metrics_path);
+
+  const auto counts = [&](tasks::Split s) { return static_cast<int64_t>(graph.mask(s).sum().item<double>()); };
+  std::printf("node-classify: %s, attention %s, seed %llu; %lld nodes, %lld edges, %lld features, %zu classes; "
+              "train/valid/test %lld/%lld/%lld nodes; %lld parameters; epochs %lld, threads %d%s\n",
+              f.data.c_str(), f.attention.c_str(), static_cast<unsigned long long>(f.seed),
+              static_cast<long long>(graph.nodes()), static_cast<long long>(graph.undirected_edges),
+              static_cast<long long>(graph.features.size(1)), graph.classes.size(),
+              static_cast<long long>(counts(tasks::Split::train)), static_cast<long long>(counts(tasks::Split::valid)),
+              static_cast<long long>(counts(tasks::Split::test)), static_cast<long long>(model->parameter_count()),
+              static_cast<long long>(f.epochs), attnkit::num_threads(),
+              resumed_from.empty() ? "" : (", resuming " + resumed_from + " at epoch " +
+                                            std::to_string(start_epoch)).c_str());
+  std::fflush(stdout);
+
+  auto save = [&](int64_t epoch, double elapsed) {
+    json h;
+    h["kind"] = "attnkit-node-classify";
+    h["step"] = epoch;
+    h["elapsed"] = elapsed;
+    h["settings"] = settings(f);
+    h["best"] = best.to_json();
+    std::string tensors;
+    train::CheckpointFile ckpt;
+    ckpt.payload = train::save_training_state(*model, &optimizer, &tensors);
+    h["tensors"] = json::parse(tensors);
+    ckpt.header = h.dump();
+    const auto path = (out / train::checkpoint_name(epoch)).string();
+    train::write_checkpoint_file(path, ckpt);
+    train::prune_checkpoints(f.out, kKeepCheckpoints);
+    return path;
+  };
+
+  const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);
+  train::StopSignalGuard signals;
+  train::clear_stop();
+  const double session_start = now_seconds();
+  int64_t epoch = start_epoch;
+  bool early_stop = epoch - best.epoch >= f.patience && best.valid_accuracy >= 0;
+  tasks::Metrics interval;
+  double interval_reward = 0, interval_baseline = 0;
+  int64_t interval_steps = 0;
+  while (epoch < f.epochs && !early_stop) {
+    const auto logits = model->forward(graph.features, graph.edges, distances);
+    auto loss = tasks::loss(logits, train_batch);
+    interval += tasks::score(logits.detach(), train_batch);
+    if (sac) {
+      const auto r = train::sac_reinforce(*predictor, model->sac_structures(), logits.detach(), train_batch,
+                                          model->sac_options());
+      if (r.surrogate.defined()) loss = loss + r.surrogate;
+      interval_reward += r.mean_reward;
+      interval_baseline += r.baseline;
+    }
+    optimizer.zero_grad();
+    loss.backward();
+    if (f.clip > 0) {
+      torch::nn::utils::clip_grad_norm_(network_params, f.clip);
+      if (sac) torch::nn::utils::clip_grad_norm_(predictor_params, f.clip);
+    }
+    optimizer.step();
+    ++epoch;
+    ++interval_steps;
+    const bool stop = train::stop_requested();
+    if (epoch % f.eval_every == 0 || epoch == f.epochs || stop) {
+      const auto e = evaluate(model, graph, distances);
+      if (best.improved_by(e)) {
+        best.epoch = epoch;
+        best.valid_accuracy = e.valid.accuracy();
+        best.valid_loss = e.valid.loss();
+        best.test_accuracy = e.test.accuracy();
+        best.test_loss = e.test.loss();
+        best.structure = e.structure;
+      }
+      early_stop = epoch - best.epoch >= f.patience;
+      const double elapsed = elapsed_before + (now_seconds() - session_start);
+      json rec{{"step", epoch},
+               {"loss", interval.loss()},
+               {"accuracy", interval.accuracy()},
+               {"valid_loss", e.valid.loss()},
+               {"valid_accuracy", e.valid.accuracy()},
+               {"test_loss", e.test.loss()},
+               {"test_accuracy", e.test.accuracy()},
+               {"edges_per_node", e.structure.edges_per_node},
+               {"same_class", e.structure.same_class},
+               {"elapsed", elapsed}};
+      if (sac) {
+        rec["sac_reward"] = interval_reward / static_cast<double>(interval_steps);
+        rec["sac_baseline"] = interval_baseline / static_cast<double>(interval_steps);
+      }
+      metrics.append(rec.dump());
+      const auto path = save(epoch, elapsed);
+      const double session_seconds = now_seconds() - session_start;
+      const double eta = session_seconds / static_cast<double>(epoch - start_epoch) *
+                         static_cast<double>(f.epochs - epoch);
+      std::printf("epoch %lld/%lld  loss %.4f  train acc %.4f  valid loss %.4f  valid acc %.4f  edges/node %.2f  "
+                  "same-class %.3f  %s  ETA %s\n",
+                  static_cast<long long>(epoch), static_cast<long long>(f.epochs), interval.loss(),
+                  interval.accuracy(), e.valid.loss(), e.valid.accuracy(), e.structure.edges_per_node,
+                  e.structure.same_class, train::format_duration(elapsed).c_str(),
+                  train::format_duration(eta).c_str());
+      std::fflush(stdout);
+      interval = {};
+      interval_reward = interval_baseline = 0;
+      interval_steps = 0;
+      if (stop && epoch < f.epochs && !early_stop) {
+        std::printf("%s: stopped by signal %d at epoch %lld; checkpoint %s; the same command with --resume "
+                    "continues\n",
+                    kCommand, train::stop_signal(), static_cast<long long>(epoch), path.c_str());
+        return;
+      }
+    }
+  }
+  const double elapsed = elapsed_before + (now_seconds() - session_start);
+  const auto input = summarize(graph.edges, graph.labels);
+  json result{{"attention", f.attention},
+              {"seed", f.seed},
+              {"settings", settings(f)},
+              {"epochs_run", epoch},
+              {"stopped_early", early_stop},
+              {"parameters", model->parameter_count()},
+              {"nodes", graph.nodes()},
+              {"classes", graph.classes},
+              {"best", best.to_json()},
+              {"test_accuracy", best.test_accuracy},
+              {"input_graph", {{"edges_per_node", input.edges_per_node}, {"same_class", input.same_class}}},
+              {"train_seconds", elapsed},
+              {"seconds_per_epoch", epoch > 0 ? elapsed / static_cast<double>(epoch) : 0.0},
+              {"session", {{"resumed_from", resumed_from.empty() ? json(nullptr) : json(resumed_from)},
+                           {"start_epoch", start_epoch},
+                           {"wall_seconds", now_seconds() - wall_start},
+                           {"loadavg_start", load_start},
+                           {"loadavg_end", loadavg()},
+                           {"finished_utc", utc_now()},
+                           {"threads", attnkit::num_threads()}}}};
+  const auto result_path = (out / "result.json").string();
+  train::write_file_atomically(result_path, result.dump(2) + "\n");
+  std::printf("%s after %lld epochs%s: best valid accuracy %.4f at epoch %lld, test accuracy there %.4f; %s\n",
+              kCommand, static_cast<long long>(epoch), early_stop ? " (early stop)" : "", best.valid_accuracy,
+              static_cast<long long>(best.epoch), best.test_accuracy, result_path.c_str());
+}
+
+}  // namespace
+
+void add_node_classify_command(CLI::App& app) {
+  auto f = std::make_shared<NodeFlags>();
+  auto* cmd = app.add_subcommand(
+      "node-classify",
+      "Train a graph attention network on a node-classification dataset (scripts/package-graph writes one "
+      "from the Debian package index) with the input graph's edges, full attention, random extra edges or "
+      "SAC's learned edges, into a run directory (checkpoints, metrics.jsonl, result.json). With --resume, "
+      "flags not given are taken from the newest checkpoint and flags given must match it (except --epochs, "
+      "--patience, --threads and --eval-every)");
+  cmd->add_option("--data", f->data, "The dataset directory (nodes.tsv, edges.tsv, vocabulary.txt, meta.json)");
+  cmd->add_option("--attention", f->attention,
+                  "input (the graph's edges: GAT), full, input+random:alpha=A,seed=S, or sac:alpha=A,... (the "
+                  "graph's edges plus the predictor's; options as in `attnkit mechanisms`)")
+      ->capture_default_str();
+  cmd->add_option("--epochs", f->epochs, "Full-graph optimiser steps at most")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--patience", f->patience, "Stop when the validation accuracy has not improved for this many epochs")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--eval-every", f->eval_every, "Epochs between evaluations (records, checkpoints)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Seed of the initial weights, dropout and SAC's sampling")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "Threads (default: all cores)")->check(CLI::PositiveNumber);
+  cmd->add_option("--out", f->out, "Run directory")->required();
+  cmd->add_flag("--resume", f->resume, "Continue the newest checkpoint of --out");
+  cmd->add_option("--width", f->width, "Hidden width (heads x per-head width)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--heads", f->heads, "Attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--layers", f->layers, "Attention layers")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_flag("--residual", f->residual, "Add each layer's input to its output (GAT has none)");
+  cmd->add_option("--samples", f->samples, "sac: structures sampled per epoch (REINFORCE's batch)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--dropout", f->dropout, "Dropout on the features and every layer's output")
+      ->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  cmd->add_option("--lr", f->lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--weight-decay", f->weight_decay, "Adam's L2 weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--clip", f->clip, "Gradient-norm bound, the network's and the predictor's separately (0: none)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->callback([f, cmd] { run(*f, cmd); });
+}
+
+}  // namespace attnkit::cli
