@@ -135,22 +135,32 @@ void write_atomically(const std::string& path, const std::vector<unsigned char>&
 }
 
 std::vector<unsigned char> read_file(const std::string& path) {
-  // A directory opens as a stream but fails on the first read, which libstdc++
-  // reports by throwing an ios_base::failure that names no file.
+  // Only a regular file is a memory file: a directory fails on its first read,
+  // a FIFO blocks until a writer appears and a device such as /dev/zero never
+  // ends. Open without blocking (a FIFO would block in open() itself), then
+  // look at what was opened (fstat: no race with a rename between the check
+  // and the read) and read exactly its size.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "DocumentMemory::load: cannot open '", path, "': ", errno_text());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat info;
-  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "DocumentMemory::load: cannot open '", path,
-              "': ", errno_text());
-  TORCH_CHECK(!S_ISDIR(info.st_mode), "DocumentMemory::load: '", path,
-              "' is a directory, not a memory file");
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "DocumentMemory::load: cannot open '", path, "': ", errno_text());
-  std::vector<unsigned char> bytes;
-  try {
-    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "DocumentMemory::load: cannot read '", path, "': ", e.what());
+  TORCH_CHECK(::fstat(fd, &info) == 0, "DocumentMemory::load: cannot stat '", path, "': ", errno_text());
+  TORCH_CHECK(!S_ISDIR(info.st_mode), "DocumentMemory::load: '", path, "' is a directory, not a memory file");
+  TORCH_CHECK(S_ISREG(info.st_mode), "DocumentMemory::load: '", path,
+              "' is not a regular file (a FIFO, socket or device), not a memory file");
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(info.st_size));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t got = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    TORCH_CHECK(got >= 0, "DocumentMemory::load: cannot read '", path, "': ", errno_text());
+    TORCH_CHECK(got > 0, "DocumentMemory::load: '", path, "' ended after ", done, " of its ", bytes.size(),
+                " bytes (changed while being read?)");
+    done += static_cast<std::size_t>(got);
   }
-  TORCH_CHECK(!in.bad(), "DocumentMemory::load: cannot read '", path, "': ", errno_text());
   return bytes;
 }
 

@@ -122,14 +122,15 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
   detail::check_finite_in(op, "clip", options.clip(), cq.scalar_type());
   TORCH_CHECK(options.clip() > 0, op, ": option 'clip' must be > 0, got ", options.clip());
+  // Below the dtype's smallest normal number clip rounds to 0 or a subnormal,
+  // and the average of an empty prefix becomes 0 / 0 (float32 and bfloat16
+  // share that bound; float64's is far below any useful clip).
+  const auto type = cq.scalar_type();
+  TORCH_CHECK(options.clip() >= detail::dtype_min_normal(type), op, ": option 'clip' must be at least ",
+              detail::dtype_min_normal(type), " for ", detail::dtype_name(type), " inputs, got ",
+              options.clip());
   if (!agglomerative_attention_dispatch(cq, cr, v, options).uses_kernel())
     return reference::agglomerative_attention(cq, cr, v, options);
-
-  // In float32 a smaller clip rounds to 0 or a subnormal and the average of an
-  // empty prefix becomes 0 / 0.
-  TORCH_CHECK(options.clip() >= std::numeric_limits<float>::min(), op,
-              ": option 'clip' must be at least ", std::numeric_limits<float>::min(),
-              " for float32 inputs, got ", options.clip());
   const bool needs_grad = torch::GradMode::is_enabled() &&
                           (cq.requires_grad() || cr.requires_grad() || v.requires_grad());
   if (!needs_grad) return forward_only(cq, cr, v, options.causal(), options.clip());

@@ -118,6 +118,16 @@ inline double dtype_max(c10::ScalarType type) {
   }
 }
 
+/// The smallest positive normal number of a floating dtype (double for any other).
+inline double dtype_min_normal(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Float: return std::numeric_limits<float>::min();
+    case c10::ScalarType::Half: return std::numeric_limits<c10::Half>::min();
+    case c10::ScalarType::BFloat16: return std::numeric_limits<c10::BFloat16>::min();
+    default: return std::numeric_limits<double>::min();
+  }
+}
+
 /// A finite option that the op uses in the inputs' dtype (a float32 kernel
 /// casts it to float): it must stay finite there. 1e39 is finite in float64
 /// but infinite in float32, where a scale of it turns softmax weights into

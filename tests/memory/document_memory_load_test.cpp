@@ -3,6 +3,7 @@
 #include <attnkit/document_memory.h>
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -39,6 +40,22 @@ TEST(DocumentMemoryLoad, MissingFileNamesThePathAndTheReason) {
   const std::string msg = load_error(path);
   EXPECT_NE(msg.find("DocumentMemory::load: cannot open '" + path + "'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("No such file or directory"), std::string::npos) << msg;
+}
+
+// A FIFO used to block load() forever (in open(), waiting for a writer); a
+// device such as /dev/zero would read without end. Both are refused at once.
+TEST(DocumentMemoryLoad, FifoAndDeviceAreRefusedWithoutBlocking) {
+  std::string dir = ::testing::TempDir() + "attnkit_load_fifo_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string fifo = dir + "/memory.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string msg = load_error(fifo);
+  ::unlink(fifo.c_str());
+  ::rmdir(dir.c_str());
+  EXPECT_NE(msg.find("'" + fifo + "' is not a regular file"), std::string::npos) << msg;
+
+  const std::string device = load_error("/dev/zero");
+  EXPECT_NE(device.find("'/dev/zero' is not a regular file"), std::string::npos) << device;
 }
 
 }  // namespace

@@ -65,6 +65,29 @@ TEST(Issue15Scale, ClipAndEpsMustBeFiniteInFloat32) {
                                    LinearAttentionFuncOptions().normalize(true).eps(1e39)));
 }
 
+// A clip below the dtype's smallest normal number rounds to 0 or a subnormal
+// and made an empty prefix's average 0 / 0: all-NaN outputs in bfloat16, whose
+// bound was not checked (only float32's was, after the dispatch).
+TEST(Issue15Scale, ClipBelowTheSmallestNormalNumberIsRefusedPerDtype) {
+  auto cq = torch::ones({1, 2, 3}), cr = torch::zeros({1, 2, 3});
+  auto v = torch::ones({1, 2, 3, 2});
+  for (auto type : {torch::kFloat, torch::kBFloat16}) {
+    const double smallest = type == torch::kFloat ? std::numeric_limits<float>::min()
+                                                  : static_cast<double>(std::numeric_limits<c10::BFloat16>::min());
+    const char* name = type == torch::kFloat ? "float32" : "bfloat16";
+    expect_error([&] {
+      agglomerative_attention(cq.to(type), cr.to(type), v.to(type), AgglomerativeAttentionFuncOptions().clip(1e-45));
+    }, {"agglomerative_attention", "option 'clip'", "at least", name, "1e-45"});
+    auto out = agglomerative_attention(cq.to(type), cr.to(type), v.to(type),
+                                       AgglomerativeAttentionFuncOptions().clip(smallest));
+    EXPECT_TRUE(all_finite(out.to(torch::kDouble))) << name;
+  }
+  // float64's bound is DBL_MIN: 1e-45 is an ordinary clip there.
+  auto out = agglomerative_attention(cq.to(torch::kDouble), cr.to(torch::kDouble), v.to(torch::kDouble),
+                                     AgglomerativeAttentionFuncOptions().clip(1e-45));
+  EXPECT_TRUE(all_finite(out));
+}
+
 // ---------------------------------------------------------------------------
 // Edge lists with L = 0.
 // ---------------------------------------------------------------------------
