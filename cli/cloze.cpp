@@ -24,15 +24,13 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
-#include <chrono>
-#include <ctime>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "run_util.h"
 
 namespace attnkit::cli {
 
@@ -88,24 +86,6 @@ void apply_settings(const json& s, ClozeFlags& f) {
   s.at("test_examples").get_to(f.test_examples);
 }
 
-std::string loadavg() {
-  std::ifstream in("/proc/loadavg");
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string utc_now() {
-  const auto t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
 struct EvalResult {
   double loss = 0, accuracy = 0;
   int64_t examples = 0;
@@ -156,14 +136,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
                 " is not a checkpoint of `attnkit cloze` (kind '", header.value("kind", ""), "')");
     // Flags given must match the run's settings; the others are taken from it.
     const json stored = header.at("settings");
-    const json given = settings(f);
-    for (const auto& [key, value] : stored.items()) {
-      std::string flag = "--" + key;
-      for (auto& c : flag) c = c == '_' ? '-' : c;
-      if (cmd->count(flag) > 0 && given.at(key) != value)
-        TORCH_CHECK(false, "cloze: --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
-                    given.at(key).dump(), " (only --steps, --threads and --eval-every may change)");
-    }
+    check_resume_flags("cloze", stored, settings(f), *cmd, "--steps, --threads and --eval-every");
     apply_settings(stored, f);
   }
   TORCH_CHECK(!f.data.empty(), "cloze: --data (the directory `attnkit data char-lm` wrote) is required");
@@ -171,8 +144,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
     attnkit::set_num_threads(f.threads);
     at::set_num_threads(f.threads);
   }
-  const std::string load_start = loadavg();
-  const double wall_start = now_seconds();
+  const std::string load_start = loadavg_line();
+  const double wall_start = steady_seconds();
 
   tasks::ClozeTask task(f.data, tasks::ClozeOptions()
                                     .paragraph(f.paragraph)
@@ -241,7 +214,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
 
   train::StopSignalGuard signals;
   train::clear_stop();
-  double session_start = now_seconds();
+  double session_start = steady_seconds();
   double interval_loss = 0, interval_correct = 0;
   int64_t interval_examples = 0;
   int64_t step = start_step;
@@ -260,7 +233,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
     interval_examples += f.batch;
     const bool stop = train::stop_requested();
     if (step % f.eval_every == 0 || step == f.steps || stop) {
-      const double elapsed = elapsed_before + (now_seconds() - session_start);
+      const double elapsed = elapsed_before + (steady_seconds() - session_start);
       last_valid = evaluate(model, valid_batches);
       json rec{{"step", step},
                {"loss", interval_loss / static_cast<double>(interval_examples)},
@@ -271,7 +244,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
       metrics.append(rec.dump());
       const auto path = save(step, elapsed);
       // ETA from this session's speed (a resumed run's earlier sessions may have run elsewhere).
-      const double session_seconds = now_seconds() - session_start;
+      const double session_seconds = steady_seconds() - session_start;
       const double eta = session_seconds / static_cast<double>(step - start_step) *
                          static_cast<double>(f.steps - step);
       std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s  ETA %s\n",
@@ -291,7 +264,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
       }
     }
   }
-  const double elapsed = elapsed_before + (now_seconds() - session_start);
+  const double elapsed = elapsed_before + (steady_seconds() - session_start);
 
   // The end: test accuracy and the baselines on the same examples.
   const auto test_examples = task.eval_examples(tasks::Split::test, f.test_examples);
@@ -312,9 +285,9 @@ void run(ClozeFlags f, CLI::App* cmd) {
               {"train_seconds", elapsed},
               {"session", {{"resumed_from", resumed_from.empty() ? json(nullptr) : json(resumed_from)},
                            {"start_step", start_step},
-                           {"wall_seconds", now_seconds() - wall_start},
+                           {"wall_seconds", steady_seconds() - wall_start},
                            {"loadavg_start", load_start},
-                           {"loadavg_end", loadavg()},
+                           {"loadavg_end", loadavg_line()},
                            {"finished_utc", utc_now()},
                            {"threads", attnkit::num_threads()}}}};
   const auto result_path = (out / "result.json").string();

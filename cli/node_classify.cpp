@@ -32,15 +32,13 @@
 #include <torch/optim/adam.h>
 #include <torch/torch.h>
 
-#include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "run_util.h"
 
 namespace attnkit::cli {
 
@@ -83,24 +81,6 @@ void apply_settings(const json& s, NodeFlags& f) {
   s.at("clip").get_to(f.clip);
   s.at("seed").get_to(f.seed);
   f.residual = s.value("residual", false);
-}
-
-std::string loadavg() {
-  std::ifstream in("/proc/loadavg");
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string utc_now() {
-  const auto t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
 }
 
 /// What a structure looks like: edges per node (self-edges included), and the
@@ -211,14 +191,7 @@ void run(NodeFlags f, CLI::App* cmd) {
     TORCH_CHECK(header.value("kind", "") == "attnkit-node-classify", kCommand, ": --resume: ", resumed_from,
                 " is not a checkpoint of `attnkit node-classify` (kind '", header.value("kind", ""), "')");
     const json stored = header.at("settings");
-    const json given = settings(f);
-    for (const auto& [key, value] : stored.items()) {
-      std::string flag = "--" + key;
-      for (auto& c : flag) c = c == '_' ? '-' : c;
-      if (cmd->count(flag) > 0 && given.at(key) != value)
-        TORCH_CHECK(false, kCommand, ": --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
-                    given.at(key).dump(), " (only --epochs, --patience, --threads and --eval-every may change)");
-    }
+    check_resume_flags(kCommand, stored, settings(f), *cmd, "--epochs, --patience, --threads and --eval-every");
     apply_settings(stored, f);
   }
   TORCH_CHECK(!f.data.empty(), kCommand, ": --data (a dataset directory, e.g. from scripts/package-graph) is required");
@@ -226,8 +199,8 @@ void run(NodeFlags f, CLI::App* cmd) {
     attnkit::set_num_threads(f.threads);
     at::set_num_threads(f.threads);
   }
-  const std::string load_start = loadavg();
-  const double wall_start = now_seconds();
+  const std::string load_start = loadavg_line();
+  const double wall_start = steady_seconds();
 
   const auto graph = tasks::load_node_graph(f.data);
   const auto options = models::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
@@ -303,7 +276,7 @@ void run(NodeFlags f, CLI::App* cmd) {
   const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);
   train::StopSignalGuard signals;
   train::clear_stop();
-  const double session_start = now_seconds();
+  const double session_start = steady_seconds();
   int64_t epoch = start_epoch;
   bool early_stop = epoch - best.epoch >= f.patience && best.valid_accuracy >= 0;
   tasks::Metrics interval;
@@ -341,7 +314,7 @@ void run(NodeFlags f, CLI::App* cmd) {
         best.structure = e.structure;
       }
       early_stop = epoch - best.epoch >= f.patience;
-      const double elapsed = elapsed_before + (now_seconds() - session_start);
+      const double elapsed = elapsed_before + (steady_seconds() - session_start);
       json rec{{"step", epoch},
                {"loss", interval.loss()},
                {"accuracy", interval.accuracy()},
@@ -358,7 +331,7 @@ void run(NodeFlags f, CLI::App* cmd) {
       }
       metrics.append(rec.dump());
       const auto path = save(epoch, elapsed);
-      const double session_seconds = now_seconds() - session_start;
+      const double session_seconds = steady_seconds() - session_start;
       const double eta = session_seconds / static_cast<double>(epoch - start_epoch) *
                          static_cast<double>(f.epochs - epoch);
       std::printf("epoch %lld/%lld  loss %.4f  train acc %.4f  valid loss %.4f  valid acc %.4f  edges/node %.2f  "
@@ -379,7 +352,7 @@ void run(NodeFlags f, CLI::App* cmd) {
       }
     }
   }
-  const double elapsed = elapsed_before + (now_seconds() - session_start);
+  const double elapsed = elapsed_before + (steady_seconds() - session_start);
   const auto input = summarize(graph.edges, graph.labels);
   json result{{"attention", f.attention},
               {"seed", f.seed},
@@ -396,9 +369,9 @@ void run(NodeFlags f, CLI::App* cmd) {
               {"seconds_per_epoch", epoch > 0 ? elapsed / static_cast<double>(epoch) : 0.0},
               {"session", {{"resumed_from", resumed_from.empty() ? json(nullptr) : json(resumed_from)},
                            {"start_epoch", start_epoch},
-                           {"wall_seconds", now_seconds() - wall_start},
+                           {"wall_seconds", steady_seconds() - wall_start},
                            {"loadavg_start", load_start},
-                           {"loadavg_end", loadavg()},
+                           {"loadavg_end", loadavg_line()},
                            {"finished_utc", utc_now()},
                            {"threads", attnkit::num_threads()}}}};
   const auto result_path = (out / "result.json").string();

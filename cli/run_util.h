@@ -1,0 +1,30 @@
+// What the training subcommands with run directories of their own (`cloze`,
+// `node-classify`) share: the clocks and machine load they record, and the
+// rule for --resume (flags not given come from the checkpoint, flags given
+// must match it).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+namespace attnkit::cli {
+
+/// /proc/loadavg's line ("" if unreadable): the load a run's result records.
+std::string loadavg_line();
+
+/// Seconds on the steady clock since an arbitrary origin.
+double steady_seconds();
+
+/// The current UTC time as "YYYY-MM-DDTHH:MM:SSZ".
+std::string utc_now();
+
+/// --resume's rule for a run's settings (keys: flag names without "--", '_'
+/// for '-'): every flag given on `cmd` must equal the checkpoint's value of
+/// `stored`; throws naming the flag, both values and `may_change` (the flags
+/// that are not settings) otherwise.
+void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
+                        const CLI::App& cmd, const char* may_change);
+
+}  // namespace attnkit::cli
