@@ -4,11 +4,18 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <csignal>
 #include <iostream>
 
 #include "commands.h"
 
 int main(int argc, char** argv) {
+  // Under a file-size limit (ulimit -f) the write that crosses it raises
+  // SIGXFSZ, whose default action kills the process in the middle of a
+  // checkpoint and leaves its temporary file behind. Ignored, the write fails
+  // with EFBIG instead, which the writers report (naming the file) after
+  // removing the temporary file; the previous checkpoint stays intact.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"attnkit: fast CPU attention mechanisms (full softmax, clustered, agglomerative, "
                "linear, sparse) with forward and backward passes"};
   app.set_version_flag("--version", "attnkit " + attnkit::version());
