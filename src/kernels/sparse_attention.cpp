@@ -83,6 +83,39 @@ void mask_outside(const int64_t* idx, int64_t b, int64_t e, int64_t j0, int64_t 
   std::fill(s + pos, s + cols, -kInf);
 }
 
+/// The per-edge paths gather key/value (or query/output-gradient) rows from
+/// anywhere in the sequence, which the hardware prefetchers cannot guess: each
+/// loop asks for the rows of the edge kPrefetchAhead edges ahead, so that many
+/// gathers are in flight while the current edge is computed.
+constexpr int64_t kPrefetchAhead = 8;
+
+/// Requests the cache lines of a row of `count` floats (for reading).
+inline void prefetch_row(const float* row, int64_t count) {
+  for (int64_t c = 0; c < count; c += 16) __builtin_prefetch(row + c, 0, 3);
+}
+
+/// out[t] = a . row(t) for t < count, `n` floats each (the rows gathered
+/// through an edge list), four at a time (vec::dot4), asking for the rows
+/// kPrefetchAhead edges ahead; touch(t) runs before edge t is computed (to
+/// prefetch what the caller reads next for that edge).
+template <class Row, class Touch>
+void gather_dots(const float* a, int64_t count, const Row& row, int64_t n, float* out, const Touch& touch) {
+  for (int64_t t = 0; t < std::min(count, kPrefetchAhead); ++t) prefetch_row(row(t), n);
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    for (int64_t u = t + kPrefetchAhead; u < std::min(count, t + kPrefetchAhead + 4); ++u) prefetch_row(row(u), n);
+    for (int64_t u = t; u < t + 4; ++u) touch(u);
+    const float* b[4] = {row(t), row(t + 1), row(t + 2), row(t + 3)};
+    vec::dot4(a, b, n, out + t);
+  }
+  for (; t < count; ++t) {
+    touch(t);
+    out[t] = vec::dot(a, row(t), n);
+  }
+}
+
+constexpr auto kNothing = [](int64_t) {};
+
 /// Row i of head (n, h) of a strided (N, H, R, X) output.
 float* row_ptr(float* base, const int64_t* stride, int64_t n, int64_t h, int64_t i) {
   return base + n * stride[0] + h * stride[1] + i * stride[2];
@@ -171,11 +204,14 @@ void forward_row(const SparseAttentionParams& p, const Inputs& in, const Lines& 
   const int64_t* cols = g.idx + b;
   std::fill(w.u, w.u + p.M, 0.f);
   if (count == 0) return write_row(p, n, h, i, w.u, -kInf, 0.f);
-  const float* qi = in.q.row(n, h, i);
-  for (int64_t t = 0; t < count; ++t) w.row[t] = p.scale * vec::dot(qi, in.k.row(n, h, cols[t]), p.E);
+  const auto key = [&](int64_t t) { return in.k.row(n, h, cols[t]); };
+  const auto value = [&](int64_t t) { return in.v.row(n, h, cols[t]); };
+  // The values are asked for with their keys, for the weighted sum below.
+  gather_dots(in.q.row(n, h, i), count, key, p.E, w.row, [&](int64_t t) { prefetch_row(value(t), p.M); });
+  vec::scale(w.row, count, p.scale);
   const float m = vec::max(w.row, count);
   const float l = vec::exp_shift_sum(w.row, count, m);
-  for (int64_t t = 0; t < count; ++t) vec::axpy(w.u, w.row[t], in.v.row(n, h, cols[t]), p.M);
+  for (int64_t t = 0; t < count; ++t) vec::axpy(w.u, w.row[t], value(t), p.M);
   write_row(p, n, h, i, w.u, m, l);
 }
 
@@ -186,11 +222,14 @@ void forward_row(const SparseAttentionParams& p, const Inputs& in, const Lines& 
 struct RowGradScratch {
   float *s, *ds;  // P and dP, then dS: kBlockRows x kTile each
   float *dq;      // kBlockRows x E
+  float *p_row, *ds_row;  // one row's P and dP, then dS, on the edge-at-a-time path: up to S each
 
   RowGradScratch(const SparseAttentionParams& p, Slicer& slicer)
       : s(slicer.take(kBlockRows * kTile)),
         ds(slicer.take(kBlockRows * kTile)),
-        dq(slicer.take(kBlockRows * p.E)) {}
+        dq(slicer.take(kBlockRows * p.E)),
+        p_row(slicer.take(p.S)),
+        ds_row(slicer.take(p.S)) {}
 };
 
 struct GradInputs {
@@ -233,20 +272,23 @@ void dq_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, cons
     put_row(w.dq + r * E, E, row_ptr(p.dq, p.dq_stride, n, h, i0 + r), p.dq_stride[3], p.scale);
 }
 
-/// dq of row i one edge at a time.
+/// dq of row i one edge at a time: P and dP of all its edges (the gathered keys
+/// and values), dS = P (dP - D), then dq = scale sum dS k.
 void dq_row(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
             int64_t n, int64_t h, int64_t i, const RowGradScratch& w) {
   const int64_t E = p.E, M = p.M;
-  const float lse = in.lse[(n * p.H + h) * p.L + i];
-  const float d = in.d[(n * p.H + h) * p.L + i];
-  const float *qi = in.q.row(n, h, i), *doi = in.dout.row(n, h, i);
+  const int64_t first = g.begin(i), count = g.end(i) - first;
+  const int64_t* cols = g.idx + first;
   std::fill(w.dq, w.dq + E, 0.f);
-  for (int64_t e = g.begin(i); e < g.end(i); ++e) {
-    const int64_t j = g.idx[e];
-    const float* kj = in.k.row(n, h, j);
-    const float prob = vec::exp(p.scale * vec::dot(qi, kj, E) - lse);
-    const float ds = prob * (vec::dot(doi, in.v.row(n, h, j), M) - d);
-    vec::axpy(w.dq, ds, kj, E);
+  if (count > 0) {
+    const auto key = [&](int64_t t) { return in.k.row(n, h, cols[t]); };
+    const auto value = [&](int64_t t) { return in.v.row(n, h, cols[t]); };
+    gather_dots(in.q.row(n, h, i), count, key, E, w.p_row, [&](int64_t t) { prefetch_row(value(t), M); });
+    gather_dots(in.dout.row(n, h, i), count, value, M, w.ds_row, kNothing);
+    vec::scale(w.p_row, count, p.scale);
+    vec::exp_shift(w.p_row, count, in.lse[(n * p.H + h) * p.L + i]);
+    vec::softmax_grad(w.ds_row, w.p_row, count, in.d[(n * p.H + h) * p.L + i]);
+    for (int64_t t = 0; t < count; ++t) vec::axpy(w.dq, w.ds_row[t], key(t), E);
   }
   put_row(w.dq, E, row_ptr(p.dq, p.dq_stride, n, h, i), p.dq_stride[3], p.scale);
 }
@@ -294,6 +336,7 @@ struct KeyGradScratch {
   float *p, *ds;         // P^T and dP^T, then dS^T: kBlockKeys x kTile each
   float *dk, *dv;        // kBlockKeys x E, kBlockKeys x M
   float *neg_lse, *neg_d;  // kTile each
+  float *p_col, *ds_col;   // one key's P and dP, then dS, on the edge-at-a-time path: up to L each
 
   KeyGradScratch(const SparseAttentionParams& params, Slicer& slicer)
       : p(slicer.take(kBlockKeys * kTile)),
@@ -301,7 +344,9 @@ struct KeyGradScratch {
         dk(slicer.take(kBlockKeys * params.E)),
         dv(slicer.take(kBlockKeys * params.M)),
         neg_lse(slicer.take(kTile)),
-        neg_d(slicer.take(kTile)) {}
+        neg_d(slicer.take(kTile)),
+        p_col(slicer.take(params.L)),
+        ds_col(slicer.take(params.L)) {}
 };
 
 /// dk, dv of keys [j0, j0 + keys) as dense tiles over the queries [lo, hi):
@@ -346,22 +391,31 @@ void dkv_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, con
   }
 }
 
-/// dk, dv of key j one incoming edge at a time, in increasing row order.
+/// dk, dv of key j one incoming edge at a time, in increasing row order: P and
+/// dP of all its edges (the gathered queries and output gradients), dS, then
+/// dv = sum P dout and dk = scale sum dS q.
 void dkv_key(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& t,
              int64_t n, int64_t h, int64_t j, const KeyGradScratch& w) {
   const int64_t E = p.E, M = p.M;
   const float* lse = in.lse + (n * p.H + h) * p.L;
   const float* d = in.d + (n * p.H + h) * p.L;
-  const float *kj = in.k.row(n, h, j), *vj = in.v.row(n, h, j);
+  const int64_t first = t.begin(j), count = t.end(j) - first;
+  const int64_t* rows = t.idx + first;
   std::fill(w.dk, w.dk + E, 0.f);
   std::fill(w.dv, w.dv + M, 0.f);
-  for (int64_t e = t.begin(j); e < t.end(j); ++e) {
-    const int64_t i = t.idx[e];
-    const float *qi = in.q.row(n, h, i), *doi = in.dout.row(n, h, i);
-    const float prob = vec::exp(p.scale * vec::dot(qi, kj, E) - lse[i]);
-    const float ds = prob * (vec::dot(doi, vj, M) - d[i]);
-    vec::axpy(w.dv, prob, doi, M);
-    vec::axpy(w.dk, ds, qi, E);
+  if (count > 0) {
+    const auto query = [&](int64_t u) { return in.q.row(n, h, rows[u]); };
+    const auto grad = [&](int64_t u) { return in.dout.row(n, h, rows[u]); };
+    gather_dots(in.k.row(n, h, j), count, query, E, w.p_col, [&](int64_t u) { prefetch_row(grad(u), M); });
+    gather_dots(in.v.row(n, h, j), count, grad, M, w.ds_col, kNothing);
+    // A row that holds key j has an edge, so its lse is finite.
+    for (int64_t u = 0; u < count; ++u) w.p_col[u] = p.scale * w.p_col[u] - lse[rows[u]];
+    vec::exp_shift(w.p_col, count, 0.f);
+    for (int64_t u = 0; u < count; ++u) w.ds_col[u] = w.p_col[u] * (w.ds_col[u] - d[rows[u]]);
+    for (int64_t u = 0; u < count; ++u) {
+      vec::axpy(w.dv, w.p_col[u], grad(u), M);
+      vec::axpy(w.dk, w.ds_col[u], query(u), E);
+    }
   }
   put_row(w.dk, E, row_ptr(p.dk, p.dk_stride, n, h, j), p.dk_stride[3], p.scale);
   put_row(w.dv, M, row_ptr(p.dv, p.dv_stride, n, h, j), p.dv_stride[3]);

@@ -137,6 +137,45 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+/// out[r] = sum_i a[i] * b[r][i] for four rows b[0..3]: one pass over a, four
+/// independent accumulators, and one shuffle tree for the four horizontal sums
+/// (what four dot() calls would each pay for alone). Each sum is accumulated in
+/// another order than dot()'s, so results can differ from it in the last bits.
+inline void dot4(const float* a, const float* const b[4], int64_t n, float out[4]) {
+#ifdef __AVX512F__
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(a + i);
+    acc0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[0] + i), acc0);
+    acc1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[1] + i), acc1);
+    acc2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[2] + i), acc2);
+    acc3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b[3] + i), acc3);
+  }
+  if (i < n) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(k, a + i);
+    acc0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(k, b[0] + i), acc0);
+    acc1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(k, b[1] + i), acc1);
+    acc2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(k, b[2] + i), acc2);
+    acc3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(k, b[3] + i), acc3);
+  }
+  // Per 128-bit lane: [a0 b0 a1 b1] + [a2 b2 a3 b3] -> (A, B, A, B) partial sums,
+  // then the 64-bit pairs of (A, B, ..) and (C, D, ..) -> (A, B, C, D).
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(acc0, acc1), _mm512_unpackhi_ps(acc0, acc1));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(acc2, acc3), _mm512_unpackhi_ps(acc2, acc3));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  // The four 128-bit lanes hold partial (A, B, C, D): add them.
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+#else
+  for (int r = 0; r < 4; ++r) out[r] = dot(a, b[r], n);
+#endif
+}
+
 /// x[i] *= s.
 inline void scale(float* x, int64_t n, float s) {
 #ifdef __AVX512F__
