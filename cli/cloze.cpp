@@ -196,20 +196,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
   const auto valid_batches = task.eval_batches(tasks::Split::valid, f.valid_examples, kEvalBatch);
 
   auto save = [&](int64_t step, double elapsed) {
-    json h;
-    h["kind"] = "attnkit-cloze";
-    h["step"] = step;
-    h["elapsed"] = elapsed;
-    h["settings"] = settings(f);
-    std::string tensors;
-    train::CheckpointFile ckpt;
-    ckpt.payload = train::save_training_state(*model, &optimizer, &tensors);
-    h["tensors"] = json::parse(tensors);
-    ckpt.header = h.dump();
-    const auto path = (out / train::checkpoint_name(step)).string();
-    train::write_checkpoint_file(path, ckpt);
-    train::prune_checkpoints(f.out, kKeepCheckpoints);
-    return path;
+    return save_run_checkpoint(f.out, "attnkit-cloze", step, elapsed, settings(f), json::object(), *model,
+                               optimizer, kKeepCheckpoints);
   };
 
   train::StopSignalGuard signals;

@@ -256,21 +256,8 @@ void run(NodeFlags f, CLI::App* cmd) {
   std::fflush(stdout);
 
   auto save = [&](int64_t epoch, double elapsed) {
-    json h;
-    h["kind"] = "attnkit-node-classify";
-    h["step"] = epoch;
-    h["elapsed"] = elapsed;
-    h["settings"] = settings(f);
-    h["best"] = best.to_json();
-    std::string tensors;
-    train::CheckpointFile ckpt;
-    ckpt.payload = train::save_training_state(*model, &optimizer, &tensors);
-    h["tensors"] = json::parse(tensors);
-    ckpt.header = h.dump();
-    const auto path = (out / train::checkpoint_name(epoch)).string();
-    train::write_checkpoint_file(path, ckpt);
-    train::prune_checkpoints(f.out, kKeepCheckpoints);
-    return path;
+    return save_run_checkpoint(f.out, "attnkit-node-classify", epoch, elapsed, settings(f),
+                               json{{"best", best.to_json()}}, *model, optimizer, kKeepCheckpoints);
   };
 
   const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);

@@ -1,9 +1,11 @@
 #include "run_util.h"
 
+#include <attnkit/train/checkpoint.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 
 namespace attnkit::cli {
@@ -35,6 +37,25 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
       TORCH_CHECK(false, command, ": --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
                   given.at(key).dump(), " (only ", may_change, " may change)");
   }
+}
+
+std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,
+                                const nlohmann::json& settings, const nlohmann::json& extra,
+                                torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep) {
+  nlohmann::json header = extra;
+  header["kind"] = kind;
+  header["step"] = step;
+  header["elapsed"] = elapsed;
+  header["settings"] = settings;
+  std::string tensors;
+  train::CheckpointFile file;
+  file.payload = train::save_training_state(model, &optimizer, &tensors);
+  header["tensors"] = nlohmann::json::parse(tensors);
+  file.header = header.dump();
+  const auto path = (std::filesystem::path(out) / train::checkpoint_name(step)).string();
+  train::write_checkpoint_file(path, file);
+  train::prune_checkpoints(out, keep);
+  return path;
 }
 
 }  // namespace attnkit::cli

@@ -6,7 +6,11 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace attnkit::cli {
@@ -26,5 +30,15 @@ std::string utc_now();
 /// that are not settings) otherwise.
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change);
+
+/// Writes RUN/checkpoint-<step>.ckpt (train/checkpoint.h's container) for a
+/// run in directory `out`: the header holds `kind` (what wrote it), `step`,
+/// `elapsed` (training seconds so far), `settings`, the description of the
+/// stored tensors and every member of `extra`; the payload the model's and the
+/// optimiser's state and the generator's. Keeps the newest `keep` checkpoints;
+/// returns the path written.
+std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,
+                                const nlohmann::json& settings, const nlohmann::json& extra,
+                                torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep);
 
 }  // namespace attnkit::cli

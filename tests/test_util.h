@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -174,5 +177,27 @@ inline void expect_error(const std::function<void()>& body, const std::vector<st
   }
   ADD_FAILURE() << "expected an error mentioning '" << (fragments.empty() ? "" : fragments[0]) << "'";
 }
+
+/// A fresh, empty directory for one test's files (mkdtemp under the system's
+/// temp dir, so parallel test processes never share one), removed with
+/// everything in it.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "attnkit_test_XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("ScratchDir: mkdtemp failed for " + pattern);
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
 
 }  // namespace attnkit::testing

@@ -25,22 +25,8 @@ using attnkit::testing::expect_error;
 
 namespace {
 
-// A fresh directory under the system's temp dir, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("attnkit_node_graph_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+// A fresh directory for one test's files, removed afterwards.
+using TempDir = attnkit::testing::ScratchDir;
 
 // The files of a valid dataset: 5 nodes, 4 features, 3 classes, 4 edges.
 // Tests replace one file's text to make it malformed.
