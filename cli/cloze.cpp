@@ -271,13 +271,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
               {"baselines", {{"valid", baselines_json(tasks::ClozeTask::baselines(valid_examples))},
                              {"test", baselines_json(tasks::ClozeTask::baselines(test_examples))}}},
               {"train_seconds", elapsed},
-              {"session", {{"resumed_from", resumed_from.empty() ? json(nullptr) : json(resumed_from)},
-                           {"start_step", start_step},
-                           {"wall_seconds", steady_seconds() - wall_start},
-                           {"loadavg_start", load_start},
-                           {"loadavg_end", loadavg_line()},
-                           {"finished_utc", utc_now()},
-                           {"threads", attnkit::num_threads()}}}};
+              {"session", session_record(resumed_from, "start_step", start_step, wall_start, load_start)}};
   const auto result_path = (out / "result.json").string();
   train::write_file_atomically(result_path, result.dump(2) + "\n");
   std::printf("trained to step %lld of %lld; test accuracy %.4f (%lld examples; frequency baseline "

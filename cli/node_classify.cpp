@@ -354,13 +354,7 @@ void run(NodeFlags f, CLI::App* cmd) {
               {"input_graph", {{"edges_per_node", input.edges_per_node}, {"same_class", input.same_class}}},
               {"train_seconds", elapsed},
               {"seconds_per_epoch", epoch > 0 ? elapsed / static_cast<double>(epoch) : 0.0},
-              {"session", {{"resumed_from", resumed_from.empty() ? json(nullptr) : json(resumed_from)},
-                           {"start_epoch", start_epoch},
-                           {"wall_seconds", steady_seconds() - wall_start},
-                           {"loadavg_start", load_start},
-                           {"loadavg_end", loadavg_line()},
-                           {"finished_utc", utc_now()},
-                           {"threads", attnkit::num_threads()}}}};
+              {"session", session_record(resumed_from, "start_epoch", start_epoch, wall_start, load_start)}};
   const auto result_path = (out / "result.json").string();
   train::write_file_atomically(result_path, result.dump(2) + "\n");
   std::printf("%s after %lld epochs%s: best valid accuracy %.4f at epoch %lld, test accuracy there %.4f; %s\n",

@@ -1,5 +1,6 @@
 #include "run_util.h"
 
+#include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <c10/util/Exception.h>
 
@@ -37,6 +38,17 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
       TORCH_CHECK(false, command, ": --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
                   given.at(key).dump(), " (only ", may_change, " may change)");
   }
+}
+
+nlohmann::json session_record(const std::string& resumed_from, const char* start_key, int64_t start,
+                              double wall_start, const std::string& load_start) {
+  return {{"resumed_from", resumed_from.empty() ? nlohmann::json(nullptr) : nlohmann::json(resumed_from)},
+          {start_key, start},
+          {"wall_seconds", steady_seconds() - wall_start},
+          {"loadavg_start", load_start},
+          {"loadavg_end", loadavg_line()},
+          {"finished_utc", utc_now()},
+          {"threads", attnkit::num_threads()}};
 }
 
 std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,

@@ -31,6 +31,13 @@ std::string utc_now();
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change);
 
+/// The "session" record of a run's result.json: where it resumed from (null
+/// when it started fresh), the step (or epoch) it started at under the key
+/// `start_key`, its wall seconds since `wall_start` (steady_seconds()), the load
+/// at its start and now, the UTC time and the thread count.
+nlohmann::json session_record(const std::string& resumed_from, const char* start_key, int64_t start,
+                              double wall_start, const std::string& load_start);
+
 /// Writes RUN/checkpoint-<step>.ckpt (train/checkpoint.h's container) for a
 /// run in directory `out`: the header holds `kind` (what wrote it), `step`,
 /// `elapsed` (training seconds so far), `settings`, the description of the

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <attnkit/dispatch.h>
+#include <attnkit/ops.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -176,6 +177,17 @@ inline void expect_error(const std::function<void()>& body, const std::vector<st
     return;
   }
   ADD_FAILURE() << "expected an error mentioning '" << (fragments.empty() ? "" : fragments[0]) << "'";
+}
+
+/// A shared edge list from its rows, each already sorted and duplicate-free
+/// (built by hand, so that tests do not check the builders with themselves).
+inline EdgeList edge_list_from_rows(const std::vector<std::vector<int64_t>>& rows) {
+  std::vector<int64_t> offsets{0}, columns;
+  for (const auto& r : rows) {
+    columns.insert(columns.end(), r.begin(), r.end());
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  return {torch::tensor(offsets, torch::kLong), torch::tensor(columns, torch::kLong)};
 }
 
 /// A fresh, empty directory for one test's files (mkdtemp under the system's

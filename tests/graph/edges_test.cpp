@@ -314,14 +314,7 @@ TEST(EdgesTest, CheckEdgeListRejectsMalformedLists) {
 // --- merge and hop_distances -----------------------------------------------------------
 
 /// A shared list from rows (each sorted, duplicate-free), built by hand.
-EdgeList list_of(const Rows& rows) {
-  std::vector<int64_t> offsets{0}, columns;
-  for (const auto& r : rows) {
-    columns.insert(columns.end(), r.begin(), r.end());
-    offsets.push_back(static_cast<int64_t>(columns.size()));
-  }
-  return {torch::tensor(offsets, torch::kLong), torch::tensor(columns, torch::kLong)};
-}
+EdgeList list_of(const Rows& rows) { return testing::edge_list_from_rows(rows); }
 
 /// A per-head list from rows per head, laid out as the predictor lays it out:
 /// one columns array, head h's offsets continuing where head h - 1's end.

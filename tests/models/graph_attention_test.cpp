@@ -40,14 +40,7 @@ Rows rows_of(const EdgeList& e, int64_t h = 0) {
   return rows;
 }
 
-EdgeList list_of(const Rows& rows) {
-  std::vector<int64_t> offsets{0}, columns;
-  for (const auto& r : rows) {
-    columns.insert(columns.end(), r.begin(), r.end());
-    offsets.push_back(static_cast<int64_t>(columns.size()));
-  }
-  return {torch::tensor(offsets, torch::kLong), torch::tensor(columns, torch::kLong)};
-}
+EdgeList list_of(const Rows& rows) { return testing::edge_list_from_rows(rows); }
 
 /// An undirected graph as NodeGraph stores it: both directions and self-edges.
 EdgeList undirected(int64_t n, const std::vector<std::pair<int64_t, int64_t>>& pairs) {
