@@ -190,6 +190,19 @@ inline EdgeList edge_list_from_rows(const std::vector<std::vector<int64_t>>& row
   return {torch::tensor(offsets, torch::kLong), torch::tensor(columns, torch::kLong)};
 }
 
+/// The rows of head `h` of an edge list (a shared list has head 0 only), each
+/// as its list of columns.
+inline std::vector<std::vector<int64_t>> edge_rows(const EdgeList& e, int64_t h = 0) {
+  const auto off = (e.per_head() ? e.offsets[h] : e.offsets).contiguous();
+  const auto col = e.columns.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t* c = col.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(off.numel() - 1);
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t p = o[i]; p < o[i + 1]; ++p) rows[i].push_back(c[p]);
+  return rows;
+}
+
 /// A fresh, empty directory for one test's files (mkdtemp under the system's
 /// temp dir, so parallel test processes never share one), removed with
 /// everything in it.

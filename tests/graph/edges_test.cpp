@@ -332,16 +332,7 @@ EdgeList per_head_list_of(const std::vector<Rows>& heads) {
 }
 
 /// The rows of head h of a per-head list (read through its own offsets).
-Rows head_rows(const EdgeList& e, int64_t h) {
-  const auto off = e.offsets[h].contiguous();
-  const auto col = e.columns.contiguous();
-  const int64_t* o = off.data_ptr<int64_t>();
-  const int64_t* c = col.data_ptr<int64_t>();
-  Rows rows(off.numel() - 1);
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int64_t p = o[i]; p < o[i + 1]; ++p) rows[i].push_back(c[p]);
-  return rows;
-}
+Rows head_rows(const EdgeList& e, int64_t h) { return testing::edge_rows(e, h); }
 
 /// Random rows over an L x S grid: each cell with probability `density`, and
 /// every third row (by a coin) left empty.

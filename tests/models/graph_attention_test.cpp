@@ -29,16 +29,7 @@ using Rows = std::vector<std::vector<int64_t>>;
 constexpr int64_t kFeatures = 6, kClasses = 3;
 
 /// The rows of head `h` of an edge list (a shared list has head 0 only).
-Rows rows_of(const EdgeList& e, int64_t h = 0) {
-  const auto off = (e.per_head() ? e.offsets[h] : e.offsets).contiguous();
-  const auto col = e.columns.contiguous();
-  const int64_t* o = off.data_ptr<int64_t>();
-  const int64_t* c = col.data_ptr<int64_t>();
-  Rows rows(off.numel() - 1);
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int64_t p = o[i]; p < o[i + 1]; ++p) rows[i].push_back(c[p]);
-  return rows;
-}
+Rows rows_of(const EdgeList& e, int64_t h = 0) { return testing::edge_rows(e, h); }
 
 EdgeList list_of(const Rows& rows) { return testing::edge_list_from_rows(rows); }
 
