@@ -1,49 +1,29 @@
-"""attnkit for PyTorch: loads libattnkit.so and exposes its ops.
+"""attnkit for PyTorch: the library's ops, modules and models.
 
-Every op is available as ``torch.ops.attnkit.<name>`` (keyword arguments as in
-docs/API.md) and, for convenience, as a function of this module::
+* ops: ``torch.ops.attnkit.<name>`` (keyword arguments as in docs/API.md), also
+  functions of this package::
 
-    import attnkit
-    out = attnkit.softmax_attention(q, k, v, causal=True)
+      import attnkit
+      out = attnkit.softmax_attention(q, k, v, causal=True)
 
-The library is found through, in order: the ``ATTNKIT_LIBRARY`` environment
-variable (a path to libattnkit.so), the installed layout (``lib/attnkit/python``
-beside ``lib/libattnkit.so``), and the build tree (``build/libattnkit.so``).
+* modules: ``attnkit.nn`` (MultiheadAttention with any mechanism, the zoo,
+  Linear, the agglomerative and linear layers, DocumentMemory, one class per
+  registry mechanism in ``attnkit.nn.mechanisms``);
+* models: ``attnkit.models.Transformer`` (the builder, generation, runs of
+  ``attnkit train``);
+* ``attnkit.mechanisms()`` lists the registry.
 """
-import os
-import pathlib
-
 import torch
+
+from ._library import library_path, mechanisms
+
+__version__ = torch.ops.attnkit.version()
 
 __all__ = [
     "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
-    "edge_pattern", "linear", "library_path",
+    "edge_pattern", "linear", "library_path", "mechanisms", "nn", "models",
 ]
-
-
-def _candidates():
-    env = os.environ.get("ATTNKIT_LIBRARY")
-    if env:
-        yield pathlib.Path(env)
-        return
-    here = pathlib.Path(__file__).resolve().parent
-    yield here.parent.parent.parent / "libattnkit.so"   # <prefix>/lib/attnkit/python/attnkit
-    yield here.parent.parent / "build" / "libattnkit.so"  # source tree: python/attnkit
-
-
-def _load():
-    tried = []
-    for path in _candidates():
-        tried.append(str(path))
-        if path.is_file():
-            torch.ops.load_library(str(path))
-            return path
-    raise ImportError("attnkit: libattnkit.so not found; tried " + ", ".join(tried) +
-                      ". Set ATTNKIT_LIBRARY to its path.")
-
-
-library_path = _load()
 
 softmax_attention = torch.ops.attnkit.softmax_attention
 linear_attention = torch.ops.attnkit.linear_attention
@@ -53,3 +33,5 @@ clustered_attention = torch.ops.attnkit.clustered_attention
 sparse_attention = torch.ops.attnkit.sparse_attention
 edge_pattern = torch.ops.attnkit.edge_pattern
 linear = torch.ops.attnkit.linear
+
+from . import nn, models  # noqa: E402  (they need the library loaded above)

@@ -244,24 +244,59 @@ Trainer::~Trainer() = default;
 
 torch::optim::Optimizer& Trainer::optimizer() { return *optimizer_; }
 
-void Trainer::write_checkpoint(int64_t step, double elapsed, const TrainResult& result) {
+namespace {
+
+/// The checkpoint header and payload of `model` at `step`, as every run
+/// directory stores them (load_run and --resume read them).
+CheckpointFile run_checkpoint(models::TransformerImpl& model, torch::optim::Optimizer* optimizer,
+                              const TrainerOptions& trainer, const models::TransformerOptions& model_options,
+                              const tasks::TaskOptions& task, int64_t step, double elapsed) {
   std::string tensors;
   CheckpointFile file;
-  file.payload = save_training_state(*model_, optimizer_.get(), &tensors);
+  file.payload = save_training_state(model, optimizer, &tensors);
   json header = {{"format", "attnkit-checkpoint"},
                  {"attnkit_version", attnkit::version()},
                  {"step", step},
                  {"elapsed_seconds", elapsed},
-                 {"trainer", json::parse(options_.to_json())},
-                 {"model", json::parse(model_options_.to_json())},
-                 {"task", json::parse(task_options_to_json(task_options_))},
-                 {"parameters", model_->parameter_count()},
+                 {"trainer", json::parse(trainer.to_json())},
+                 {"model", json::parse(model_options.to_json())},
+                 {"task", json::parse(task_options_to_json(task))},
+                 {"parameters", model.parameter_count()},
                  {"tensors", json::parse(tensors)}};
-  if (result.validated) header["valid"] = metrics_json("", result.valid);
   file.header = header.dump();
+  return file;
+}
+
+}  // namespace
+
+void Trainer::write_checkpoint(int64_t step, double elapsed, const TrainResult& result) {
+  auto file = run_checkpoint(*model_, optimizer_.get(), options_, model_options_, task_options_, step, elapsed);
+  if (result.validated) {
+    auto header = json::parse(file.header);
+    header["valid"] = metrics_json("", result.valid);
+    file.header = header.dump();
+  }
   const auto path = (fs::path(options_.out()) / checkpoint_name(step)).string();
   write_checkpoint_file(path, file);
   prune_checkpoints(options_.out(), kKeepCheckpoints);  // only after the new one is durable
+}
+
+std::string save_model_run(const std::string& run_dir, models::TransformerImpl& model,
+                           const tasks::TaskOptions& task, TrainerOptions trainer, int64_t step) {
+  TORCH_CHECK(!run_dir.empty(), "save_model_run: the run directory is empty");
+  TORCH_CHECK(step >= 0, "save_model_run: step must be >= 0, got ", step);
+  for (const auto& t : model.parameters())
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "save_model_run: the model's parameters are ",
+                c10::toString(t.scalar_type()), "; runs store float32 (convert the model with .float())");
+  const auto stored_task = normalised(task);
+  check_architecture(model.options(), *tasks::make_task(stored_task));  // also refuses missing data
+  std::error_code error;
+  fs::create_directories(run_dir, error);
+  TORCH_CHECK(!error, "save_model_run: cannot create '", run_dir, "': ", error.message());
+  trainer.out(run_dir).resume(false);
+  const auto path = (fs::path(run_dir) / checkpoint_name(step)).string();
+  write_checkpoint_file(path, run_checkpoint(model, nullptr, trainer, model.options(), stored_task, step, 0.0));
+  return path;
 }
 
 TrainResult Trainer::run() {

@@ -149,6 +149,17 @@ struct LoadedRun {
 /// or the generator). A corrupt newest checkpoint is refused, not skipped.
 LoadedRun load_run(const std::string& run_dir);
 
+/// Writes `model` (float32) as checkpoint `step` of the run directory
+/// `run_dir` (created when missing), in the format Trainer writes, for `task`
+/// and with `trainer` as its recorded options: how a model trained elsewhere
+/// (the Python package) becomes a run that `attnkit eval` and `generate`
+/// read. It holds no optimiser state, so `--resume` refuses it. Returns the
+/// file's path. Refuses a task the model cannot serve (vocabulary, causality)
+/// with load_run's and the trainer's errors.
+std::string save_model_run(const std::string& run_dir, models::TransformerImpl& model,
+                           const tasks::TaskOptions& task, TrainerOptions trainer = {},
+                           int64_t step = 0);
+
 /// The options stored in the newest checkpoint of `run_dir` without building
 /// anything (the CLI's --resume starts from them). Throws when there is none.
 struct StoredOptions {

@@ -1,0 +1,107 @@
+"""attnkit.models.Transformer: the C++ transformer builder as a torch.nn.Module.
+
+It is attnkit::models::Transformer itself (include/attnkit/models/transformer.h)
+behind nn.Parameters (attnkit/_bridge.py): the same options, layers, outputs and
+errors, and the same checkpoints. A run of ``attnkit train`` loads with
+``Transformer.load(run_dir)`` and gives the logits ``attnkit eval`` computes;
+``model.save(run_dir, ...)`` writes a run that ``attnkit eval`` and
+``attnkit generate`` read.
+
+    model = attnkit.models.Transformer.from_kwargs(
+        vocab_size=27, layers=4, width=256, heads=4,
+        attention=["full", "full", "improved-clustered:clusters=25", "causal-linear"])
+    logits = model(tokens)                                  # (N, L) -> (N, L, 27)
+    text = model.generate(prompt, tokens=100, top_k=5)
+"""
+import json
+
+from ._bridge import BridgedModule
+
+__all__ = ["Transformer"]
+
+# TransformerOptions' keys (src/models/options.cpp) with their C++ defaults.
+_OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "ffn",
+            "dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
+            "conv_width", "norm", "tie_embeddings", "shared_weights")
+
+
+class Transformer(BridgedModule):
+    """A decoder-only language model, an encoder or an encoder-decoder whose
+    blocks take their self-attention from the registry by spec string.
+
+    Options (the C++ TransformerOptions, same names and defaults):
+    architecture ("decoder" | "encoder" | "encoder-decoder"), vocab_size,
+    source_vocab_size, layers (2), width (64), heads (4), ffn (256),
+    dropout (0.1), attention (a spec, or one per block; "full"),
+    cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
+    | "conv" | "none"), max_length (2048), relative_clip (16), conv_width (8),
+    norm ("pre" | "post"), tie_embeddings (True), shared_weights (False).
+    """
+
+    def __init__(self, vocab_size, **options):
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(f"attnkit.models.Transformer: unknown option(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(_OPTIONS)}")
+        if isinstance(options.get("attention"), str):
+            options["attention"] = [options["attention"]]
+        super().__init__("Transformer", dict(options, vocab_size=vocab_size))
+        self.run_info = None
+
+    @classmethod
+    def from_kwargs(cls, **options):
+        """The builder form (fast-transformers' TransformerEncoderBuilder.from_kwargs):
+        every option by keyword, vocab_size included."""
+        if "vocab_size" not in options:
+            raise TypeError("attnkit.models.Transformer.from_kwargs: vocab_size is required")
+        return cls(options.pop("vocab_size"), **options)
+
+    @classmethod
+    def load(cls, run_dir):
+        """The model of the newest checkpoint of a run directory (written by
+        ``attnkit train`` or save()), in eval mode. ``run_info`` holds the
+        checkpoint's path, step, task and trainer options."""
+        self = cls.__new__(cls)
+        BridgedModule.__init__(self, "run", {"run_dir": str(run_dir)})
+        self.run_info = json.loads(self._bridge.run_info())
+        self.eval()
+        return self
+
+    @property
+    def options(self):
+        """The builder's options as a dict (after set_attention, the new specs)."""
+        return json.loads(self._bridge.settings())
+
+    def forward(self, tokens, source=None, source_lengths=None):
+        """tokens (N, L) int64 -> logits (N, L, vocab_size); an encoder-decoder
+        also takes source (N, S) and its lengths (int64 (N), optional)."""
+        return self._call("forward", tokens, source, source_lengths)[0]
+
+    def generate(self, prompt, tokens=100, temperature=1.0, top_k=0, seed=0, source=None,
+                 source_lengths=None):
+        """prompt (N, P) -> (N, P + tokens): the prompt and sampled tokens
+        (temperature 0: greedy; top_k 0: all), decoded incrementally in eval
+        mode without autograd. The seed makes it repeatable."""
+        return self._call("generate", prompt, source, source_lengths, tokens=tokens,
+                          temperature=temperature, top_k=top_k, seed=seed)[0]
+
+    def set_attention(self, attention):
+        """Replaces the self-attention of every block (a spec) or of each block
+        (a list) behind the same trained projections."""
+        if isinstance(attention, str):
+            attention = [attention]
+        self._call("set_attention", attention=list(attention))
+        self._adopt()
+
+    def save(self, run_dir, task="char-lm", data_dir="", length=64, step=0, trainer=None):
+        """Writes the model (float32) as checkpoint `step` of run directory
+        `run_dir` for `task` ("char-lm" or "masked-char" with their `data_dir`,
+        or "copy" with its `length`), so that ``attnkit eval --run`` and
+        ``attnkit generate --run`` read it. `trainer` (a dict of TrainerOptions,
+        e.g. {"context": 256, "batch": 16}) is recorded as the run's settings;
+        eval reads its context. There is no optimiser state: ``--resume``
+        refuses such a run. Returns the checkpoint's path."""
+        params, buffers = self._tensors()
+        return self._bridge.save_run(str(run_dir), params, buffers,
+                                     json.dumps({"name": task, "data_dir": str(data_dir), "length": length}),
+                                     json.dumps(trainer or {}), step)

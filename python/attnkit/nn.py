@@ -1,0 +1,346 @@
+"""attnkit's modules as torch.nn.Modules: the attention layers and the mechanisms
+of the registry, each the library's C++ module behind nn.Parameters (see
+attnkit/_bridge.py), so that outputs, gradients, errors and state_dict names
+are those of the C++ API (docs/API.md).
+
+Layers::
+
+    mha = attnkit.nn.MultiheadAttention(256, 8, attention="improved-clustered:clusters=25,topk=32",
+                                        batch_first=True)
+    out, _ = mha(x, x, x, key_padding_mask=pad)          # like torch.nn.MultiheadAttention
+
+Mechanisms over per-head tensors q (N, H, L, E), k (N, H, S, E), v (N, H, S, M)::
+
+    attn = attnkit.nn.Attention("sparse-local:span=64")   # any registry spec
+    attn = attnkit.nn.mechanisms.SparseLocal(span=64)    # the same, one class per entry
+    out = attn(q, k, v)
+"""
+import keyword
+import sys
+import types
+
+import torch
+
+from . import _library  # noqa: F401  (loads libattnkit.so)
+from ._bridge import BridgedModule
+
+__all__ = [
+    "Linear", "MultiheadAttention", "Attention", "mechanisms",
+    "AdditiveAttention", "GeneralAttention", "DotAttention", "LocationAttention",
+    "RelativePositionAttention", "SinusoidalPositionalEncoding",
+    "AgglomerativeAttention", "LinearAttention", "GatedLinearAttention", "DocumentMemory",
+]
+
+
+def _lengths_from_padding(mask, what):
+    """key_padding_mask (N, S), True (or -inf) where a key is padding, as int64
+    key lengths (N). Only trailing padding has a length form; anything else is
+    refused rather than silently changed."""
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"{what}: key_padding_mask must be (N, S), got shape {tuple(mask.shape)}")
+    padded = mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    if mask.dtype != torch.bool and not torch.all((mask == 0) | padded):
+        raise ValueError(f"{what}: a float key_padding_mask must hold 0 and -inf only")
+    lengths = (~padded).sum(1)
+    expected = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    if not torch.equal(padded, expected):
+        raise ValueError(f"{what}: key_padding_mask must pad at the end of each row (keys j >= "
+                         "length); attnkit takes padding as key lengths")
+    return lengths.to(torch.int64)
+
+
+def _causal_from_mask(attn_mask, L, S, what):
+    """True when attn_mask is the causal mask (query i sees keys j <= i + S - L)."""
+    if attn_mask is None:
+        return False
+    hidden = torch.ones(L, S, dtype=torch.bool, device=attn_mask.device).triu(S - L + 1)
+    given = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    if tuple(attn_mask.shape) != (L, S) or not torch.equal(given, hidden) or (
+            attn_mask.dtype != torch.bool and not torch.all((attn_mask == 0) | given)):
+        raise ValueError(f"{what}: attn_mask must be the causal mask of shape ({L}, {S}) (or pass "
+                         "is_causal=True); attnkit's mechanisms take masks as the causal flag and key "
+                         "lengths, not as arbitrary (L, S) matrices")
+    return True
+
+
+class Linear(BridgedModule):
+    """y = x W^T + b on attnkit's GEMM; torch.nn.Linear's parameters and initialisation."""
+
+    def __init__(self, in_features, out_features, bias=True):
+        super().__init__("Linear", {"in_features": in_features, "out_features": out_features, "bias": bias})
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, input):
+        return self._call("forward", input)[0]
+
+
+class MultiheadAttention(BridgedModule):
+    """Multi-head attention with any mechanism of the registry behind the
+    projections (q_proj, k_proj, v_proj, out_proj).
+
+    torch.nn.MultiheadAttention's conventions where they make sense:
+    ``batch_first`` (default False: (L, N, E) inputs), ``key_padding_mask``
+    ((N, S), True at padding; trailing padding only), ``attn_mask`` only as the
+    causal mask, or ``is_causal=True``. forward returns ``(output, None)``:
+    attention weights are never materialised (``need_weights=True`` is refused).
+    """
+
+    def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False):
+        super().__init__("MultiheadAttention", {"embed_dim": embed_dim, "num_heads": num_heads,
+                                                "bias": bias, "attention": attention})
+        self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+
+    @property
+    def attention_spec(self):
+        import json
+        return json.loads(self._bridge.settings())["attention"]
+
+    def set_attention(self, spec):
+        """Swaps the mechanism behind the same projections."""
+        self._call("set_attention", attention=spec)
+        self._adopt()
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+                is_causal=False, key_lengths=None):
+        what = "attnkit.nn.MultiheadAttention"
+        if need_weights:
+            raise ValueError(f"{what}: need_weights=True is not supported: attnkit never forms the "
+                             "(L, S) attention matrix (attnkit.nn.DotAttention returns weights)")
+        if key_padding_mask is not None and key_lengths is not None:
+            raise ValueError(f"{what}: give key_padding_mask or key_lengths, not both")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if key_lengths is None:
+            key_lengths = _lengths_from_padding(key_padding_mask, what)
+        causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
+        out = self._call("forward", query, key, value, key_lengths, causal=causal)[0]
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+class Attention(BridgedModule):
+    """A registry mechanism over per-head tensors: (q, k, v) -> (N, H, L, M).
+    ``spec`` is a registry spec string; keyword options are appended to it."""
+
+    def __init__(self, spec="full", **options):
+        if options:
+            spec += (":" if ":" not in spec else ",") + ",".join(
+                f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+        super().__init__("Attention", {"spec": spec})
+        self.spec = spec
+
+    def forward(self, q, k, v, causal=False, key_lengths=None):
+        return self._call("forward", q, k, v, key_lengths, causal=causal)[0]
+
+
+def _zoo_output(outputs):
+    return outputs[0], outputs[1]
+
+
+class AdditiveAttention(BridgedModule):
+    """Bahdanau: e_ij = v^T tanh(W s_i + U h_j). forward(query (N, L, Dq), keys
+    (N, S, Dk), values (N, S, Dv), key_lengths=None) -> (context (N, L, Dv),
+    weights (N, L, S))."""
+
+    def __init__(self, query_dim, key_dim, hidden_dim):
+        super().__init__("AdditiveAttention", {"query_dim": query_dim, "key_dim": key_dim,
+                                               "hidden_dim": hidden_dim})
+
+    def forward(self, query, keys, values, key_lengths=None):
+        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
+
+
+class GeneralAttention(BridgedModule):
+    """Luong's general score e_ij = s_i^T W h_j; AdditiveAttention's call."""
+
+    def __init__(self, query_dim, key_dim):
+        super().__init__("GeneralAttention", {"query_dim": query_dim, "key_dim": key_dim})
+
+    def forward(self, query, keys, values, key_lengths=None):
+        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
+
+
+class DotAttention(BridgedModule):
+    """e_ij = s_i^T h_j, divided by sqrt(d) when ``scaled``; AdditiveAttention's call."""
+
+    def __init__(self, scaled=True):
+        super().__init__("DotAttention", {"scaled": scaled})
+
+    def forward(self, query, keys, values, key_lengths=None):
+        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
+
+
+class LocationAttention(BridgedModule):
+    """Luong's location-based attention a_i = softmax(W s_i) over source
+    positions. forward(query (N, L, Dq), values (N, S, Dv), key_lengths=None)."""
+
+    def __init__(self, query_dim, max_source_length):
+        super().__init__("LocationAttention", {"query_dim": query_dim,
+                                               "max_source_length": max_source_length})
+
+    def forward(self, query, values, key_lengths=None):
+        return _zoo_output(self._call("forward", query, values, key_lengths))
+
+
+class RelativePositionAttention(BridgedModule):
+    """Shaw et al.'s multi-head self-attention with relative position tables
+    (offsets clipped to [-max_relative, max_relative]). forward(x (N, L, D),
+    key_lengths=None, causal=False) -> (N, L, D)."""
+
+    def __init__(self, embed_dim, num_heads, max_relative=16):
+        super().__init__("RelativePositionAttention", {"embed_dim": embed_dim, "num_heads": num_heads,
+                                                       "max_relative": max_relative})
+
+    def forward(self, x, key_lengths=None, causal=False):
+        return self._call("forward", x, key_lengths, causal=causal)[0]
+
+
+class SinusoidalPositionalEncoding(BridgedModule):
+    """x (N, L, d_model) + the sinusoidal table's rows [offset, offset + L)."""
+
+    def __init__(self, d_model, max_length=8192):
+        super().__init__("SinusoidalPositionalEncoding", {"d_model": d_model, "max_length": max_length})
+
+    def forward(self, x, offset=0):
+        return self._call("forward", x, offset=offset)[0]
+
+
+class AgglomerativeAttention(BridgedModule):
+    """The agglomerative-attention layer: ``classes`` classes over a width
+    ``embed_dim`` (a multiple of classes). forward(query (N, L, D), reference
+    (N, S, D) or None for self-attention, causal=False) -> (N, L, D)."""
+
+    def __init__(self, embed_dim, classes, dropout=0.0):
+        super().__init__("AgglomerativeAttention", {"embed_dim": embed_dim, "classes": classes,
+                                                    "dropout": dropout})
+
+    def forward(self, query, reference=None, causal=False):
+        return self._call("forward", query, reference, causal=causal)[0]
+
+
+class LinearAttention(BridgedModule):
+    """linear_attention as a module (no parameters): phi(q) (sum phi(k) v^T),
+    optionally normalised. Defaults are the op's (identity map, no
+    normaliser); the registry's "linear" (mechanisms.Linear) defaults to the
+    normalised elu form."""
+
+    def __init__(self, feature_map="identity", normalize=False, causal=False, eps=1e-6):
+        super().__init__("LinearAttention", {"feature_map": feature_map, "normalize": normalize,
+                                             "causal": causal, "eps": eps})
+
+    def forward(self, q, k, v):
+        return self._call("forward", q, k, v)[0]
+
+
+class GatedLinearAttention(BridgedModule):
+    """The cheap-linear-attention paper's gated layer: f = sigmoid(W h + b) * h,
+    C = sum f f^T, a query q reads C q. forward(hidden (N, n, dim), queries
+    (N, m, dim), causal=False) -> (N, m, dim); features(hidden) gives f (what a
+    DocumentMemory stores)."""
+
+    def __init__(self, dim):
+        super().__init__("GatedLinearAttention", {"dim": dim})
+
+    def forward(self, hidden, queries, causal=False):
+        return self._call("forward", hidden, queries, causal=causal)[0]
+
+    def features(self, hidden):
+        return self._call("features", hidden)[0]
+
+
+class DocumentMemory:
+    """A fixed-size document representation C = sum_t h_t h_t^T (float32
+    (dim, dim)): append hidden states (n, dim) as they stream, lookup(queries
+    (m, dim)) -> C q in O(m dim^2) whatever the document's length, merge two
+    memories, save to and load from a checksummed file. Not an nn.Module: it
+    has no parameters."""
+
+    def __init__(self, dim):
+        self._memory = torch.classes.attnkit.DocumentMemory(int(dim))
+
+    @classmethod
+    def load(cls, path):
+        """Reads a file written by save(); a missing, truncated or corrupt file
+        raises RuntimeError naming it."""
+        self = cls.__new__(cls)
+        self._memory = torch.ops.attnkit.load_document_memory(str(path))
+        return self
+
+    def append(self, hidden):
+        self._memory.append(hidden)
+        return self
+
+    def lookup(self, queries):
+        return self._memory.lookup(queries)
+
+    def merge(self, other):
+        self._memory.merge(other._memory)
+        return self
+
+    def save(self, path):
+        self._memory.save(str(path))
+
+    @property
+    def dim(self):
+        return self._memory.dim()
+
+    @property
+    def num_states(self):
+        return self._memory.num_states()
+
+    def matrix(self):
+        """A copy of C."""
+        return self._memory.matrix()
+
+    def __reduce__(self):
+        raise TypeError("attnkit.nn.DocumentMemory is not picklable; use save(path) and "
+                        "DocumentMemory.load(path)")
+
+    def __repr__(self):
+        return f"DocumentMemory(dim={self.dim}, num_states={self.num_states})"
+
+
+def _class_name(mechanism):
+    return "".join(part.capitalize() for part in mechanism.split("-"))
+
+
+def _mechanism_class(entry):
+    name = entry["name"]
+    keys = [o["key"] for o in entry["options"]]
+    defaults = ", ".join(f"{o['key']}={o['default']}" for o in entry["options"]) or "none"
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(keys))
+        if unknown:
+            raise TypeError(f"attnkit.nn.mechanisms.{_class_name(name)}: unknown option(s) "
+                            f"{', '.join(unknown)}; it takes: {', '.join(keys) or 'none'}")
+        Attention.__init__(self, name, **options)
+
+    doc = (f"The registry's '{name}': {entry['summary']}.\n\nOptions (defaults): {defaults}. "
+           "forward(q, k, v, causal=False, key_lengths=None) -> (N, H, L, M).")
+    return type(_class_name(name), (Attention,), {"__init__": __init__, "__doc__": doc,
+                                                   "__module__": "attnkit.nn.mechanisms",
+                                                   "__qualname__": _class_name(name)})
+
+
+def _mechanism_classes():
+    module = types.ModuleType("attnkit.nn.mechanisms",
+                              "One attnkit.nn.Attention subclass per mechanism of the registry "
+                              "(attnkit.mechanisms()), named in CamelCase: 'improved-clustered' is "
+                              "ImprovedClustered. Layer-only mechanisms (agglomerative) are layers "
+                              "of attnkit.nn instead.")
+    names = []
+    for entry in _library.mechanisms():
+        if entry["layer_only"]:
+            continue
+        cls = _mechanism_class(entry)
+        assert cls.__name__.isidentifier() and not keyword.iskeyword(cls.__name__)
+        setattr(module, cls.__name__, cls)
+        names.append(cls.__name__)
+    module.__all__ = names
+    sys.modules[module.__name__] = module  # so that pickle finds the classes
+    return module
+
+
+mechanisms = _mechanism_classes()

@@ -1,0 +1,483 @@
+// The C++ side of the Python package's modules: `torch.classes.attnkit.Module`
+// holds one attnkit::nn or attnkit::models module and exposes it through a
+// uniform interface that python/attnkit/_bridge.py turns into torch.nn.Modules.
+//
+// The contract with the Python side:
+//   * parameter_names()/parameters() and buffer_names()/buffers() list the
+//     module's tensors recursively, in libtorch's order, with their dotted
+//     names; Python registers storage-sharing nn.Parameters and buffers under
+//     the same names, so state_dicts are interchangeable with checkpoints.
+//   * call(method, params, buffers, inputs, args, training) first points every
+//     C++ tensor at the tensor Python passes for it (set_data, only when they
+//     differ: a `.to(dtype)`, a replaced Parameter, an unpickled module), sets
+//     the training mode, then runs `method` on `inputs` (positional, None for
+//     absent ones) with keyword settings `args` (a JSON object). Autograd
+//     records the call on the C++ tensors; Python's autograd.Function maps the
+//     gradients back to its Parameters.
+//
+// Keeping the modules in C++ means Python runs the very code the CLI, the
+// trainer and the tests run: the same forward, checks, errors and checkpoints.
+#include <attnkit/document_memory.h>
+#include <attnkit/models/transformer.h>
+#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/dense.h>
+#include <attnkit/nn/linear.h>
+#include <attnkit/nn/multihead.h>
+#include <attnkit/nn/registry.h>
+#include <attnkit/nn/zoo.h>
+#include <attnkit/runtime.h>
+#include <attnkit/train/trainer.h>
+#include <torch/custom_class.h>
+
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace attnkit::bindings {
+namespace {
+
+using json = nlohmann::json;
+using Inputs = std::vector<c10::optional<at::Tensor>>;
+using Outputs = std::vector<at::Tensor>;
+
+json parse_object(const std::string& text, const std::string& what) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, what, ": not JSON: ", e.what());
+  }
+  TORCH_CHECK(j.is_object(), what, ": expected a JSON object, got ", j.dump());
+  return j;
+}
+
+/// Keyword settings of a constructor or a call: typed reads with defaults,
+/// and a final check that every key given was read.
+class Settings {
+ public:
+  Settings(json j, std::string what) : j_(std::move(j)), what_(std::move(what)) {}
+
+  template <typename T>
+  T get(const std::string& key, T fallback) {
+    read_.insert(key);
+    if (!j_.contains(key) || j_.at(key).is_null()) return fallback;
+    try {
+      return j_.at(key).get<T>();
+    } catch (const json::exception&) {
+      TORCH_CHECK(false, what_, ": '", key, "' has the wrong type (", j_.at(key).type_name(), ": ",
+                  j_.at(key).dump(), ")");
+    }
+  }
+  template <typename T>
+  T require(const std::string& key) {
+    TORCH_CHECK(j_.contains(key) && !j_.at(key).is_null(), what_, ": '", key, "' is required");
+    return get<T>(key, T{});
+  }
+  void done() const {
+    for (const auto& item : j_.items())
+      TORCH_CHECK(read_.count(item.key()), what_, ": unknown setting '", item.key(), "'");
+  }
+  const json& raw() const { return j_; }
+
+ private:
+  json j_;
+  std::string what_;
+  std::set<std::string> read_;
+};
+
+at::Tensor input(const Inputs& inputs, size_t i) {
+  return i < inputs.size() && inputs[i].has_value() ? *inputs[i] : at::Tensor();
+}
+
+at::Tensor required(const Inputs& inputs, size_t i, const std::string& what, const char* name) {
+  auto t = input(inputs, i);
+  TORCH_CHECK(t.defined(), what, ": argument '", name, "' is required");
+  return t;
+}
+
+/// One module kind: how to build it from its settings, and its methods.
+struct Bridged {
+  std::shared_ptr<torch::nn::Module> module;
+  /// (method, inputs, settings) -> outputs
+  std::function<Outputs(const std::string&, const Inputs&, Settings&)> call;
+  /// The settings that rebuild it (for the Transformer, the options as changed
+  /// by set_attention).
+  std::function<std::string()> settings;
+};
+
+Outputs pair(const nn::AttentionOutput& out) { return {out.context, out.weights}; }
+
+void expect_method(const std::string& kind, const std::string& method, std::initializer_list<const char*> known) {
+  for (const char* m : known)
+    if (method == m) return;
+  std::string list;
+  for (const char* m : known) list += (list.empty() ? "" : ", ") + std::string(m);
+  TORCH_CHECK(false, kind, ": no method '", method, "' (it has: ", list, ")");
+}
+
+models::GenerateOptions generate_options(Settings& s) {
+  return models::GenerateOptions()
+      .tokens(s.get<int64_t>("tokens", 100))
+      .temperature(s.get<double>("temperature", 1.0))
+      .top_k(s.get<int64_t>("top_k", 0))
+      .seed(s.get<uint64_t>("seed", 0));
+}
+
+Bridged bridge_transformer(std::shared_ptr<models::TransformerImpl> model) {
+  Bridged b;
+  b.module = model;
+  b.settings = [model] { return model->options().to_json(); };
+  b.call = [model](const std::string& method, const Inputs& in, Settings& s) -> Outputs {
+    expect_method("Transformer", method, {"forward", "generate", "set_attention"});
+    if (method == "forward") return {model->forward(required(in, 0, "Transformer", "tokens"), input(in, 1), input(in, 2))};
+    if (method == "generate")
+      return {model->generate(required(in, 0, "Transformer.generate", "prompt"), generate_options(s),
+                              input(in, 1), input(in, 2))};
+    model->set_attention(s.require<std::vector<std::string>>("attention"));
+    return {};
+  };
+  return b;
+}
+
+using Factory = std::function<Bridged(Settings&)>;
+
+const std::map<std::string, Factory>& factories() {
+  static const std::map<std::string, Factory> table = {
+      {"Linear",
+       [](Settings& s) {
+         nn::Linear m(torch::nn::LinearOptions(s.require<int64_t>("in_features"), s.require<int64_t>("out_features"))
+                          .bias(s.get<bool>("bias", true)));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("Linear", method, {"forward"});
+                          return {m(required(in, 0, "Linear", "input"))};
+                        }, nullptr};
+       }},
+      {"MultiheadAttention",
+       [](Settings& s) {
+         nn::MultiheadAttention m(
+             nn::MultiheadAttentionOptions(s.require<int64_t>("embed_dim"), s.require<int64_t>("num_heads"))
+                 .bias(s.get<bool>("bias", true))
+                 .attention(s.get<std::string>("attention", "full")));
+         Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
+                     expect_method("MultiheadAttention", method, {"forward", "set_attention"});
+                     if (method == "set_attention") {
+                       m->set_attention(a.require<std::string>("attention"));
+                       return {};
+                     }
+                     const char* what = "MultiheadAttention";
+                     return {m(required(in, 0, what, "query"), required(in, 1, what, "key"),
+                               required(in, 2, what, "value"), input(in, 3), a.get<bool>("causal", false))};
+                   }, nullptr};
+         b.settings = [m] {
+           return json{{"embed_dim", m->options.embed_dim()},
+                       {"num_heads", m->options.heads()},
+                       {"bias", m->options.bias()},
+                       {"attention", m->options.attention()}}
+               .dump();
+         };
+         return b;
+       }},
+      {"Attention",
+       [](Settings& s) {
+         auto m = nn::make_mechanism(s.require<std::string>("spec"));
+         return Bridged{m, [m](const std::string& method, const Inputs& in, Settings& a) -> Outputs {
+                          expect_method("Attention", method, {"forward"});
+                          const char* what = "Attention";
+                          return {m->forward(required(in, 0, what, "q"), required(in, 1, what, "k"),
+                                             required(in, 2, what, "v"),
+                                             nn::AttendArgs{a.get<bool>("causal", false), input(in, 3)})};
+                        }, nullptr};
+       }},
+      {"AdditiveAttention",
+       [](Settings& s) {
+         nn::AdditiveAttention m(nn::AdditiveAttentionOptions(
+             s.require<int64_t>("query_dim"), s.require<int64_t>("key_dim"), s.require<int64_t>("hidden_dim")));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("AdditiveAttention", method, {"forward"});
+                          const char* what = "AdditiveAttention";
+                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
+                                        required(in, 2, what, "values"), input(in, 3)));
+                        }, nullptr};
+       }},
+      {"GeneralAttention",
+       [](Settings& s) {
+         nn::GeneralAttention m(
+             nn::GeneralAttentionOptions(s.require<int64_t>("query_dim"), s.require<int64_t>("key_dim")));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("GeneralAttention", method, {"forward"});
+                          const char* what = "GeneralAttention";
+                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
+                                        required(in, 2, what, "values"), input(in, 3)));
+                        }, nullptr};
+       }},
+      {"DotAttention",
+       [](Settings& s) {
+         nn::DotAttention m(nn::DotAttentionOptions().scaled(s.get<bool>("scaled", true)));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("DotAttention", method, {"forward"});
+                          const char* what = "DotAttention";
+                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
+                                        required(in, 2, what, "values"), input(in, 3)));
+                        }, nullptr};
+       }},
+      {"LocationAttention",
+       [](Settings& s) {
+         nn::LocationAttention m(nn::LocationAttentionOptions(s.require<int64_t>("query_dim"),
+                                                              s.require<int64_t>("max_source_length")));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("LocationAttention", method, {"forward"});
+                          const char* what = "LocationAttention";
+                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "values"), input(in, 2)));
+                        }, nullptr};
+       }},
+      {"RelativePositionAttention",
+       [](Settings& s) {
+         nn::RelativePositionAttention m(nn::RelativePositionAttentionOptions(
+             s.require<int64_t>("embed_dim"), s.require<int64_t>("num_heads"), s.require<int64_t>("max_relative")));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
+                          expect_method("RelativePositionAttention", method, {"forward"});
+                          return {m(required(in, 0, "RelativePositionAttention", "x"), input(in, 1),
+                                    a.get<bool>("causal", false))};
+                        }, nullptr};
+       }},
+      {"SinusoidalPositionalEncoding",
+       [](Settings& s) {
+         nn::SinusoidalPositionalEncoding m(nn::SinusoidalPositionalEncodingOptions(
+             s.require<int64_t>("d_model"), s.get<int64_t>("max_length", 8192)));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
+                          expect_method("SinusoidalPositionalEncoding", method, {"forward"});
+                          return {m(required(in, 0, "SinusoidalPositionalEncoding", "x"), a.get<int64_t>("offset", 0))};
+                        }, nullptr};
+       }},
+      {"AgglomerativeAttention",
+       [](Settings& s) {
+         nn::AgglomerativeAttention m(
+             nn::AgglomerativeAttentionOptions(s.require<int64_t>("embed_dim"), s.require<int64_t>("classes"))
+                 .dropout(s.get<double>("dropout", 0.0)));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
+                          expect_method("AgglomerativeAttention", method, {"forward"});
+                          return {m(required(in, 0, "AgglomerativeAttention", "query"), input(in, 1),
+                                    a.get<bool>("causal", false))};
+                        }, nullptr};
+       }},
+      {"LinearAttention",
+       [](Settings& s) {
+         nn::LinearAttention m(nn::LinearAttentionOptions()
+                                   .feature_map(feature_map_from_string(s.get<std::string>("feature_map", "identity")))
+                                   .normalize(s.get<bool>("normalize", false))
+                                   .causal(s.get<bool>("causal", false))
+                                   .eps(s.get<double>("eps", 1e-6)));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                          expect_method("LinearAttention", method, {"forward"});
+                          const char* what = "LinearAttention";
+                          return {m(required(in, 0, what, "q"), required(in, 1, what, "k"), required(in, 2, what, "v"))};
+                        }, nullptr};
+       }},
+      {"GatedLinearAttention",
+       [](Settings& s) {
+         nn::GatedLinearAttention m(nn::GatedLinearAttentionOptions(s.require<int64_t>("dim")));
+         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
+                          expect_method("GatedLinearAttention", method, {"forward", "features"});
+                          const char* what = "GatedLinearAttention";
+                          if (method == "features") return {m->features(required(in, 0, what, "hidden"))};
+                          return {m(required(in, 0, what, "hidden"), required(in, 1, what, "queries"),
+                                    a.get<bool>("causal", false))};
+                        }, nullptr};
+       }},
+      {"Transformer",
+       [](Settings& s) {
+         // The builder's own JSON reader checks every key and type.
+         for (const auto& item : s.raw().items()) s.get<json>(item.key(), json());
+         return bridge_transformer(
+             std::make_shared<models::TransformerImpl>(models::TransformerOptions::from_json(s.raw().dump())));
+       }},
+  };
+  return table;
+}
+
+std::vector<std::string> kinds() {
+  std::vector<std::string> out;
+  for (const auto& item : factories()) out.push_back(item.first);
+  return out;
+}
+
+class Module : public torch::CustomClassHolder {
+ public:
+  Module(const std::string& kind, const std::string& settings) : kind_(kind) {
+    if (kind == "run") {
+      load_run(settings);
+      return;
+    }
+    const auto it = factories().find(kind);
+    if (it == factories().end()) {
+      std::string list;
+      for (const auto& k : kinds()) list += (list.empty() ? "" : ", ") + k;
+      TORCH_CHECK(false, "attnkit.Module: unknown kind '", kind, "' (known: ", list, ")");
+    }
+    Settings s(parse_object(settings, kind + " settings"), kind);
+    bridged_ = it->second(s);
+    s.done();
+    if (!bridged_.settings) {
+      const auto text = s.raw().dump();
+      bridged_.settings = [text] { return text; };
+    }
+  }
+
+  std::string kind() const { return kind_; }
+  /// For a module loaded from a run: {"checkpoint", "step", "task", "trainer"}; else "{}".
+  std::string run_info() const { return run_info_; }
+  std::string settings() const { return bridged_.settings(); }
+
+  std::vector<std::string> parameter_names() const { return names(bridged_.module->named_parameters()); }
+  std::vector<at::Tensor> parameters() const { return bridged_.module->parameters(); }
+  std::vector<std::string> buffer_names() const { return names(bridged_.module->named_buffers()); }
+  std::vector<at::Tensor> buffers() const { return bridged_.module->buffers(); }
+
+  std::vector<at::Tensor> call(const std::string& method, const std::vector<at::Tensor>& params,
+                               const std::vector<at::Tensor>& buffers, const Inputs& inputs,
+                               const std::string& args, bool training) {
+    adopt(bridged_.module->parameters(), params, "parameters");
+    adopt(bridged_.module->buffers(), buffers, "buffers");
+    bridged_.module->train(training);
+    Settings s(parse_object(args, kind_ + "." + method + " settings"), kind_ + "." + method);
+    auto out = bridged_.call(method, inputs, s);
+    s.done();
+    return out;
+  }
+
+  /// Transformer only: writes the run directory checkpoint (see save_model_run).
+  std::string save_run(const std::string& run_dir, const std::vector<at::Tensor>& params,
+                       const std::vector<at::Tensor>& buffers, const std::string& task_json,
+                       const std::string& trainer_json, int64_t step) {
+    auto* model = dynamic_cast<models::TransformerImpl*>(bridged_.module.get());
+    TORCH_CHECK(model != nullptr, kind_, ": only a Transformer saves a run");
+    adopt(bridged_.module->parameters(), params, "parameters");
+    adopt(bridged_.module->buffers(), buffers, "buffers");
+    return train::save_model_run(run_dir, *model, train::task_options_from_json(task_json),
+                                 train::TrainerOptions::from_json(trainer_json), step);
+  }
+
+ private:
+  /// kind "run", settings {"run_dir": DIR}: the Transformer of the newest
+  /// checkpoint of DIR (train::load_run), in eval mode.
+  void load_run(const std::string& settings) {
+    Settings s(parse_object(settings, "run settings"), "run");
+    auto run = train::load_run(s.require<std::string>("run_dir"));
+    s.done();
+    kind_ = "Transformer";
+    bridged_ = bridge_transformer(run.model.ptr());
+    run_info_ = json{{"checkpoint", run.checkpoint},
+                     {"step", run.step},
+                     {"task", json::parse(train::task_options_to_json(run.task_options))},
+                     {"trainer", json::parse(run.trainer.to_json())}}
+                    .dump();
+  }
+
+  template <typename Dict>
+  static std::vector<std::string> names(const Dict& dict) {
+    std::vector<std::string> out;
+    for (const auto& item : dict) out.push_back(item.key());
+    return out;
+  }
+
+  /// Points each of the module's tensors at the one Python holds for it.
+  void adopt(std::vector<at::Tensor> mine, const std::vector<at::Tensor>& theirs, const char* what) {
+    TORCH_CHECK(mine.size() == theirs.size(), kind_, ": expected ", mine.size(), " ", what, ", got ",
+                theirs.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const auto& t = theirs[i];
+      TORCH_CHECK(t.defined(), kind_, ": ", what, " ", i, " is undefined");
+      if (mine[i].unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) continue;
+      if (mine[i].scalar_type() == t.scalar_type() && mine[i].sizes() == t.sizes() &&
+          mine[i].strides() == t.strides() && mine[i].data_ptr() == t.data_ptr())
+        continue;
+      mine[i].set_data(t.detach());
+    }
+  }
+
+  std::string kind_;
+  Bridged bridged_;
+  std::string run_info_ = "{}";
+};
+
+/// DocumentMemory for Python: the C++ class as it is (nothing to adapt).
+class Memory : public torch::CustomClassHolder {
+ public:
+  explicit Memory(int64_t dim) : memory_(dim) {}
+  explicit Memory(DocumentMemory memory) : memory_(std::move(memory)) {}
+  void append(const at::Tensor& hidden) { memory_.append(hidden); }
+  at::Tensor lookup(const at::Tensor& queries) const { return memory_.lookup(queries); }
+  void merge(const c10::intrusive_ptr<Memory>& other) { memory_.merge(other->memory_); }
+  int64_t dim() const { return memory_.dim(); }
+  int64_t num_states() const { return memory_.num_states(); }
+  at::Tensor matrix() const { return memory_.matrix(); }
+  void save(const std::string& path) const { memory_.save(path); }
+
+ private:
+  DocumentMemory memory_;
+};
+
+/// The registry as JSON: [{"name", "summary", "options": [{"key", "default",
+/// "help"}], "supports": {...}, "inputs", "approximates_exact", "always_causal"}].
+std::string mechanisms_json() {
+  json out = json::array();
+  for (const auto& m : nn::mechanisms()) {
+    json options = json::array();
+    for (const auto& o : m.options) options.push_back({{"key", o.key}, {"default", o.default_value}, {"help", o.help}});
+    out.push_back({{"name", m.name},
+                   {"summary", m.summary},
+                   {"options", options},
+                   {"supports",
+                    {{"causal", m.supports.causal},
+                     {"key_lengths", m.supports.key_lengths},
+                     {"cross", m.supports.cross},
+                     {"value_dim", m.supports.value_dim},
+                     {"decoding_state", m.supports.decoding_state}}},
+                   {"inputs", m.inputs},
+                   {"approximates_exact", m.approximates_exact},
+                   {"always_causal", m.always_causal},
+                   {"layer_only", !static_cast<bool>(m.make)}});
+  }
+  return out.dump();
+}
+
+c10::intrusive_ptr<Memory> load_memory(const std::string& path) {
+  return c10::make_intrusive<Memory>(DocumentMemory::load(path));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.class_<Module>("Module")
+      .def(torch::init<std::string, std::string>())
+      .def("kind", &Module::kind)
+      .def("settings", &Module::settings)
+      .def("run_info", &Module::run_info)
+      .def("parameter_names", &Module::parameter_names)
+      .def("parameters", &Module::parameters)
+      .def("buffer_names", &Module::buffer_names)
+      .def("buffers", &Module::buffers)
+      .def("call", &Module::call)
+      .def("save_run", &Module::save_run);
+  m.class_<Memory>("DocumentMemory")
+      .def(torch::init<int64_t>())
+      .def("append", &Memory::append)
+      .def("lookup", &Memory::lookup)
+      .def("merge", &Memory::merge)
+      .def("dim", &Memory::dim)
+      .def("num_states", &Memory::num_states)
+      .def("matrix", &Memory::matrix)
+      .def("save", &Memory::save);
+  m.def("mechanisms_json() -> str", &mechanisms_json);
+  m.def("version() -> str", &attnkit::version);
+  m.def("load_document_memory(str path) -> __torch__.torch.classes.attnkit.DocumentMemory", &load_memory);
+}
+
+namespace {
+
+}  // namespace
+}  // namespace attnkit::bindings
