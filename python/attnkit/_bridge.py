@@ -91,6 +91,7 @@ class BridgedModule(torch.nn.Module):
         self._parameters.clear()
         self._buffers.clear()
         bridge = self._bridge
+        self._names = (list(bridge.parameter_names()), list(bridge.buffer_names()))
         for names, tensors, buffer in ((bridge.parameter_names(), bridge.parameters(), False),
                                        (bridge.buffer_names(), bridge.buffers(), True)):
             for name, tensor in zip(names, tensors):
@@ -111,9 +112,11 @@ class BridgedModule(torch.nn.Module):
                     node.register_parameter(leaf, mine)
 
     def _tensors(self):
-        params = [p for _, p in self.named_parameters(recurse=True)]
-        buffers = [b for _, b in self.named_buffers(recurse=True)]
-        return params, buffers
+        """The Python tensors in the C++ module's order (by name: the order of
+        Python's name tree can differ, e.g. for a sub-module with buffers only)."""
+        param_names, buffer_names = self._names
+        params, buffers = dict(self.named_parameters()), dict(self.named_buffers())
+        return [params[n] for n in param_names], [buffers[n] for n in buffer_names]
 
     def _call(self, method, *inputs, **args):
         """Runs `method` of the C++ module on positional tensor `inputs` (None
@@ -129,6 +132,14 @@ class BridgedModule(torch.nn.Module):
                 return list(self._bridge.call(method, params, buffers, inputs, settings, self.training))
         return list(_Call.apply(self, method, settings, (len(params), len(buffers)),
                                 *params, *buffers, *inputs))
+
+    def _command(self, method, **args):
+        """A method that changes the C++ module (e.g. set_attention) and
+        returns nothing; the Python side then re-registers its tensors."""
+        params, buffers = self._tensors()
+        with torch.no_grad():
+            self._bridge.call(method, params, buffers, [], json.dumps(args), self.training)
+        self._adopt()
 
     # --- copies and pickles ------------------------------------------------------------------
     def __getstate__(self):

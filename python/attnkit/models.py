@@ -90,8 +90,7 @@ class Transformer(BridgedModule):
         (a list) behind the same trained projections."""
         if isinstance(attention, str):
             attention = [attention]
-        self._call("set_attention", attention=list(attention))
-        self._adopt()
+        self._command("set_attention", attention=list(attention))
 
     def save(self, run_dir, task="char-lm", data_dir="", length=64, step=0, trainer=None):
         """Writes the model (float32) as checkpoint `step` of run directory

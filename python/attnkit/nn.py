@@ -65,6 +65,11 @@ def _causal_from_mask(attn_mask, L, S, what):
     return True
 
 
+def _always_causal(spec):
+    name = spec.split(":", 1)[0]
+    return any(entry["name"] == name and entry["always_causal"] for entry in _library.mechanisms())
+
+
 class Linear(BridgedModule):
     """y = x W^T + b on attnkit's GEMM; torch.nn.Linear's parameters and initialisation."""
 
@@ -99,8 +104,7 @@ class MultiheadAttention(BridgedModule):
 
     def set_attention(self, spec):
         """Swaps the mechanism behind the same projections."""
-        self._call("set_attention", attention=spec)
-        self._adopt()
+        self._command("set_attention", attention=spec)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
                 is_causal=False, key_lengths=None):
@@ -115,6 +119,8 @@ class MultiheadAttention(BridgedModule):
         if key_lengths is None:
             key_lengths = _lengths_from_padding(key_padding_mask, what)
         causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
+        if causal and _always_causal(self.attention_spec):
+            causal = False  # a causal pattern is causal by construction and takes no flag
         out = self._call("forward", query, key, value, key_lengths, causal=causal)[0]
         return (out if self.batch_first else out.transpose(0, 1)), None
 

@@ -340,8 +340,8 @@ class Module : public torch::CustomClassHolder {
   std::vector<at::Tensor> call(const std::string& method, const std::vector<at::Tensor>& params,
                                const std::vector<at::Tensor>& buffers, const Inputs& inputs,
                                const std::string& args, bool training) {
-    adopt(bridged_.module->parameters(), params, "parameters");
-    adopt(bridged_.module->buffers(), buffers, "buffers");
+    adopt(bridged_.module->named_parameters(), params, "parameter");
+    adopt(bridged_.module->named_buffers(), buffers, "buffer");
     bridged_.module->train(training);
     Settings s(parse_object(args, kind_ + "." + method + " settings"), kind_ + "." + method);
     auto out = bridged_.call(method, inputs, s);
@@ -355,10 +355,13 @@ class Module : public torch::CustomClassHolder {
                        const std::string& trainer_json, int64_t step) {
     auto* model = dynamic_cast<models::TransformerImpl*>(bridged_.module.get());
     TORCH_CHECK(model != nullptr, kind_, ": only a Transformer saves a run");
-    adopt(bridged_.module->parameters(), params, "parameters");
-    adopt(bridged_.module->buffers(), buffers, "buffers");
+    adopt(bridged_.module->named_parameters(), params, "parameter");
+    adopt(bridged_.module->named_buffers(), buffers, "buffer");
+    // The settings given override the trainer's defaults.
+    auto trainer = json::parse(train::TrainerOptions().to_json());
+    trainer.update(parse_object(trainer_json, "trainer settings"));
     return train::save_model_run(run_dir, *model, train::task_options_from_json(task_json),
-                                 train::TrainerOptions::from_json(trainer_json), step);
+                                 train::TrainerOptions::from_json(trainer.dump()), step);
   }
 
  private:
@@ -384,18 +387,23 @@ class Module : public torch::CustomClassHolder {
     return out;
   }
 
-  /// Points each of the module's tensors at the one Python holds for it.
-  void adopt(std::vector<at::Tensor> mine, const std::vector<at::Tensor>& theirs, const char* what) {
-    TORCH_CHECK(mine.size() == theirs.size(), kind_, ": expected ", mine.size(), " ", what, ", got ",
+  /// Points each of the module's tensors at the one Python holds for it (a
+  /// changed dtype or storage is adopted; a changed shape is an error).
+  void adopt(const torch::OrderedDict<std::string, at::Tensor>& mine, const std::vector<at::Tensor>& theirs,
+             const char* what) {
+    TORCH_CHECK(mine.size() == theirs.size(), kind_, ": expected ", mine.size(), " ", what, "s, got ",
                 theirs.size());
     for (size_t i = 0; i < mine.size(); ++i) {
+      auto tensor = mine[i].value();
       const auto& t = theirs[i];
-      TORCH_CHECK(t.defined(), kind_, ": ", what, " ", i, " is undefined");
-      if (mine[i].unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) continue;
-      if (mine[i].scalar_type() == t.scalar_type() && mine[i].sizes() == t.sizes() &&
-          mine[i].strides() == t.strides() && mine[i].data_ptr() == t.data_ptr())
+      TORCH_CHECK(t.defined(), kind_, ": ", what, " '", mine[i].key(), "' is undefined");
+      TORCH_CHECK(t.sizes() == tensor.sizes(), kind_, ": ", what, " '", mine[i].key(), "' has shape ",
+                  tensor.sizes(), ", got one of shape ", t.sizes());
+      if (tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) continue;
+      if (tensor.scalar_type() == t.scalar_type() && tensor.strides() == t.strides() &&
+          tensor.data_ptr() == t.data_ptr())
         continue;
-      mine[i].set_data(t.detach());
+      tensor.set_data(t.detach());
     }
   }
 
