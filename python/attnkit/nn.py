@@ -144,7 +144,15 @@ def _zoo_output(outputs):
     return outputs[0], outputs[1]
 
 
-class AdditiveAttention(BridgedModule):
+class _ScoreAttention(BridgedModule):
+    """The zoo's score-based modules: forward(query (N, L, Dq), keys (N, S, Dk),
+    values (N, S, Dv), key_lengths=None) -> (context (N, L, Dv), weights (N, L, S))."""
+
+    def forward(self, query, keys, values, key_lengths=None):
+        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
+
+
+class AdditiveAttention(_ScoreAttention):
     """Bahdanau: e_ij = v^T tanh(W s_i + U h_j). forward(query (N, L, Dq), keys
     (N, S, Dk), values (N, S, Dv), key_lengths=None) -> (context (N, L, Dv),
     weights (N, L, S))."""
@@ -153,28 +161,19 @@ class AdditiveAttention(BridgedModule):
         super().__init__("AdditiveAttention", {"query_dim": query_dim, "key_dim": key_dim,
                                                "hidden_dim": hidden_dim})
 
-    def forward(self, query, keys, values, key_lengths=None):
-        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
 
-
-class GeneralAttention(BridgedModule):
+class GeneralAttention(_ScoreAttention):
     """Luong's general score e_ij = s_i^T W h_j; AdditiveAttention's call."""
 
     def __init__(self, query_dim, key_dim):
         super().__init__("GeneralAttention", {"query_dim": query_dim, "key_dim": key_dim})
 
-    def forward(self, query, keys, values, key_lengths=None):
-        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
 
-
-class DotAttention(BridgedModule):
+class DotAttention(_ScoreAttention):
     """e_ij = s_i^T h_j, divided by sqrt(d) when ``scaled``; AdditiveAttention's call."""
 
     def __init__(self, scaled=True):
         super().__init__("DotAttention", {"scaled": scaled})
-
-    def forward(self, query, keys, values, key_lengths=None):
-        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
 
 
 class LocationAttention(BridgedModule):

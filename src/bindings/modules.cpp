@@ -143,6 +143,18 @@ Bridged bridge_transformer(std::shared_ptr<models::TransformerImpl> model) {
   return b;
 }
 
+/// The zoo's score-based modules: (query, keys, values, key_lengths?) -> (context, weights).
+template <class Holder>
+Bridged score_attention(Holder m, const char* kind) {
+  return Bridged{m.ptr(),
+                 [m, kind](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
+                   expect_method(kind, method, {"forward"});
+                   return pair(m(required(in, 0, kind, "query"), required(in, 1, kind, "keys"),
+                                 required(in, 2, kind, "values"), input(in, 3)));
+                 },
+                 nullptr};
+}
+
 using Factory = std::function<Bridged(Settings&)>;
 
 const std::map<std::string, Factory>& factories() {
@@ -196,33 +208,18 @@ const std::map<std::string, Factory>& factories() {
        [](Settings& s) {
          nn::AdditiveAttention m(nn::AdditiveAttentionOptions(
              s.require<int64_t>("query_dim"), s.require<int64_t>("key_dim"), s.require<int64_t>("hidden_dim")));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("AdditiveAttention", method, {"forward"});
-                          const char* what = "AdditiveAttention";
-                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
-                                        required(in, 2, what, "values"), input(in, 3)));
-                        }, nullptr};
+         return score_attention(m, "AdditiveAttention");
        }},
       {"GeneralAttention",
        [](Settings& s) {
          nn::GeneralAttention m(
              nn::GeneralAttentionOptions(s.require<int64_t>("query_dim"), s.require<int64_t>("key_dim")));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("GeneralAttention", method, {"forward"});
-                          const char* what = "GeneralAttention";
-                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
-                                        required(in, 2, what, "values"), input(in, 3)));
-                        }, nullptr};
+         return score_attention(m, "GeneralAttention");
        }},
       {"DotAttention",
        [](Settings& s) {
          nn::DotAttention m(nn::DotAttentionOptions().scaled(s.get<bool>("scaled", true)));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("DotAttention", method, {"forward"});
-                          const char* what = "DotAttention";
-                          return pair(m(required(in, 0, what, "query"), required(in, 1, what, "keys"),
-                                        required(in, 2, what, "values"), input(in, 3)));
-                        }, nullptr};
+         return score_attention(m, "DotAttention");
        }},
       {"LocationAttention",
        [](Settings& s) {
