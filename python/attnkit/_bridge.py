@@ -2,17 +2,20 @@
 
 Each ``BridgedModule`` holds one ``torch.classes.attnkit.Module``: a module of
 attnkit::nn or attnkit::models, the very code the CLI and the trainer run. The
-Python object registers an ``nn.Parameter`` (and buffer) for every C++ tensor,
-under the same dotted name and sharing its storage, so that optimizers,
-``state_dict``, ``.to(dtype)``, ``copy.deepcopy``, pickling and
-``DistributedDataParallel`` see an ordinary module.
+Python module registers the C++ module's own tensors, under their C++ dotted
+names: each parameter's Python object is made an ``nn.Parameter`` (its class
+changes; the tensor is the one the C++ code computes with), each buffer is
+registered as it is. So autograd records the C++ computation directly on the
+Parameters: gradients, ``retain_graph``, hooks, in-place-modification checks,
+optimizers, ``state_dict``, ``.to(dtype)`` (which changes a Parameter's data in
+place), ``copy.deepcopy``, pickling and ``DistributedDataParallel`` all behave
+as for any module.
 
-A call hands the C++ module the Python tensors (it adopts any that differ, e.g.
-after ``.to(torch.float64)``), runs it, and when gradients are wanted wraps the
-call in an ``autograd.Function``: the C++ call records its graph on the C++
-tensors, and the Function's backward maps the gradients back onto the Python
-Parameters and inputs. Second derivatives are not supported (the kernels have
-none either).
+Two things keep it so: a Parameter must not be replaced by a new tensor
+(``module.weight = nn.Parameter(...)``; change values in place, e.g. with
+``copy_`` or ``load_state_dict``), which a call refuses with an error; and a
+buffer that ``.to()`` replaced is handed back to the C++ module before the
+next call.
 """
 import json
 
@@ -21,51 +24,19 @@ import torch
 __all__ = ["BridgedModule"]
 
 
-class _Call(torch.autograd.Function):
-    """One call of a C++ module inside Python's autograd graph."""
-
-    @staticmethod
-    def forward(ctx, owner, method, args, counts, *tensors):
-        n_params, n_buffers = counts
-        params = list(tensors[:n_params])
-        buffers = list(tensors[n_params:n_params + n_buffers])
-        inputs = list(tensors[n_params + n_buffers:])
-        # Fresh leaves for the inputs that need gradients: the C++ graph ends there.
-        leaves = [t.detach().requires_grad_() if t is not None and t.requires_grad else t for t in inputs]
-        with torch.enable_grad():
-            outputs = owner._bridge.call(method, params, buffers, leaves, args, owner.training)
-        cpp_params = owner._bridge.parameters()
-        ctx.set_materialize_grads(False)
-        ctx.outputs = outputs
-        ctx.targets = [(i, cpp_params[i]) for i, p in enumerate(params) if p.requires_grad]
-        ctx.targets += [(n_params + n_buffers + j, leaf) for j, leaf in enumerate(leaves)
-                        if leaf is not None and inputs[j].requires_grad]
-        ctx.n_tensors = len(tensors)
-        results = tuple(o.detach() for o in outputs)
-        ctx.mark_non_differentiable(*[r for r, o in zip(results, outputs) if not o.requires_grad])
-        return results
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
-        found = [None] * len(ctx.targets)
-        if pairs:
-            found = torch.autograd.grad([o for o, _ in pairs], [t for _, t in ctx.targets],
-                                        [g for _, g in pairs], allow_unused=True)
-        out = [None] * ctx.n_tensors
-        for (position, _), grad in zip(ctx.targets, found):
-            out[position] = grad
-        ctx.outputs = None  # free the C++ graph
-        return (None, None, None, None, *out)
-
-
 class _Node(torch.nn.Module):
     """A level of a C++ module's name tree (e.g. ``decoder_0`` or ``q_proj``)."""
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("attnkit: a sub-module of a bridged module is not callable on its own; "
                            "call the module that owns it")
+
+
+def _as_parameter(tensor):
+    """The C++ module's tensor itself, as an nn.Parameter (the same TensorImpl)."""
+    if not isinstance(tensor, torch.nn.Parameter):
+        tensor.__class__ = torch.nn.Parameter
+    return tensor
 
 
 class BridgedModule(torch.nn.Module):
@@ -77,68 +48,80 @@ class BridgedModule(torch.nn.Module):
         self._adopt()
 
     # --- the C++ module's tensors as Parameters and buffers -------------------------------
-    def _adopt(self):
-        """Registers a Parameter / buffer for every C++ tensor under its dotted
-        name. Tensors Python already holds under a name are kept (optimizers
-        refer to them); names the C++ module no longer has are dropped."""
-        held = {}
-        for name, p in self.named_parameters(recurse=True):
-            held[name] = p
-        for name, b in self.named_buffers(recurse=True):
-            held[name] = b
-        for name in [n for n, m in self.named_children() if isinstance(m, _Node)]:
+    def _slot(self, name):
+        """(the sub-module holding dotted `name`, its last part), creating the levels."""
+        *path, leaf = name.split(".")
+        node = self
+        for part in path:
+            child = node._modules.get(part)
+            if child is None:
+                child = _Node()
+                node.add_module(part, child)
+            node = child
+        return node, leaf
+
+    def _adopt(self, values=None):
+        """Registers the C++ module's tensors under their names, replacing the
+        name tree. With `values` (name -> tensor, e.g. an unpickled state), the
+        C++ tensors first take those values (and dtype, and requires_grad)."""
+        for name in [n for n, m in self._modules.items() if isinstance(m, _Node)]:
             delattr(self, name)
         self._parameters.clear()
         self._buffers.clear()
         bridge = self._bridge
         self._names = (list(bridge.parameter_names()), list(bridge.buffer_names()))
-        for names, tensors, buffer in ((bridge.parameter_names(), bridge.parameters(), False),
-                                       (bridge.buffer_names(), bridge.buffers(), True)):
+        for names, tensors, buffer in ((self._names[0], bridge.parameters(), False),
+                                       (self._names[1], bridge.buffers(), True)):
             for name, tensor in zip(names, tensors):
-                *path, leaf = name.split(".")
-                node = self
-                for part in path:
-                    child = node._modules.get(part)
-                    if child is None:
-                        child = _Node()
-                        node.add_module(part, child)
-                    node = child
-                mine = held.get(name)
-                if mine is None or mine.shape != tensor.shape:
-                    mine = tensor.detach() if buffer else torch.nn.Parameter(tensor.detach())
+                if values is not None and name in values:
+                    source = values[name]
+                    with torch.no_grad():
+                        if source.dtype == tensor.dtype and source.shape == tensor.shape:
+                            tensor.copy_(source)
+                        else:
+                            tensor.data = source.detach().clone()
+                    if not buffer:
+                        tensor.requires_grad_(source.requires_grad)
+                node, leaf = self._slot(name)
                 if buffer:
-                    node.register_buffer(leaf, mine)
+                    node.register_buffer(leaf, tensor)
                 else:
-                    node.register_parameter(leaf, mine)
+                    node.register_parameter(leaf, _as_parameter(tensor))
 
-    def _tensors(self):
-        """The Python tensors in the C++ module's order (by name: the order of
-        Python's name tree can differ, e.g. for a sub-module with buffers only)."""
-        param_names, buffer_names = self._names
-        params, buffers = dict(self.named_parameters()), dict(self.named_buffers())
-        return [params[n] for n in param_names], [buffers[n] for n in buffer_names]
+    def _sync(self):
+        """Before a call: the C++ module must compute with the tensors Python
+        holds. Parameters are the same tensors unless one was replaced (refused);
+        a buffer that `.to()` replaced goes back to the C++ module."""
+        mine = dict(self.named_parameters())
+        for name, tensor in zip(self._names[0], self._bridge.parameters()):
+            if mine.get(name) is not tensor:
+                raise RuntimeError(
+                    f"attnkit: parameter '{name}' of {type(self).__name__} is no longer the module's own "
+                    "tensor (it was replaced, e.g. by assigning a new nn.Parameter); change parameters in "
+                    "place instead (copy_, load_state_dict), so that the C++ module computes with them")
+        held = dict(self.named_buffers())
+        for name, tensor in zip(self._names[1], self._bridge.buffers()):
+            given = held.get(name)
+            if given is not tensor:
+                if given is None or given.shape != tensor.shape:
+                    raise RuntimeError(f"attnkit: buffer '{name}' of {type(self).__name__} was removed or "
+                                       "changed shape")
+                tensor.data = given
+                node, leaf = self._slot(name)
+                node._buffers[leaf] = tensor
 
     def _call(self, method, *inputs, **args):
         """Runs `method` of the C++ module on positional tensor `inputs` (None
         for absent ones) with keyword settings `args`; returns its outputs."""
-        params, buffers = self._tensors()
-        settings = json.dumps(args)
-        inputs = list(inputs)
-        wants_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in params) or
-            any(t is not None and t.requires_grad for t in inputs))
-        if not wants_grad:
-            with torch.no_grad():
-                return list(self._bridge.call(method, params, buffers, inputs, settings, self.training))
-        return list(_Call.apply(self, method, settings, (len(params), len(buffers)),
-                                *params, *buffers, *inputs))
+        self._sync()
+        return list(self._bridge.call(method, list(inputs), json.dumps(args), self.training))
 
     def _command(self, method, **args):
         """A method that changes the C++ module (e.g. set_attention) and
-        returns nothing; the Python side then re-registers its tensors."""
-        params, buffers = self._tensors()
+        returns nothing; the Python side then registers its tensors anew."""
+        self._sync()
         with torch.no_grad():
-            self._bridge.call(method, params, buffers, [], json.dumps(args), self.training)
+            self._bridge.call(method, [], json.dumps(args), self.training)
         self._adopt()
 
     # --- copies and pickles ------------------------------------------------------------------
@@ -151,11 +134,12 @@ class BridgedModule(torch.nn.Module):
     def __setstate__(self, state):
         kind, settings = state.pop("_bridge_rebuild")
         self.__dict__.update(state)
-        # The rebuilt C++ module's own initial weights are replaced by the
-        # unpickled ones at its first call; building it must not move the
-        # user's random stream.
+        values = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        # A new C++ module takes the unpickled values; building it must not
+        # move the user's random stream.
         with torch.random.fork_rng(devices=[]):
             self._bridge = torch.classes.attnkit.Module(kind, settings)
+        self._adopt(values)
 
     def extra_repr(self):
         return self._bridge.settings()

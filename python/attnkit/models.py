@@ -100,7 +100,7 @@ class Transformer(BridgedModule):
         e.g. {"context": 256, "batch": 16}) is recorded as the run's settings;
         eval reads its context. There is no optimiser state: ``--resume``
         refuses such a run. Returns the checkpoint's path."""
-        params, buffers = self._tensors()
-        return self._bridge.save_run(str(run_dir), params, buffers,
+        self._sync()
+        return self._bridge.save_run(str(run_dir),
                                      json.dumps({"name": task, "data_dir": str(data_dir), "length": length}),
                                      json.dumps(trainer or {}), step)

@@ -32,14 +32,14 @@ __all__ = [
 ]
 
 
-def _lengths_from_padding(mask, what):
+def _lengths_from_padding(mask, N, S, what):
     """key_padding_mask (N, S), True (or -inf) where a key is padding, as int64
     key lengths (N). Only trailing padding has a length form; anything else is
     refused rather than silently changed."""
     if mask is None:
         return None
-    if mask.dim() != 2:
-        raise ValueError(f"{what}: key_padding_mask must be (N, S), got shape {tuple(mask.shape)}")
+    if tuple(mask.shape) != (N, S):
+        raise ValueError(f"{what}: key_padding_mask must be (N, S) = ({N}, {S}), got shape {tuple(mask.shape)}")
     padded = mask if mask.dtype == torch.bool else torch.isneginf(mask)
     if mask.dtype != torch.bool and not torch.all((mask == 0) | padded):
         raise ValueError(f"{what}: a float key_padding_mask must hold 0 and -inf only")
@@ -117,7 +117,7 @@ class MultiheadAttention(BridgedModule):
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if key_lengths is None:
-            key_lengths = _lengths_from_padding(key_padding_mask, what)
+            key_lengths = _lengths_from_padding(key_padding_mask, key.shape[0], key.shape[1], what)
         causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
         if causal and _always_causal(self.attention_spec):
             causal = False  # a causal pattern is causal by construction and takes no flag

@@ -5,16 +5,13 @@
 // The contract with the Python side:
 //   * parameter_names()/parameters() and buffer_names()/buffers() list the
 //     module's tensors recursively, in libtorch's order, with their dotted
-//     names; Python registers storage-sharing nn.Parameters and buffers under
-//     the same names, so state_dicts are interchangeable with checkpoints.
-//   * call(method, params, buffers, inputs, args, training) first points every
-//     C++ tensor at the tensor Python passes for it (set_data, only when they
-//     differ: a `.to(dtype)`, a replaced Parameter, an unpickled module), sets
-//     the training mode, then runs `method` on `inputs` (positional, None for
-//     absent ones) with keyword settings `args` (a JSON object). Autograd
-//     records the call on the C++ tensors; Python's autograd.Function maps the
-//     gradients back to its Parameters.
-//
+//     names. Python registers these very tensors (the same TensorImpls; a
+//     parameter's Python object becomes an nn.Parameter) under the same names,
+//     so autograd, optimizers, hooks and DistributedDataParallel act on the
+//     tensors the C++ code computes with, and state_dicts match checkpoints.
+//   * call(method, inputs, args, training) sets the training mode and runs
+//     `method` on `inputs` (positional, None for absent ones) with keyword
+//     settings `args` (a JSON object).
 // Keeping the modules in C++ means Python runs the very code the CLI, the
 // trainer and the tests run: the same forward, checks, errors and checkpoints.
 #include <attnkit/document_memory.h>
@@ -334,11 +331,8 @@ class Module : public torch::CustomClassHolder {
   std::vector<std::string> buffer_names() const { return names(bridged_.module->named_buffers()); }
   std::vector<at::Tensor> buffers() const { return bridged_.module->buffers(); }
 
-  std::vector<at::Tensor> call(const std::string& method, const std::vector<at::Tensor>& params,
-                               const std::vector<at::Tensor>& buffers, const Inputs& inputs,
-                               const std::string& args, bool training) {
-    adopt(bridged_.module->named_parameters(), params, "parameter");
-    adopt(bridged_.module->named_buffers(), buffers, "buffer");
+  std::vector<at::Tensor> call(const std::string& method, const Inputs& inputs, const std::string& args,
+                               bool training) {
     bridged_.module->train(training);
     Settings s(parse_object(args, kind_ + "." + method + " settings"), kind_ + "." + method);
     auto out = bridged_.call(method, inputs, s);
@@ -347,13 +341,10 @@ class Module : public torch::CustomClassHolder {
   }
 
   /// Transformer only: writes the run directory checkpoint (see save_model_run).
-  std::string save_run(const std::string& run_dir, const std::vector<at::Tensor>& params,
-                       const std::vector<at::Tensor>& buffers, const std::string& task_json,
-                       const std::string& trainer_json, int64_t step) {
+  std::string save_run(const std::string& run_dir, const std::string& task_json, const std::string& trainer_json,
+                       int64_t step) {
     auto* model = dynamic_cast<models::TransformerImpl*>(bridged_.module.get());
     TORCH_CHECK(model != nullptr, kind_, ": only a Transformer saves a run");
-    adopt(bridged_.module->named_parameters(), params, "parameter");
-    adopt(bridged_.module->named_buffers(), buffers, "buffer");
     // The settings given override the trainer's defaults.
     auto trainer = json::parse(train::TrainerOptions().to_json());
     trainer.update(parse_object(trainer_json, "trainer settings"));
@@ -382,26 +373,6 @@ class Module : public torch::CustomClassHolder {
     std::vector<std::string> out;
     for (const auto& item : dict) out.push_back(item.key());
     return out;
-  }
-
-  /// Points each of the module's tensors at the one Python holds for it (a
-  /// changed dtype or storage is adopted; a changed shape is an error).
-  void adopt(const torch::OrderedDict<std::string, at::Tensor>& mine, const std::vector<at::Tensor>& theirs,
-             const char* what) {
-    TORCH_CHECK(mine.size() == theirs.size(), kind_, ": expected ", mine.size(), " ", what, "s, got ",
-                theirs.size());
-    for (size_t i = 0; i < mine.size(); ++i) {
-      auto tensor = mine[i].value();
-      const auto& t = theirs[i];
-      TORCH_CHECK(t.defined(), kind_, ": ", what, " '", mine[i].key(), "' is undefined");
-      TORCH_CHECK(t.sizes() == tensor.sizes(), kind_, ": ", what, " '", mine[i].key(), "' has shape ",
-                  tensor.sizes(), ", got one of shape ", t.sizes());
-      if (tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) continue;
-      if (tensor.scalar_type() == t.scalar_type() && tensor.strides() == t.strides() &&
-          tensor.data_ptr() == t.data_ptr())
-        continue;
-      tensor.set_data(t.detach());
-    }
   }
 
   std::string kind_;

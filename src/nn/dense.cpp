@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "ops/checks.h"
+
 namespace attnkit::nn {
 
 LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) {
@@ -42,6 +44,7 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
+  if (input.defined()) detail::check_parameter_dtype("Linear", "input", input, weight);
   return attnkit::linear(input, weight, bias);
 }
 

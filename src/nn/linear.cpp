@@ -18,8 +18,8 @@ void check_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
   detail::check_float_tensor(where, "q", q, 3);
   detail::check_float_tensor(where, "k", k, 3);
   detail::check_float_tensor(where, "v", v, 3);
-  detail::check_same_dtype(where, "k", k, q);
-  detail::check_same_dtype(where, "v", v, q);
+  detail::check_same_dtype(where, "k", k, "q", q);
+  detail::check_same_dtype(where, "v", v, "q", q);
   for (int64_t d = 0; d < 2; ++d) {
     const char* what = d == 0 ? "batch size N" : "head count H";
     detail::check_dim(where, "k", k, d, q.size(d), what);
@@ -106,6 +106,8 @@ torch::Tensor GatedLinearAttentionImpl::forward(const torch::Tensor& hidden,
   constexpr const char* module = "GatedLinearAttention";
   detail::check_float_tensor(module, "hidden", hidden, 3);
   detail::check_float_tensor(module, "queries", queries, 3);
+  detail::check_parameter_dtype(module, "hidden", hidden, gate->weight);
+  detail::check_same_dtype(module, "queries", queries, "hidden", hidden);
   detail::check_dim(module, "hidden", hidden, 2, options.dim(), "feature size dim");
   detail::check_dim(module, "queries", queries, 2, options.dim(), "feature size dim");
   detail::check_dim(module, "queries", queries, 0, hidden.size(0), "batch size N");

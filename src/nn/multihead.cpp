@@ -44,6 +44,9 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
   detail::check_float_tensor(module, "query", query, 3);
   detail::check_float_tensor(module, "key", key, 3);
   detail::check_float_tensor(module, "value", value, 3);
+  detail::check_parameter_dtype(module, "query", query, q_proj->weight);
+  detail::check_same_dtype(module, "key", key, "query", query);
+  detail::check_same_dtype(module, "value", value, "query", query);
   detail::check_dim(module, "query", query, 2, d, "feature size");
   detail::check_dim(module, "key", key, 2, d, "feature size");
   detail::check_dim(module, "value", value, 2, d, "feature size");

@@ -18,8 +18,8 @@ void check_inputs(const char* module, const torch::Tensor& s, const torch::Tenso
   detail::check_float_tensor(module, "query", s, 3);
   detail::check_float_tensor(module, "keys", h, 3);
   detail::check_float_tensor(module, "values", values, 3);
-  detail::check_same_dtype(module, "keys", h, s);
-  detail::check_same_dtype(module, "values", values, s);
+  detail::check_same_dtype(module, "keys", h, "query", s);
+  detail::check_same_dtype(module, "values", values, "query", s);
   if (key_dim < 0) key_dim = s.size(2);
   if (query_dim > 0) detail::check_dim(module, "query", s, 2, query_dim, "feature size");
   if (key_dim > 0) detail::check_dim(module, "keys", h, 2, key_dim, "feature size");
@@ -65,6 +65,7 @@ AttentionOutput AdditiveAttentionImpl::forward(const torch::Tensor& s, const tor
                                                const torch::Tensor& values,
                                                const torch::Tensor& key_lengths) {
   check_inputs("AdditiveAttention", s, h, values, options.query_dim(), options.key_dim());
+  detail::check_parameter_dtype("AdditiveAttention", "query", s, v);
   detail::check_lengths("AdditiveAttention", "key_lengths", key_lengths, s.size(0), h.size(1));
   return attend(scores(s, h), values, key_lengths);
 }
@@ -90,6 +91,7 @@ AttentionOutput GeneralAttentionImpl::forward(const torch::Tensor& s, const torc
                                               const torch::Tensor& values,
                                               const torch::Tensor& key_lengths) {
   check_inputs("GeneralAttention", s, h, values, options.query_dim(), options.key_dim());
+  detail::check_parameter_dtype("GeneralAttention", "query", s, W);
   detail::check_lengths("GeneralAttention", "key_lengths", key_lengths, s.size(0), h.size(1));
   return attend(scores(s, h), values, key_lengths);
 }
@@ -127,6 +129,7 @@ AttentionOutput LocationAttentionImpl::forward(const torch::Tensor& s, const tor
   constexpr const char* module = "LocationAttention";
   detail::check_float_tensor(module, "query", s, 3);
   detail::check_float_tensor(module, "values", values, 3);
+  detail::check_parameter_dtype(module, "query", s, W->weight);
   detail::check_dim(module, "query", s, 2, options.query_dim(), "feature size");
   detail::check_dim(module, "values", values, 0, s.size(0), "batch size N");
   const int64_t S = values.size(1);
@@ -195,6 +198,7 @@ torch::Tensor RelativePositionAttentionImpl::forward(const torch::Tensor& x,
                                                      const torch::Tensor& key_lengths, bool causal) {
   constexpr const char* module = "RelativePositionAttention";
   detail::check_float_tensor(module, "x", x, 3);
+  detail::check_parameter_dtype(module, "x", x, wK);
   detail::check_dim(module, "x", x, 2, options.d_model(), "feature size");
   const int64_t N = x.size(0), L = x.size(1), H = options.heads(), K = options.max_relative();
   const int64_t dz = options.d_model() / H;

@@ -113,8 +113,8 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
   detail::check_float_tensor(op, "cq", cq, 3);
   detail::check_float_tensor(op, "cr", cr, 3);
   detail::check_float_tensor(op, "v", v, 4);
-  detail::check_same_dtype(op, "cr", cr, cq);
-  detail::check_same_dtype(op, "v", v, cq);
+  detail::check_same_dtype(op, "cr", cr, "cq", cq);
+  detail::check_same_dtype(op, "v", v, "cq", cq);
   detail::check_dim(op, "cr", cr, 0, cq.size(0), "batch size N");
   detail::check_dim(op, "cr", cr, 1, cq.size(1), "class count H");
   detail::check_dim(op, "v", v, 0, cq.size(0), "batch size N");

@@ -52,11 +52,20 @@ inline void check_float_tensor(const char* op, const char* name, const torch::Te
               " dimensions, got shape ", shape_str(t));
 }
 
+/// `t` must have the dtype of argument `like_name` (`like`).
 inline void check_same_dtype(const char* op, const char* name, const torch::Tensor& t,
-                             const torch::Tensor& like) {
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": argument '", name,
-              "' must have dtype ", like.scalar_type(), " like the queries, got ",
-              t.scalar_type());
+                             const char* like_name, const torch::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": argument '", name, "' must have dtype ",
+              like.scalar_type(), " like argument '", like_name, "', got ", t.scalar_type());
+}
+
+/// A module's input must have the dtype of its parameters (`parameter`, any
+/// of them): said here, in the module's words, rather than by an op inside.
+inline void check_parameter_dtype(const char* module, const char* name, const torch::Tensor& t,
+                                  const torch::Tensor& parameter) {
+  TORCH_CHECK(t.scalar_type() == parameter.scalar_type(), module, ": argument '", name, "' has dtype ",
+              t.scalar_type(), " but the module's parameters have dtype ", parameter.scalar_type(),
+              " (convert one of them, e.g. module.to(", t.scalar_type(), "))");
 }
 
 inline void check_dim(const char* op, const char* name, const torch::Tensor& t, int64_t dim,
@@ -72,8 +81,8 @@ inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tenso
   check_float_tensor(op, "q", q, 4);
   check_float_tensor(op, "k", k, 4);
   check_float_tensor(op, "v", v, 4);
-  check_same_dtype(op, "k", k, q);
-  check_same_dtype(op, "v", v, q);
+  check_same_dtype(op, "k", k, "q", q);
+  check_same_dtype(op, "v", v, "q", q);
   check_dim(op, "k", k, 0, q.size(0), "batch size N");
   check_dim(op, "k", k, 1, q.size(1), "head count H");
   check_dim(op, "k", k, 3, q.size(3), "feature size E");

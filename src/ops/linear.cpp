@@ -25,13 +25,13 @@ void check_linear(const torch::Tensor& x, const torch::Tensor& weight, const tor
               "got a 0-dimensional tensor");
   detail::check_float_tensor(kOp, "x", x, x.dim());
   detail::check_float_tensor(kOp, "weight", weight, 2);
-  detail::check_same_dtype(kOp, "weight", weight, x);
+  detail::check_same_dtype(kOp, "weight", weight, "input", x);
   TORCH_CHECK(weight.size(1) == x.size(-1), kOp, ": argument 'weight' has shape ",
               detail::shape_str(weight), " (out, in), so x must end in in = ", weight.size(1),
               ", got x of shape ", detail::shape_str(x));
   if (!bias.defined()) return;
   detail::check_float_tensor(kOp, "bias", bias, 1);
-  detail::check_same_dtype(kOp, "bias", bias, x);
+  detail::check_same_dtype(kOp, "bias", bias, "input", x);
   TORCH_CHECK(bias.size(0) == weight.size(0), kOp, ": argument 'bias' must have shape (",
               weight.size(0), ") like weight's out, got ", detail::shape_str(bias));
 }

@@ -189,9 +189,9 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
   detail::check_float_tensor(op, "q", q, 4);
   detail::check_float_tensor(op, "alpha", alpha, 3);
   detail::check_float_tensor(op, "beta", beta, 3);
-  detail::check_same_dtype(op, "q", q, f);
-  detail::check_same_dtype(op, "alpha", alpha, f);
-  detail::check_same_dtype(op, "beta", beta, f);
+  detail::check_same_dtype(op, "q", q, "f", f);
+  detail::check_same_dtype(op, "alpha", alpha, "f", f);
+  detail::check_same_dtype(op, "beta", beta, "f", f);
   TORCH_CHECK(q.sizes() == f.sizes(), op, ": argument 'q' must have the shape of 'f' ",
               detail::shape_str(f), ", got ", detail::shape_str(q));
   // (N, H, L) from the sizes alone: f.select(3, 0) would itself raise when E = 0.

@@ -24,7 +24,7 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
   TORCH_CHECK(bias.device().is_cpu() && bias.is_floating_point(), op,
               ": argument 'bias' must be a floating CPU tensor, got ", bias.scalar_type(),
               " on ", bias.device());
-  detail::check_same_dtype(op, "bias", bias, q);
+  detail::check_same_dtype(op, "bias", bias, "q", q);
   const int64_t target[4] = {q.size(0), q.size(1), q.size(2), S};
   bool ok = bias.dim() <= 4;
   for (int64_t d = 0; ok && d < bias.dim(); ++d) {
