@@ -15,13 +15,15 @@ Mechanisms over per-head tensors q (N, H, L, E), k (N, H, S, E), v (N, H, S, M):
     attn = attnkit.nn.mechanisms.SparseLocal(span=64)    # the same, one class per entry
     out = attn(q, k, v)
 """
+import functools
+import json
 import keyword
 import sys
 import types
 
 import torch
 
-from . import _library  # noqa: F401  (loads libattnkit.so)
+from . import _library
 from ._bridge import BridgedModule
 
 __all__ = [
@@ -65,7 +67,9 @@ def _causal_from_mask(attn_mask, L, S, what):
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _always_causal(spec):
+    """True for a mechanism that is causal by construction (a causal pattern)."""
     name = spec.split(":", 1)[0]
     return any(entry["name"] == name and entry["always_causal"] for entry in _library.mechanisms())
 
@@ -99,7 +103,7 @@ class MultiheadAttention(BridgedModule):
 
     @property
     def attention_spec(self):
-        import json
+        """The mechanism's spec (after set_attention, the new one)."""
         return json.loads(self._bridge.settings())["attention"]
 
     def set_attention(self, spec):
