@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -197,6 +198,9 @@ GradientReducer::GradientReducer(Communicator& communicator, std::vector<torch::
   offset_of_.resize(n);
   seen_.assign(n, false);
   // Reverse order: the backward pass produces the last layers' gradients first.
+  // The first bucket is capped at 1 MiB (DistributedDataParallel's first
+  // bucket), so that communication starts early in the backward pass.
+  const int64_t first_cap = std::min<int64_t>(bucket_bytes, int64_t{1} << 20);
   int64_t in_bucket = 0;
   for (std::size_t k = n; k-- > 0;) {
     const auto& p = params_[k];
@@ -204,7 +208,7 @@ GradientReducer::GradientReducer(Communicator& communicator, std::vector<torch::
                 " is not a leaf that requires grad");
     TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.device().is_cpu(), "GradientReducer: parameter ", k,
                 " is ", p.scalar_type(), " on ", p.device(), "; only float32 CPU parameters are supported");
-    if (buckets_.empty() || in_bucket >= bucket_bytes) {
+    if (buckets_.empty() || in_bucket >= (buckets_.size() == 1 ? first_cap : bucket_bytes)) {
       buckets_.push_back(std::make_unique<Bucket>());
       in_bucket = 0;
     }

@@ -16,6 +16,7 @@
 // torch/csrc/distributed/autograd/context/context.h, which the package does
 // not ship); GradientReducer is the same scheme in ~150 lines: buckets in
 // reverse parameter order (the order the backward pass produces gradients),
+// the first one capped at 1 MiB so that communication starts early (as DDP's),
 // launched strictly in bucket order so that every rank issues the same
 // sequence of collectives, and a bucket whose parameters got no gradient this
 // step (unused) is all-reduced with zeros when the backward pass ends.
