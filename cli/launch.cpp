@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -159,28 +160,38 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     for (; forwarded < received; ++forwarded)
       for (int r = 0; r < o.nproc; ++r)
         if (alive[r]) ::kill(pids[r], g_last_signal.load());
+    // Every worker that has exited since the last poll. When several failed
+    // in the same poll, the cause is reported: a worker killed by a signal
+    // (the others then fail because it vanished) before one that exited.
+    std::vector<std::pair<int, int>> exited;  // rank, wait status
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      int r = 0;
-      while (r < o.nproc && pids[r] != pid) ++r;
-      if (r == o.nproc) continue;
-      alive[r] = false;
-      --living;
-      const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      if (failed && !stopping_others) {
-        result = exit_code(status);
-        std::fprintf(stderr, "attnkit train: worker rank %d (pid %d) %s; stopping the other %d worker(s)%s\n", r,
-                     static_cast<int>(pid), describe(status).c_str(), living,
-                     received > 0 ? "" : "; restart the job with --resume");
-        stopping_others = true;
-        kill_at = now_seconds() + o.grace_seconds;
-        for (int k = 0; k < o.nproc; ++k)
-          if (alive[k]) ::kill(pids[k], SIGTERM);
-      }
-      continue;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (int r = 0; r < o.nproc; ++r)
+        if (pids[r] == pid && alive[r]) {
+          alive[r] = false;
+          --living;
+          exited.emplace_back(r, status);
+        }
     }
-    if (pid < 0 && errno != EINTR) break;  // no children left
+    if (pid < 0 && errno == ECHILD) living = 0;  // no children left
+    const std::pair<int, int>* cause = nullptr;
+    for (const auto& e : exited) {
+      const bool failed = !(WIFEXITED(e.second) && WEXITSTATUS(e.second) == 0);
+      if (failed && (cause == nullptr || (WIFSIGNALED(e.second) && !WIFSIGNALED(cause->second)))) cause = &e;
+    }
+    if (cause != nullptr && !stopping_others) {
+      result = exit_code(cause->second);
+      std::fprintf(stderr, "attnkit train: worker rank %d (pid %d) %s; stopping the other %d worker(s)%s\n",
+                   cause->first, static_cast<int>(pids[cause->first]), describe(cause->second).c_str(),
+                   static_cast<int>(std::count(alive.begin(), alive.end(), true)),
+                   received > 0 ? "" : "; restart the job with --resume");
+      stopping_others = true;
+      kill_at = now_seconds() + o.grace_seconds;
+      for (int k = 0; k < o.nproc; ++k)
+        if (alive[k]) ::kill(pids[k], SIGTERM);
+    }
+    if (!exited.empty()) continue;
     if (stopping_others && now_seconds() > kill_at) {
       for (int k = 0; k < o.nproc; ++k)
         if (alive[k]) ::kill(pids[k], SIGKILL);

@@ -459,8 +459,17 @@ TEST(DataParallelCli, LauncherStopsOnADeadWorkerAndOnSigint) {
     const double until = now_seconds() + 120;
     while (list_checkpoints(run).empty() && now_seconds() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    const auto workers = children_of(launcher.pid);
+    auto workers = children_of(launcher.pid);
     ASSERT_EQ(workers.size(), 2u) << launcher.output();
+    // Rank 1: the worker whose environment says RANK=1.
+    auto rank_of = [](pid_t pid) {
+      std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+      for (std::string entry; std::getline(in, entry, '\0');)
+        if (entry.rfind("RANK=", 0) == 0) return std::stoi(entry.substr(5));
+      return -1;
+    };
+    if (rank_of(workers[1]) != 1) std::swap(workers[0], workers[1]);
+    ASSERT_EQ(rank_of(workers[1]), 1);
     ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
     const int status = launcher.wait(30);
     ASSERT_GE(status, 0) << "the launcher did not stop";
