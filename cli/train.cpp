@@ -125,7 +125,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size in MiB")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_flag("--no-overlap", f->no_overlap,
-                "All-reduce the gradients after the backward pass instead of during it (measures the all-reduce alone)");
+                "All-reduce the gradients after the backward pass and a barrier instead of during it (measures the all-reduce alone)");
 
   cmd->callback([f, cmd] {
     auto given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };

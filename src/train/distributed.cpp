@@ -283,6 +283,10 @@ void GradientReducer::launch(std::size_t b) {
 void GradientReducer::finish() {
   TORCH_CHECK(armed_, "GradientReducer::finish without prepare");
   armed_ = false;
+  // Without overlap (a measurement mode), first wait for every rank to finish
+  // its backward pass, so that the time below is the all-reduce alone, not
+  // also the wait for a slower rank.
+  if (!overlap_) comm_.barrier("barrier before the gradient all-reduce");
   const auto start = std::chrono::steady_clock::now();
   launched_in_backward_ = next_;
   // Buckets not launched during the backward pass: with overlap off, all of

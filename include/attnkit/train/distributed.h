@@ -51,7 +51,7 @@ struct DistributedOptions {
   TORCH_ARG(int, master_port) = kDefaultMasterPort;
   TORCH_ARG(double, timeout) = 60;                ///< seconds to wait for the others (rendezvous, every collective)
   TORCH_ARG(int64_t, bucket_bytes) = kDefaultBucketBytes;  ///< gradient bytes per all-reduce
-  TORCH_ARG(bool, overlap) = true;                ///< all-reduce during the backward pass (false: after it)
+  TORCH_ARG(bool, overlap) = true;                ///< all-reduce during the backward pass (false: after it and a barrier)
 };
 
 /// Throws std::invalid_argument naming the option and its value: world_size
@@ -123,8 +123,9 @@ class GradientReducer {
 
   int64_t bytes() const { return bytes_; }  ///< gradient bytes all-reduced per step
   std::size_t buckets() const { return buckets_.size(); }
-  /// Seconds finish() waited (the communication the backward pass did not hide;
-  /// with overlap off, the whole all-reduce).
+  /// Seconds finish() waited (the communication the backward pass did not hide,
+  /// and the wait for slower ranks; with overlap off, the whole all-reduce,
+  /// timed after a barrier so that it excludes the wait for slower ranks).
   double last_wait_seconds() const { return last_wait_; }
   /// Buckets the last step launched during the backward pass (the rest: in finish()).
   std::size_t last_launched_in_backward() const { return launched_in_backward_; }
