@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "launch.h"
 
 int main(int argc, char** argv) {
   // Under a file-size limit (ulimit -f) the write that crosses it raises
@@ -16,6 +17,7 @@ int main(int argc, char** argv) {
   // with EFBIG instead, which the writers report (naming the file) after
   // removing the temporary file; the previous checkpoint stays intact.
   std::signal(SIGXFSZ, SIG_IGN);
+  attnkit::cli::set_command_line(argc, argv);  // `train --nproc` repeats it for its workers
   CLI::App app{"attnkit: fast CPU attention mechanisms (full softmax, clustered, agglomerative, "
                "linear, sparse) with forward and backward passes"};
   app.set_version_flag("--version", "attnkit " + attnkit::version());

@@ -3,12 +3,17 @@
 // The Trainer (include/attnkit/train/trainer.h) does the work; this file maps
 // flags to its options. docs/TRAINING.md describes the run directory.
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/distributed.h>
 #include <attnkit/train/trainer.h>
+#include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <iostream>
 #include <memory>
+#include <thread>
 
 #include "commands.h"
+#include "launch.h"
 
 namespace attnkit::cli {
 
@@ -24,7 +29,18 @@ struct TrainFlags {
   int threads = 0;
   std::string out;
   bool resume = false, untied = false, shared_weights = false;
+  // Data parallel (not stored in checkpoints: a run may resume with any number of processes).
+  int nproc = 1, world_size = 1, rank = 0, master_port = train::kDefaultMasterPort;
+  std::string master_addr = "127.0.0.1";
+  double dist_timeout = 60, bucket_mb = 25;
+  bool no_overlap = false;
 };
+
+/// The text of an exception (c10::Error without its backtrace).
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
 
 }  // namespace
 
@@ -91,6 +107,25 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "live", "plain", "quiet"}))->capture_default_str();
   cmd->add_option("--out", f->out, "Run directory")->required();
   cmd->add_flag("--resume", f->resume, "Continue from the newest checkpoint in --out");
+  // Data parallel (docs/TRAINING.md, "Data-parallel training").
+  cmd->add_option("--nproc", f->nproc,
+                  "Data parallel on this machine: start P worker processes (each reads batch/P sequences of every "
+                  "step; rank 0 prints and writes the run directory); default threads per worker: cores/P")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--world-size", f->world_size,
+                  "Data parallel over machines: processes in the job (default: $WORLD_SIZE); needs --rank")
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--rank", f->rank, "This process's rank in [0, world size) (default: $RANK); rank 0 serves the rendezvous");
+  cmd->add_option("--master-addr", f->master_addr, "Rank 0's address (default: $MASTER_ADDR, else 127.0.0.1)");
+  cmd->add_option("--master-port", f->master_port,
+                  "Rank 0's TCPStore port (default: $MASTER_PORT, else 29500; with --nproc a free port)");
+  cmd->add_option("--dist-timeout", f->dist_timeout,
+                  "Seconds a worker waits for the others (rendezvous, every all-reduce) before it stops with an error")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size in MiB")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_flag("--no-overlap", f->no_overlap,
+                "All-reduce the gradients after the backward pass and a barrier instead of during it (measures the all-reduce alone)");
 
   cmd->callback([f, cmd] {
     auto given = [cmd](const std::string& flag) { return cmd->count(flag) > 0; };
@@ -154,14 +189,70 @@ void add_train_command(CLI::App& app) {
       if (given("--eval-every")) trainer.eval_every(f->eval_every);
       if (given("--eval-batches")) trainer.eval_batches(f->eval_batches);
     }
-    trainer.threads(f->threads).out(f->out).resume(f->resume);
+    // Data parallel: --nproc (a launcher, or one of its workers), or
+    // --world-size/--rank/--master-* (or their environment variables).
+    const bool worker = launched_worker();
+    train::DistributedOptions dist;
+    dist.timeout(f->dist_timeout)
+        .bucket_bytes(static_cast<int64_t>(f->bucket_mb * (1 << 20)))
+        .overlap(!f->no_overlap);
+    if (given("--nproc") && (given("--world-size") || given("--rank")))
+      throw CLI::ValidationError("--nproc", "--nproc starts a whole job on this machine, --world-size/--rank join "
+                                            "a job over several machines: give one or the other");
+    if (worker) {
+      train::distributed_from_environment(dist);  // set by the launcher
+    } else if (!given("--nproc")) {
+      const bool env_world = train::distributed_from_environment(dist);
+      if (given("--world-size")) dist.world_size(f->world_size);
+      if (given("--rank")) dist.rank(f->rank);
+      if (given("--master-addr")) dist.master_addr(f->master_addr);
+      if (given("--master-port")) dist.master_port(f->master_port);
+      if ((given("--world-size") || env_world) && !given("--rank") && std::getenv("RANK") == nullptr)
+        throw CLI::ValidationError("--rank", "a job of --world-size " + std::to_string(dist.world_size()) +
+                                                 " needs this process's --rank (or RANK)");
+    }
+    int threads = f->threads;
+    if (given("--nproc") && !given("--threads"))
+      threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / f->nproc);
+    trainer.threads(threads).out(f->out).resume(f->resume);
     trainer.display(f->display == "live"    ? train::Display::live
                     : f->display == "plain" ? train::Display::plain
                     : f->display == "quiet" ? train::Display::quiet
                                             : train::Display::automatic);
 
-    train::Trainer run(trainer, model, task);
-    const auto result = run.run();
+    if (given("--nproc") && !worker && f->nproc > 1) {
+      // The launcher: check everything once (the Trainer's constructor
+      // validates the options, the batch against P and the run directory
+      // without writing anything), then start the workers.
+      dist.world_size(f->nproc).rank(0);
+      if (given("--master-addr")) dist.master_addr(f->master_addr);
+      if (given("--master-port")) dist.master_port(f->master_port);
+      train::validate(dist);
+      { train::Trainer check(trainer, model, task, dist); }
+      LaunchOptions launch;
+      launch.nproc = f->nproc;
+      launch.master_addr = dist.master_addr();
+      launch.master_port = given("--master-port") ? f->master_port : 0;
+      launch.grace_seconds = std::min(10.0, f->dist_timeout);
+      const int status = launch_workers(launch, command_line());
+      if (status != 0) throw CLI::RuntimeError(status);
+      return;
+    }
+    if (given("--nproc") && !worker) dist = train::DistributedOptions{};  // --nproc 1: one process
+    const bool distributed = dist.world_size() > 1;
+    train::TrainResult result;
+    std::unique_ptr<train::Trainer> run_ptr;
+    try {
+      run_ptr = std::make_unique<train::Trainer>(trainer, model, task, dist);
+      result = run_ptr->run();
+    } catch (const std::exception& e) {
+      if (!distributed) throw;
+      // Which worker says what: "rank R: ..." (once).
+      const std::string text = message_of(e);
+      throw std::runtime_error(text.rfind("rank ", 0) == 0 ? text : "rank " + std::to_string(dist.rank()) + ": " + text);
+    }
+    auto& run = *run_ptr;
+    if (dist.rank() != 0) return;  // rank 0 reports the run
     std::cout << (result.interrupted ? "interrupted at step " : "trained to step ") << result.step << " of "
               << run.options().steps() << "; checkpoint " << result.checkpoint;
     if (result.validated)

@@ -1,6 +1,7 @@
 // The training loop, checkpoints of a run, resume, loading a run for eval.
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/distributed.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/signals.h>
 #include <attnkit/train/trainer.h>
@@ -191,9 +192,16 @@ json metrics_json(const std::string& prefix, const tasks::Metrics& m) {
 // ---------------------------------------------------------------------------
 
 Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions& model,
-                 const tasks::TaskOptions& task)
-    : options_(options), model_options_(model), task_options_(normalised(task)) {
+                 const tasks::TaskOptions& task, const DistributedOptions& distributed)
+    : options_(options), distributed_(distributed), model_options_(model), task_options_(normalised(task)) {
   validate(options_);
+  validate(distributed_);
+  if (options_.batch() % distributed_.world_size() != 0)
+    throw std::invalid_argument("train: the batch " + std::to_string(options_.batch()) +
+                                " (the global batch: sequences per step over all processes) is not divisible by " +
+                                std::to_string(distributed_.world_size()) +
+                                " processes; each reads batch / processes sequences: choose a batch that is a multiple of " +
+                                std::to_string(distributed_.world_size()));
   apply_threads(options_.threads());
   task_ = tasks::make_task(task_options_);
   if (model_options_.vocab_size() == 0) model_options_.vocab_size(task_->vocab_size());
@@ -231,6 +239,10 @@ Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions
 
   torch::manual_seed(options_.seed());
   model_ = models::Transformer(model_options_);
+  if (distributed_.world_size() > 1 && model_->edge_predictor())
+    throw std::invalid_argument(
+        "train: data-parallel training of SAC models is not supported: their REINFORCE baseline is a "
+        "per-process moving average; train them in one process");
   optimizer_ = make_optimizer(model_, options_);
   if (!resumed_from_.empty()) {
     load_training_state(file.payload, header.tensors, *model_, optimizer_.get(),
@@ -299,45 +311,137 @@ std::string save_model_run(const std::string& run_dir, models::TransformerImpl& 
   return path;
 }
 
+namespace {
+
+/// What every rank of a data-parallel job must agree on: the options that
+/// shape the trajectory (the trainer's without the per-session ones, the
+/// model's, the task's name and length; not the data directory's path, which
+/// may differ between machines), as 48 bits of a hash.
+int64_t run_fingerprint(const TrainerOptions& t, const models::TransformerOptions& m, const tasks::TaskOptions& task) {
+  json trainer = json::parse(t.to_json());
+  for (const char* key : {"steps", "threads", "log_every", "eval_every", "eval_batches", "checkpoint_every", "out",
+                          "resume", "display"})
+    trainer.erase(key);
+  const std::string text = trainer.dump() + json::parse(m.to_json()).dump() + task.name + "/" +
+                           std::to_string(task.length);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 16);
+}
+
+/// Metrics summed over the ranks.
+tasks::Metrics allreduce_metrics(Communicator& comm, const tasks::Metrics& m, const char* what) {
+  auto t = torch::tensor({m.loss_sum, m.correct, m.scored, m.positions}, torch::kFloat64);
+  comm.allreduce_sum(t, what);
+  const auto a = t.accessor<double, 1>();
+  tasks::Metrics out;
+  out.loss_sum = a[0];
+  out.correct = a[1];
+  out.scored = a[2];
+  out.positions = a[3];
+  return out;
+}
+
+/// evaluate() split over the ranks: rank r scores the evaluation batches
+/// i = r, r + P, ...; the sums are combined.
+tasks::Metrics evaluate_distributed(Communicator& comm, models::Transformer& model, const tasks::Task& task,
+                                    tasks::Split split, int64_t batch, int64_t context, int64_t max_batches) {
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  tasks::Metrics local;
+  const auto batches = task.eval_batches(split, batch, context);
+  const std::size_t n = max_batches > 0 ? std::min<std::size_t>(batches.size(), max_batches) : batches.size();
+  for (std::size_t i = comm.rank(); i < n; i += comm.world_size())
+    local += tasks::score(model->forward(batches[i].input), batches[i]);
+  model->train(was_training);
+  return allreduce_metrics(comm, local, "validation all-reduce");
+}
+
+}  // namespace
+
 TrainResult Trainer::run() {
   if (ran_)
     throw std::logic_error("Trainer::run: this trainer has run; continue with a new Trainer and resume(true)");
   ran_ = true;
   apply_threads(options_.threads());
-  fs::create_directories(options_.out());
-  // One process per run directory: an advisory lock held while training.
-  const std::string lock_path = (fs::path(options_.out()) / ".lock").string();
-  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd < 0) throw std::runtime_error("cannot open '" + lock_path + "': " + std::strerror(errno));
-  if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
-    ::close(lock_fd);
-    throw std::runtime_error("another process is training in '" + options_.out() + "' (it holds " + lock_path + ")");
+  const int world = distributed_.world_size(), rank = distributed_.rank();
+  const bool distributed = world > 1;
+  const bool leader = rank == 0;  // writes the run directory and shows progress
+
+  // Data parallel: join the job, check that every rank builds the same run
+  // from the same step, and start from rank 0's weights.
+  std::unique_ptr<Communicator> comm;
+  if (distributed) {
+    comm = Communicator::connect(distributed_);
+    auto agree = torch::tensor({start_step_, -start_step_, run_fingerprint(options_, model_options_, task_options_),
+                                -run_fingerprint(options_, model_options_, task_options_)},
+                               torch::kInt64);
+    comm->allreduce_max(agree, "start-up check");
+    const auto a = agree.accessor<int64_t, 1>();
+    if (a[0] != -a[1])
+      throw std::runtime_error("rank " + std::to_string(rank) + ": the ranks start from different steps (" +
+                               std::to_string(-a[1]) + " to " + std::to_string(a[0]) + "; this one: " +
+                               std::to_string(start_step_) +
+                               "): every rank must see the same run directory (--out on a shared file system)");
+    if (a[2] != -a[3])
+      throw std::runtime_error("rank " + std::to_string(rank) +
+                               ": the ranks were given different options (model, task or training); every rank "
+                               "must run the same command");
+    // Into detached views of the same storage: Gloo writes them from its own
+    // threads, outside autograd.
+    for (const auto& t : model_->parameters()) {
+      auto data = t.detach();
+      comm->broadcast(data, 0, "broadcast of rank 0's parameters");
+    }
+    for (const auto& t : model_->buffers()) {
+      auto data = t.detach();
+      comm->broadcast(data, 0, "broadcast of rank 0's buffers");
+    }
   }
+
+  // Rank 0 alone touches the run directory.
+  int lock_fd = -1;
   struct LockRelease {
-    int fd;
-    ~LockRelease() { ::close(fd); }
-  } lock_release{lock_fd};
-  // Under the lock, the run directory must still be as the constructor found it.
-  const auto checkpoints = list_checkpoints(options_.out());
-  const std::string newest = checkpoints.empty() ? "" : checkpoints[0].path;
-  if (newest != resumed_from_)
-    throw std::runtime_error("the checkpoints of '" + options_.out() + "' changed since this Trainer was built (newest now: '" +
-                             newest + "'); build the Trainer again");
-  // Temporary files of checkpoint writes that a crash interrupted.
-  static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
-  for (const auto& entry : fs::directory_iterator(options_.out()))
-    if (std::regex_match(entry.path().filename().string(), stale)) fs::remove(entry.path());
-  const std::string metrics_path = (fs::path(options_.out()) / "metrics.jsonl").string();
-  if (!resumed_from_.empty())
-    trim_metrics(metrics_path, start_step_);
-  else
-    fs::remove(metrics_path);  // a fresh run (no checkpoint): its own log
-  MetricsLog metrics(metrics_path);
+    int* fd;
+    ~LockRelease() {
+      if (*fd >= 0) ::close(*fd);
+    }
+  } lock_release{&lock_fd};
+  std::unique_ptr<MetricsLog> metrics;
+  if (leader) {
+    fs::create_directories(options_.out());
+    // One process per run directory: an advisory lock held while training.
+    const std::string lock_path = (fs::path(options_.out()) / ".lock").string();
+    lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock_fd < 0) throw std::runtime_error("cannot open '" + lock_path + "': " + std::strerror(errno));
+    if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(lock_fd);
+      lock_fd = -1;
+      throw std::runtime_error("another process is training in '" + options_.out() + "' (it holds " + lock_path + ")");
+    }
+    // Under the lock, the run directory must still be as the constructor found it.
+    const auto checkpoints = list_checkpoints(options_.out());
+    const std::string newest = checkpoints.empty() ? "" : checkpoints[0].path;
+    if (newest != resumed_from_)
+      throw std::runtime_error("the checkpoints of '" + options_.out() + "' changed since this Trainer was built (newest now: '" +
+                               newest + "'); build the Trainer again");
+    // Temporary files of checkpoint writes that a crash interrupted.
+    static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
+    for (const auto& entry : fs::directory_iterator(options_.out()))
+      if (std::regex_match(entry.path().filename().string(), stale)) fs::remove(entry.path());
+    const std::string metrics_path = (fs::path(options_.out()) / "metrics.jsonl").string();
+    if (!resumed_from_.empty())
+      trim_metrics(metrics_path, start_step_);
+    else
+      fs::remove(metrics_path);  // a fresh run (no checkpoint): its own log
+    metrics = std::make_unique<MetricsLog>(metrics_path);
+  }
 
   const bool live = options_.display() == Display::live ||
                     (options_.display() == Display::automatic && ::isatty(STDERR_FILENO));
-  ProgressPrinter progress(stderr, live);
-  const bool quiet = options_.display() == Display::quiet;
+  ProgressPrinter progress(stderr, live && leader);
+  const bool quiet = options_.display() == Display::quiet || !leader;
   auto say = [&](const std::string& text) {
     if (!quiet) progress.message(text);
   };
@@ -373,22 +477,50 @@ TrainResult Trainer::run() {
   double reward_sum = 0;  // SAC: the interval's summed batch-mean rewards
   int64_t reward_batches = 0;
 
+  // Data parallel: the gradients of every trainable parameter (each once),
+  // in the model's order, averaged in buckets during the backward pass.
+  std::unique_ptr<GradientReducer> reducer;
+  double allreduce_seconds = 0;  // this interval's waits for the gradient all-reduce
+  if (distributed) {
+    std::vector<torch::Tensor> trainable;
+    std::unordered_set<const void*> seen;
+    for (const auto& p : model_->parameters())
+      if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) trainable.push_back(p);
+    reducer = std::make_unique<GradientReducer>(*comm, trainable, distributed_.bucket_bytes(), distributed_.overlap());
+  }
+  const int64_t shard = options_.batch() / world;
+  auto last_checkpoint = [&] { return result.checkpoint.empty() ? resumed_from_ : result.checkpoint; };
+
   model_->train();
+  try {
   for (int64_t step = start_step_; step < options_.steps(); ++step) {
     // One optimiser step on the batch of `step`.
     const double lr = learning_rate(options_, step);
     for (auto& group : optimizer_->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    const auto batch = task_->train_batch(options_.seed(), step, options_.batch(), options_.context());
+    auto batch = task_->train_batch(options_.seed(), step, options_.batch(), options_.context());
+    double loss_scale = 1;
+    if (distributed) {
+      // This rank's rows of the global batch. Its loss (a mean over its scored
+      // positions) is weighted by P x its share of the global batch's scored
+      // positions: the mean over the ranks of the weighted losses (and of their
+      // gradients) is the global batch's loss (and gradient).
+      const double global_scored = batch.weight.sum().item<double>();
+      batch.input = batch.input.narrow(0, rank * shard, shard);
+      batch.target = batch.target.narrow(0, rank * shard, shard);
+      batch.weight = batch.weight.narrow(0, rank * shard, shard);
+      const double local_scored = batch.weight.sum().item<double>();
+      loss_scale = global_scored > 0 ? world * local_scored / global_scored : 0.0;
+      torch::manual_seed(dropout_seed(options_.seed(), step, rank));
+    }
     optimizer_->zero_grad();
     const auto logits = model_->forward(batch.input);
     const auto loss = tasks::loss(logits, batch);
     const double loss_value = loss.item<double>();
-    if (!std::isfinite(loss_value))
+    if (!distributed && !std::isfinite(loss_value))
       throw std::runtime_error("train: the loss is " + std::to_string(loss_value) + " at step " +
                                std::to_string(step + 1) + "; stopping without a checkpoint (the last one: " +
-                               (result.checkpoint.empty() ? resumed_from_ : result.checkpoint) +
-                               "); try a lower --lr or a tighter --clip");
+                               last_checkpoint() + "); try a lower --lr or a tighter --clip");
     auto objective = loss;
     if (predictor) {
       // REINFORCE: -sum_t grad log p(y_t | y_<t) (R - b), b the moving average
@@ -401,7 +533,27 @@ TrainResult Trainer::run() {
         ++reward_batches;
       }
     }
-    objective.backward();
+    bool stopping = false;
+    if (distributed) {
+      if (loss_scale != 1) objective = objective * loss_scale;
+      reducer->prepare();
+      objective.backward();
+      reducer->finish();
+      allreduce_seconds += reducer->last_wait_seconds();
+      // Whether any rank was asked to stop or saw a non-finite loss: all stop
+      // after the same step.
+      auto flags = torch::tensor({stop_requested() ? 1.0 : 0.0, std::isfinite(loss_value) ? 0.0 : 1.0},
+                                 torch::kFloat64);
+      comm->allreduce_sum(flags, "stop-flag all-reduce");
+      stopping = flags[0].item<double>() > 0;
+      if (flags[1].item<double>() > 0)
+        throw std::runtime_error("train: the loss is not finite at step " + std::to_string(step + 1) +
+                                 " (on rank " + std::to_string(rank) + ": " + std::to_string(loss_value) +
+                                 "); stopping without a checkpoint (the last one: " + last_checkpoint() +
+                                 "); try a lower --lr or a tighter --clip");
+    } else {
+      objective.backward();
+    }
     if (options_.clip() > 0) {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
       if (predictor) predictor_grad_norm = torch::nn::utils::clip_grad_norm_(predictor_params, options_.clip());
@@ -415,12 +567,13 @@ TrainResult Trainer::run() {
     if (on_step_) on_step_(done);
 
     const bool last = done == options_.steps();
-    const bool stopping = stop_requested();
+    if (!distributed) stopping = stop_requested();
     // Validation at the end and every eval_every steps. A stop does not add
     // one: the steps that validate are the same in an interrupted and resumed
     // run as in an uninterrupted one.
     const bool evaluate_now = last || (options_.eval_every() > 0 && done % options_.eval_every() == 0);
     const bool log_now = done % options_.log_every() == 0 || last || evaluate_now || stopping;
+    if (distributed && log_now) interval = allreduce_metrics(*comm, interval, "metrics all-reduce");
 
     const double now = now_seconds();
     const double interval_seconds = std::max(now - interval_start, 1e-9);
@@ -442,6 +595,14 @@ TrainResult Trainer::run() {
                      {"elapsed", elapsed_before_ + (now - start)}};
       record.update(metrics_json("", interval));
       if (options_.clip() > 0) record["grad_norm"] = grad_norm;
+      if (distributed) {
+        record["world_size"] = world;
+        record["allreduce_ms"] = 1000 * allreduce_seconds / static_cast<double>(interval_steps);
+        record["allreduce_bytes"] = reducer->bytes();
+        record["allreduce_buckets"] = reducer->buckets();
+        record["allreduce_overlap"] = distributed_.overlap();
+      }
+      allreduce_seconds = 0;
       if (reward_batches > 0) {
         record["sac_reward"] = reward_sum / static_cast<double>(reward_batches);
         record["sac_baseline"] = predictor->baseline();
@@ -450,8 +611,10 @@ TrainResult Trainer::run() {
       reward_sum = 0;
       reward_batches = 0;
       if (evaluate_now) {
-        result.valid = evaluate(model_, *task_, tasks::Split::valid, options_.batch(), options_.context(),
-                                options_.eval_batches());
+        result.valid = distributed ? evaluate_distributed(*comm, model_, *task_, tasks::Split::valid, options_.batch(),
+                                                          options_.context(), options_.eval_batches())
+                                   : evaluate(model_, *task_, tasks::Split::valid, options_.batch(),
+                                              options_.context(), options_.eval_batches());
         result.validated = true;
         model_->train();
         record.update(metrics_json("valid_", result.valid));
@@ -461,7 +624,7 @@ TrainResult Trainer::run() {
                       task_->metric(result.valid));
         say(text);
       }
-      metrics.append(record.dump());
+      if (metrics) metrics->append(record.dump());
       result.train = interval;
       interval = tasks::Metrics{};
       interval_steps = 0;
@@ -469,7 +632,7 @@ TrainResult Trainer::run() {
     }
 
     if (last || stopping || done % options_.checkpoint_every() == 0) {
-      write_checkpoint(done, elapsed_before_ + (now_seconds() - start), result);
+      if (leader) write_checkpoint(done, elapsed_before_ + (now_seconds() - start), result);
       result.checkpoint = (fs::path(options_.out()) / checkpoint_name(done)).string();
     }
     if (stopping && !last) {
@@ -480,6 +643,13 @@ TrainResult Trainer::run() {
           " (continue with --resume)");
       break;
     }
+  }
+  // Every rank leaves after rank 0's last checkpoint is durable.
+  if (distributed) comm->barrier("final barrier");
+  } catch (const DistributedError& e) {
+    throw std::runtime_error(std::string(e.what()) + "; the last checkpoint: " +
+                             (last_checkpoint().empty() ? "none" : last_checkpoint()) +
+                             "; restart the job with --resume");
   }
   if (result.checkpoint.empty() && !resumed_from_.empty()) result.checkpoint = resumed_from_;
   if (!quiet) progress.finish();

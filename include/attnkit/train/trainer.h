@@ -15,9 +15,25 @@
 // draws from torch's default CPU generator, whose state every checkpoint
 // stores. With one thread a run interrupted and resumed ends with bitwise the
 // weights of an uninterrupted one.
+//
+// Data parallel (DistributedOptions with world_size P > 1, distributed.h): P
+// processes, each with a replica of the model. Every rank builds the global
+// batch of step s (the same pure function of (seed, s) as a single process)
+// and trains on its rows [r B/P, (r+1) B/P); the gradients are averaged over
+// the ranks during the backward pass, with the loss of each shard weighted by
+// its share of the global batch's scored positions, so that the averaged
+// gradient is the gradient of the global batch's loss: the global batch, the
+// data order and the learning-rate schedule do not depend on P. Dropout of
+// rank r at step s draws from torch's default generator seeded with
+// dropout_seed(seed, s, r) (so with dropout on, runs with different P differ;
+// with dropout off they agree within float32 rounding). Rank 0 alone writes the
+// run directory (checkpoints, metrics.jsonl) and shows progress; training and
+// interval metrics, validation (split over the ranks) and the stop request
+// (SIGINT / SIGTERM on any rank) are combined over the ranks.
 #pragma once
 
 #include <attnkit/models/transformer.h>
+#include <attnkit/train/distributed.h>
 #include <attnkit/tasks/task.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -93,9 +109,11 @@ class Trainer {
   /// Builds the task and the model, or with options.resume() loads the newest
   /// checkpoint of options.out() (see docs/TRAINING.md for what must match).
   /// `model.vocab_size()` 0 means the task's vocabulary. Nothing in the run
-  /// directory is written or removed until run().
+  /// directory is written or removed until run(). With `distributed`'s
+  /// world_size P > 1 (validated here: the batch must be divisible by P, SAC
+  /// models are refused), run() joins the job before its first step.
   Trainer(const TrainerOptions& options, const models::TransformerOptions& model,
-          const tasks::TaskOptions& task);
+          const tasks::TaskOptions& task, const DistributedOptions& distributed = {});
   ~Trainer();
 
   /// Trains up to options.steps(); returns early, after writing a checkpoint,
@@ -108,6 +126,7 @@ class Trainer {
   /// The checkpoint resumed from, or "".
   const std::string& resumed_from() const { return resumed_from_; }
   const TrainerOptions& options() const { return options_; }
+  const DistributedOptions& distributed() const { return distributed_; }
   const models::TransformerOptions& model_options() const { return model_options_; }
   const tasks::TaskOptions& task_options() const { return task_options_; }
   models::Transformer& model() { return model_; }
@@ -122,6 +141,7 @@ class Trainer {
   void write_checkpoint(int64_t step, double elapsed, const TrainResult& result);
 
   TrainerOptions options_;
+  DistributedOptions distributed_;
   models::TransformerOptions model_options_;
   tasks::TaskOptions task_options_;
   std::unique_ptr<tasks::Task> task_;
