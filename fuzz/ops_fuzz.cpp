@@ -76,7 +76,7 @@ torch::Tensor bias(FuzzedDataProvider& in, TensorMaker& tm, int64_t N, int64_t H
   const int rank = in.ConsumeIntegralInRange<int>(1, 4);
   for (int d = 4 - rank; d < 4; ++d) sizes.push_back(in.ConsumeBool() ? full[d] : 1);
   auto b = tm.make(sizes, dtype);
-  if (in.ConsumeIntegralInRange<int>(0, 3) == 0 && b.numel() > 0) {  // hide some keys
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0 && b.numel() > 0 && b.is_floating_point()) {  // hide some keys
     auto mask = torch::rand(b.sizes(), tm.gen) < 0.5;
     b = b.detach().masked_fill(mask, -std::numeric_limits<double>::infinity());
     if (in.ConsumeBool()) b.requires_grad_(true);
