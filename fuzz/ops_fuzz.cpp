@@ -36,6 +36,18 @@ struct Outcome {
   double tolerance = 0;    // max |out - expected| allowed
 };
 
+/// What the invariants were checked on; printed at exit with ATTNKIT_FUZZ_STATS=1.
+struct Stats {
+  long calls = 0, errors = 0, finite_checked = 0, compared = 0, backward = 0;
+  ~Stats() {
+    if (std::getenv("ATTNKIT_FUZZ_STATS") != nullptr)
+      std::fprintf(stderr,
+                   "ops_fuzz stats: %ld op calls, %ld refused with an error, %ld outputs checked finite, "
+                   "%ld float32 outputs compared with float64, %ld backward passes\n",
+                   calls, errors, finite_checked, compared, backward);
+  }
+} stats;
+
 torch::Tensor lengths(FuzzedDataProvider& in, int64_t n, int64_t max) {
   switch (in.ConsumeIntegralInRange<int>(0, 7)) {
     case 0: {  // out of range
@@ -378,6 +390,7 @@ void check_close(const Outcome& r) {
   if (got.sizes() != r.expected.sizes())
     violation(std::string(r.op) + ": float32 and float64 outputs differ in shape");
   if (got.numel() == 0) return;
+  ++stats.compared;
   const double err = (got - r.expected).abs().max().item<double>();
   if (!(err <= r.tolerance)) {
     std::ostringstream s;
@@ -396,6 +409,7 @@ void backward(FuzzedDataProvider& in, Outcome& r, torch::Generator& gen) {
   if (in.ConsumeBool() && g.dim() >= 2) g = g.transpose(0, 1).contiguous().transpose(0, 1);  // strided gradient
   const bool create_graph = in.ConsumeIntegralInRange<int>(0, 7) == 0;
   std::vector<torch::Tensor> grads;
+  ++stats.backward;
   try {
     grads = torch::autograd::grad({r.out}, wrt, {g}, /*retain_graph=*/c10::nullopt, create_graph,
                                   /*allow_unused=*/true);
@@ -423,6 +437,7 @@ void backward(FuzzedDataProvider& in, Outcome& r, torch::Generator& gen) {
 }
 
 }  // namespace
+
 
 /// ATTNKIT_FUZZ_VERBOSE=1: print each call's tensors (to triage a crash-* input).
 void describe(const Outcome& r) {
@@ -454,6 +469,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       softmax_case, linear_attention_case, gated_case, agglomerative_case, clustered_case, sparse_case, dense_case};
   Run run = cases[which](in, tm, dtype);
   Outcome r;
+  ++stats.calls;
   static const bool verbose = std::getenv("ATTNKIT_FUZZ_VERBOSE") != nullptr;
   try {
     run(r);
@@ -462,12 +478,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::string msg = e.what_without_backtrace();
     if (r.out.defined())  // the op's own call returned; the float64 oracle's threw
       violation(std::string(r.op) + ": accepted in float32 but refused in float64: " + msg);
+    ++stats.errors;
     if (msg.find(r.op) == std::string::npos)
       violation(std::string(r.op) + ": an error that does not name the op: " + msg);
     return 0;
   } catch (const std::exception& e) {
     violation(std::string(r.op) + ": an exception other than c10::Error: " + e.what());
   }
+  stats.finite_checked += r.expect_finite;
   if (r.expect_finite && !all_finite(r.out)) violation(std::string(r.op) + ": non-finite output for moderate input");
   check_close(r);
   backward(in, r, tm.gen);
