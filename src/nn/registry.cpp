@@ -586,7 +586,9 @@ const MechanismInfo& find_mechanism(const std::string& name) {
 std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::string& spec_text) {
   auto spec = MechanismSpec::parse(spec_text);
   const MechanismInfo& info = find_mechanism(spec.name);
-  for (const auto& [key, value] : spec.options) {
+  for (const auto& option : spec.options) {
+    // Not a structured binding: clang before 16 cannot capture one in a lambda.
+    const std::string& key = option.first;
     const bool known = std::any_of(info.options.begin(), info.options.end(),
                                    [&](const MechanismOption& o) { return o.key == key; });
     if (known) continue;

@@ -16,11 +16,17 @@ void bind_strides(const torch::Tensor& t, int64_t (&stride)[R]) {
   for (std::size_t d = 0; d < R; ++d) stride[d] = t.stride(static_cast<int64_t>(d));
 }
 
-/// ptr = t's float32 data, stride = t's strides.
+/// ptr = t's float32 data, stride = t's strides. An empty tensor binds as its
+/// data pointer (null when it has no storage) with every stride 0: kernels
+/// compute row and head pointers as base + index * stride, and null plus a
+/// non-zero offset is undefined behaviour (UBSan's pointer-overflow check),
+/// while null + 0 is not. No element of an empty tensor is ever read.
 template <typename Ptr, std::size_t R>
 void bind(Ptr& ptr, int64_t (&stride)[R], const torch::Tensor& t) {
   ptr = t.data_ptr<float>();
   bind_strides(t, stride);
+  if (t.numel() == 0)
+    for (auto& s : stride) s = 0;
 }
 
 }  // namespace attnkit::detail

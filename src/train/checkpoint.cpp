@@ -283,18 +283,34 @@ void load_training_state(const std::string& payload, const std::string& tensors_
       refuse(what, "tensor " + std::to_string(i) + " differs: the checkpoint stores " +
                        stored[i].dump() + ", the model has " + expected.dump());
   }
+  // libtorch reads the payload with its TorchScript loader, which throws
+  // c10::Error or, for a malformed code section of the archive,
+  // torch::jit::ErrorReport (not a c10::Error); neither names the file.
+  // Every libtorch call on the payload goes through `reading`, so that each
+  // failure is a refusal naming it (found by fuzz/files_fuzz.cpp).
+  auto reading = [&what](const char* problem, const auto& call) {
+    try {
+      return call();
+    } catch (const c10::Error& e) {
+      refuse(what, std::string(problem) + ": " + e.what_without_backtrace());
+    } catch (const std::exception& e) {  // `call` makes libtorch calls only, no refusals of ours
+      refuse(what, std::string(problem) + ": " + e.what());
+    }
+  };
+  const char* unreadable = "the payload is not a readable torch archive";
   torch::serialize::InputArchive archive;
-  try {
+  reading(unreadable, [&] {
     archive.load_from(payload.data(), payload.size());
-  } catch (const c10::Error& e) {
-    refuse(what, std::string("the payload is not a readable torch archive: ") +
-                     e.what_without_backtrace());
-  }
+    return true;
+  });
   torch::serialize::InputArchive model_archive;
-  if (!archive.try_read("model", model_archive)) refuse(what, "the payload lacks the model");
+  if (!reading(unreadable, [&] { return archive.try_read("model", model_archive); }))
+    refuse(what, "the payload lacks the model");
   std::vector<torch::Tensor> values(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (!model_archive.try_read("t" + std::to_string(i), values[i], tensors[i].kind == "buffer"))
+    if (!reading(unreadable, [&] {
+          return model_archive.try_read("t" + std::to_string(i), values[i], tensors[i].kind == "buffer");
+        }))
       refuse(what, "the payload lacks " + tensors[i].kind + " '" + tensors[i].name + "'");
     if (values[i].sizes() != tensors[i].tensor.sizes() ||
         values[i].scalar_type() != tensors[i].tensor.scalar_type())
@@ -302,27 +318,29 @@ void load_training_state(const std::string& payload, const std::string& tensors_
                        "' does not match its description in the header");
   }
   torch::serialize::InputArchive optimizer_archive;
-  if (optimizer != nullptr && !archive.try_read("optimizer", optimizer_archive))
+  if (optimizer != nullptr &&
+      !reading(unreadable, [&] { return archive.try_read("optimizer", optimizer_archive); }))
     refuse(what, "the payload lacks the optimiser state");
   torch::Tensor generator_state;
-  if (restore_generator && !archive.try_read("cpu_generator", generator_state))
+  if (restore_generator &&
+      !reading(unreadable, [&] { return archive.try_read("cpu_generator", generator_state); }))
     refuse(what, "the payload lacks the random generator state");
   {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].tensor.copy_(values[i]);
   }
-  if (optimizer != nullptr) {
-    try {
+  if (optimizer != nullptr)
+    reading("the optimiser state does not fit", [&] {
       optimizer->load(optimizer_archive);
-    } catch (const c10::Error& e) {
-      refuse(what, std::string("the optimiser state does not fit: ") + e.what_without_backtrace());
-    }
-  }
-  if (restore_generator) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(generator_state);
-  }
+      return true;
+    });
+  if (restore_generator)
+    reading("the random generator state does not fit", [&] {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(generator_state);
+      return true;
+    });
 }
 
 // ---------------------------------------------------------------------------

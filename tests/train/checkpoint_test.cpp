@@ -261,3 +261,30 @@ TEST(TrainCheckpoint, MismatchedModelIsRefusedAndUntouched) {
   Tiny same(8);
   EXPECT_THROW(load_training_state("garbage", tensors, *same, nullptr, true, "t"), std::runtime_error);
 }
+
+// Found by fuzz/files_fuzz.cpp: a payload whose TorchScript code section is
+// damaged (behind a valid CRC, i.e. a crafted file) made libtorch's loader
+// throw torch::jit::ErrorReport, which is not a c10::Error, past the handler:
+// the error named no file. Now every libtorch failure is a refusal naming it.
+TEST(TrainCheckpoint, DamagedCodeInThePayloadIsRefusedNamingTheFile) {
+  torch::manual_seed(1);
+  Tiny source(8);
+  auto opt = make_adamw(source);
+  std::string tensors;
+  std::string payload = save_training_state(*source, &opt, &tensors);
+  // The archive stores its module code as plain text: damage the first class
+  // declaration (same length, so the zip directory stays consistent).
+  const auto at = payload.find("class Module(Module");
+  ASSERT_NE(at, std::string::npos) << "no code section found in the payload";
+  payload.replace(at + 19, 4, "\xd7\xc5\xf5\xdf");
+  Tiny target(8);
+  auto opt_target = make_adamw(target);
+  try {
+    load_training_state(payload, tensors, *target, &opt_target, true, "run/checkpoint-00000007.ckpt");
+    ADD_FAILURE() << "a payload with damaged code was loaded";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("run/checkpoint-00000007.ckpt"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not a readable torch archive"), std::string::npos) << msg;
+  }
+}
