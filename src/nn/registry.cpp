@@ -8,7 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <sstream>
+#include <string>
+#include <utility>
 
 #include "ops/checks.h"
 #include "reference/reference.h"
@@ -461,12 +466,53 @@ MechanismInfo agglomerative_entry() {
 
 // sparse-<pattern> ------------------------------------------------------------------------
 
+using EdgeBuilder = std::function<EdgeList(int64_t, const MechanismSpec&)>;
+
+/// The edge lists a builder made last, by (n, spec). A model calls its
+/// mechanism with the same length in every layer and step, and rebuilding the
+/// pattern each call (a vector per row, sorted, then copied into tensors) took
+/// about a fifth of a sparse-local:span=64 forward call at L = 4096 (perf,
+/// 2026-11-23). The kernels only read the lists, so the cached tensors are
+/// shared; `MechanismInfo::edges` still returns fresh lists, which a caller
+/// may modify. Holds at most kEntries lists (17 MiB each for a span-64 band at
+/// L = 16384).
+class EdgeListCache {
+ public:
+  explicit EdgeListCache(EdgeBuilder build) : build_(std::move(build)) {}
+
+  EdgeList operator()(int64_t n, const MechanismSpec& spec) {
+    const std::string key = std::to_string(n) + " " + spec.str();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = entries_.begin(); it != entries_.end(); ++it)
+        if (it->first == key) {
+          entries_.splice(entries_.begin(), entries_, it);  // most recently used first
+          return it->second;
+        }
+    }
+    EdgeList built = build_(n, spec);  // outside the lock: building can take a while
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.emplace_front(key, built);
+    if (entries_.size() > kEntries) entries_.pop_back();
+    return built;
+  }
+
+ private:
+  static constexpr std::size_t kEntries = 4;
+  EdgeBuilder build_;
+  std::mutex mutex_;
+  std::list<std::pair<std::string, EdgeList>> entries_;
+};
+
 /// Fills the functional forms of a mechanism that is sparse_attention over the
-/// edge list `edges(L, spec)` of L nodes: run, reference, dispatch, and flops
-/// (exact attention's count per visible pair, per edge: q . k and p v,
-/// 2 (E + M), over every edge of every head; a shared list serves H heads).
-void attend_over_edges(MechanismInfo& m, std::function<EdgeList(int64_t, const MechanismSpec&)> edges) {
-  m.edges = edges;
+/// edge list `build(L, spec)` of L nodes: run, reference, dispatch (through an
+/// EdgeListCache), and flops (exact attention's count per visible pair, per
+/// edge: q . k and p v, 2 (E + M), over every edge of every head; a shared list
+/// serves H heads).
+void attend_over_edges(MechanismInfo& m, EdgeBuilder build) {
+  m.edges = build;
+  const auto cache = std::make_shared<EdgeListCache>(build);
+  const auto edges = [cache](int64_t n, const MechanismSpec& spec) { return (*cache)(n, spec); };
   m.run = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
     return sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec));
   };

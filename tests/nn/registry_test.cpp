@@ -222,3 +222,29 @@ TEST(Registry, ExactFlopsCountTheVisiblePairs) {
 
 }  // namespace
 }  // namespace attnkit::nn
+
+namespace attnkit::nn {
+namespace {
+
+TEST(Registry, SparseEntriesReuseTheRightCachedEdgeList) {
+  // The entries keep their last few edge lists by (length, spec): cycling
+  // through more lengths and specs than they keep, every call must still
+  // attend over its own pattern, bitwise as a fresh list gives.
+  const auto& local = find_mechanism("sparse-local");
+  torch::manual_seed(12);
+  for (int round = 0; round < 2; ++round)
+    for (const int64_t n : {5, 9, 13, 17, 21, 5})
+      for (const int64_t span : {1, 3}) {
+        SCOPED_TRACE("n " + std::to_string(n) + " span " + std::to_string(span));
+        const auto spec = MechanismSpec::parse("sparse-local:span=" + std::to_string(span));
+        const auto x = local.sample(AttentionShape{1, 2, n, n, 4, 4}, torch::kFloat);
+        const auto got = local.run(x, AttendArgs{}, spec);
+        const auto want = sparse_attention(x[0], x[1], x[2], edges::local(n, span));
+        EXPECT_TRUE(torch::equal(got, want));
+        const auto fresh = local.edges(n, spec);
+        EXPECT_TRUE(torch::equal(fresh.columns, edges::local(n, span).columns));
+      }
+}
+
+}  // namespace
+}  // namespace attnkit::nn
