@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -16,9 +19,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Work items: kBlockRows consecutive queries (forward, dq pass) or kBlockKeys
-// consecutive keys (dk, dv pass). A dense tile spans kTile keys (row passes) or
-// kTile queries (key pass): at E = M = 64 the exact kernel's measurements (see
+// Work items: kBlockRows consecutive queries (the forward; the backward's
+// parts are runs of these blocks) or kBlockKeys consecutive keys (the sums of
+// the parts' key gradients). A dense tile spans kTile keys: at E = M = 64 the exact kernel's measurements (see
 // softmax_attention.cpp) put sgemm near its best from 128 x 256 blocks; a
 // banded block of b rows covers 2w + b columns for 2w + 1 edges per row (local
 // pattern of span w), so smaller blocks waste less. At w = 64, 32-row blocks
@@ -30,8 +33,8 @@ constexpr int64_t kBlockRows = 32;
 constexpr int64_t kBlockKeys = 32;
 constexpr int64_t kTile = 256;
 
-/// Compressed rows (or, transposed, compressed columns): the entries of line r
-/// are idx[offsets[r] : offsets[r + 1]], strictly increasing.
+/// Compressed rows: the entries of line r are idx[offsets[r] : offsets[r + 1]],
+/// strictly increasing.
 struct Lines {
   const int64_t* offsets;
   const int64_t* idx;
@@ -69,22 +72,37 @@ bool dense(const BlockShape& s, int64_t count) {
   return s.entries > 0 && 2 * s.entries >= count * (s.hi - s.lo);
 }
 
-/// s[c] = -inf for c < cols unless j0 + c is an entry of idx[b, e) (sorted).
-void mask_outside(const int64_t* idx, int64_t b, int64_t e, int64_t j0, int64_t cols, float* s) {
+/// The columns [begin, end) of a tile row that hold its entries: every entry
+/// lies inside, and the first and last columns are entries (begin == end: no
+/// entry).
+struct Run {
+  int64_t begin, end;
+};
+
+/// For the tile columns c < cols (keys j0 + c) of a row whose entries are
+/// idx[b, e) (sorted): returns their Run and sets s[c] = -inf inside it where
+/// j0 + c is no entry. Columns outside the run are left as they are: callers
+/// skip them (a band's rows are one run each, so only their columns are
+/// exponentiated).
+Run mask_holes(const int64_t* idx, int64_t b, int64_t e, int64_t j0, int64_t cols, float* s) {
   const int64_t* it = std::lower_bound(idx + b, idx + e, j0);
   const int64_t* stop = std::lower_bound(it, idx + e, j0 + cols);
-  if (it != stop && stop[-1] - it[0] == stop - it - 1) {  // one run of consecutive entries
-    std::fill(s, s + (it[0] - j0), -kInf);
-    std::fill(s + (stop[-1] - j0 + 1), s + cols, -kInf);
-    return;
-  }
-  int64_t pos = 0;
+  if (it == stop) return {0, 0};
+  const Run run{it[0] - j0, stop[-1] - j0 + 1};
+  if (stop - it == run.end - run.begin) return run;  // consecutive entries: no hole
+  int64_t pos = run.begin;
   for (; it != stop; ++it) {
     const int64_t c = *it - j0;
     std::fill(s + pos, s + c, -kInf);
     pos = c + 1;
   }
-  std::fill(s + pos, s + cols, -kInf);
+  return run;
+}
+
+/// x[c] = 0 for c < cols outside the run.
+void zero_outside(float* x, const Run& run, int64_t cols) {
+  std::fill(x, x + run.begin, 0.f);
+  std::fill(x + run.end, x + cols, 0.f);
 }
 
 /// The per-edge paths gather key/value (or query/output-gradient) rows from
@@ -96,6 +114,28 @@ constexpr int64_t kPrefetchAhead = 8;
 /// Requests the cache lines of a row of `count` floats (for reading).
 inline void prefetch_row(const float* row, int64_t count) {
   for (int64_t c = 0; c < count; c += 16) __builtin_prefetch(row + c, 0, 3);
+}
+
+/// A band's next block of rows reads the keys of this one shifted by
+/// kBlockRows: asks for its rows of `rows` (queries, output gradients) and for
+/// the rows of `keys` (keys, values) past this block's range [lo, hi), so
+/// that they arrive while this block computes. At L = 16384, where the heads'
+/// keys and values outgrow the caches, this made the forward of a span-64 band
+/// about 1.2x faster (2026-11-23, one thread).
+struct Rows {
+  const HeadRows* x;
+  int64_t width;  // floats per row
+};
+
+void prefetch_next_block(const SparseAttentionParams& p, std::initializer_list<Rows> rows,
+                         std::initializer_list<Rows> keys, int64_t n, int64_t h, int64_t i0,
+                         const BlockShape& shape) {
+  const int64_t next = std::min(p.L, i0 + 2 * kBlockRows);
+  for (const Rows& r : rows)
+    for (int64_t i = i0 + kBlockRows; i < next; ++i) prefetch_row(r.x->row(n, h, i), r.width);
+  const int64_t ahead = std::min(p.S, shape.hi + kBlockRows);
+  for (const Rows& r : keys)
+    for (int64_t j = shape.hi; j < ahead; ++j) prefetch_row(r.x->row(n, h, j), r.width);
 }
 
 /// out[t] = a . row(t) for t < count, `n` floats each (the rows gathered
@@ -181,16 +221,21 @@ void forward_dense(const SparseAttentionParams& p, const Inputs& in, const Lines
           in.k.ld(), 0.f, w.s, kTile);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = w.s + r * kTile;
-      mask_outside(g.idx, g.begin(i0 + r), g.end(i0 + r), j0, cols, sr);
-      // Online softmax: P = exp(s - m_new), l = l exp(m - m_new) + rowsum(P),
-      // u rescaled by the same factor. max() keeps a NaN of either operand.
-      const float m_new = std::max(vec::max(sr, cols), w.m[r]);
-      if (m_new == -kInf) {  // no edge of this row so far: P = 0, not NaN
-        std::fill(sr, sr + cols, 0.f);
+      const Run run = mask_holes(g.idx, g.begin(i0 + r), g.end(i0 + r), j0, cols, sr);
+      zero_outside(sr, run, cols);
+      if (run.begin == run.end) continue;  // no edge in this tile: P = 0, m and l stay
+      // Online softmax over the run: P = exp(s - m_new), l = l exp(m - m_new)
+      // + rowsum(P), u rescaled by the same factor. max() keeps a NaN of
+      // either operand.
+      float* x = sr + run.begin;
+      const int64_t count = run.end - run.begin;
+      const float m_new = std::max(vec::max(x, count), w.m[r]);
+      if (m_new == -kInf) {  // only -inf scores so far: P = 0, not NaN
+        std::fill(x, x + count, 0.f);
         continue;
       }
       const float alpha = vec::exp(w.m[r] - m_new);
-      w.l[r] = w.l[r] * alpha + vec::exp_shift_sum(sr, cols, m_new);
+      w.l[r] = w.l[r] * alpha + vec::exp_shift_sum(x, count, m_new);
       if (alpha != 1.f) vec::scale(w.u + r * M, M, alpha);
       w.m[r] = m_new;
     }
@@ -220,66 +265,153 @@ void forward_row(const SparseAttentionParams& p, const Inputs& in, const Lines& 
 }
 
 // ---------------------------------------------------------------------------
-// Backward, pass 1: D and dq per row
+// Backward
 // ---------------------------------------------------------------------------
+//
+// One pass over the rows computes, for each block, P and dS once and derives
+// all three gradients from them (as the exact kernel does per tile): dq of the
+// block's rows in full, and the block's contributions to dk and dv, which are
+// added into a buffer for the keys of the rows' "part". A part is a fixed run of
+// row blocks of one (batch, head); its buffer covers the keys its rows attend
+// to. A second pass sums, for every key, the parts that cover it (in part
+// order) and writes dk and dv. Every buffer row is written by one work item in
+// an order fixed by the edge list, and the parts per head depend only on the
+// shapes, so the result does not depend on the thread count.
 
-struct RowGradScratch {
-  float *s, *ds;  // P and dP, then dS: kBlockRows x kTile each
-  float *dq;      // kBlockRows x E
-  float *p_row, *ds_row;  // one row's P and dP, then dS, on the edge-at-a-time path: up to S each
+/// Parts per (batch, head): enough work items for kMinBackwardItems threads
+/// when N H is small, one when it is not (each extra part costs a buffer over
+/// its keys and a term in the sum of pass 2).
+constexpr int64_t kMinBackwardItems = 8;
 
-  RowGradScratch(const SparseAttentionParams& p, Slicer& slicer)
-      : s(slicer.take(kBlockRows * kTile)),
-        ds(slicer.take(kBlockRows * kTile)),
-        dq(slicer.take(kBlockRows * p.E)),
-        p_row(slicer.take(p.S)),
-        ds_row(slicer.take(p.S)) {}
+int64_t parts_per_head(const SparseAttentionParams& p) {
+  const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kBlockRows);
+  if (heads == 0 || blocks == 0) return 1;
+  return std::max<int64_t>(1, std::min(ceil_div(kMinBackwardItems, heads), blocks));
+}
+
+/// The row blocks [b0, b1) of part `part` of `parts`.
+std::pair<int64_t, int64_t> part_blocks(int64_t blocks, int64_t parts, int64_t part) {
+  return {part * blocks / parts, (part + 1) * blocks / parts};
+}
+
+/// The key range [lo, hi) of every (list, part) and where each (n, h, part)'s
+/// rows start in the dk/dv buffers (rows of E and of M floats).
+struct PartLayout {
+  int64_t parts = 1;
+  std::vector<int64_t> lo, hi;  // per (list, part)
+  std::vector<int64_t> start;   // per (n, h, part), plus the total at the end
+
+  explicit PartLayout(const SparseAttentionParams& p) : parts(parts_per_head(p)) {
+    const int64_t blocks = ceil_div(p.L, kBlockRows);
+    lo.assign(p.lists * parts, 0);
+    hi.assign(p.lists * parts, 0);
+    for (int64_t g = 0; g < p.lists; ++g) {
+      const Lines lines{p.offsets + g * (p.L + 1), p.columns};
+      for (int64_t part = 0; part < parts; ++part) {
+        const auto [b0, b1] = part_blocks(blocks, parts, part);
+        const int64_t r0 = b0 * kBlockRows, r1 = std::min(p.L, b1 * kBlockRows);
+        const BlockShape s = block_shape(lines, r0, r1 - r0);
+        if (s.entries == 0) continue;  // no keys: an empty range
+        lo[g * parts + part] = s.lo;
+        hi[g * parts + part] = s.hi;
+      }
+    }
+    start.assign(p.N * p.H * parts + 1, 0);
+    for (int64_t t = 0; t < p.N * p.H * parts; ++t) {
+      const int64_t h = (t / parts) % p.H, part = t % parts;
+      const int64_t g = (p.lists == 1 ? 0 : h) * parts + part;
+      start[t + 1] = start[t] + (hi[g] - lo[g]);
+    }
+  }
+
+  int64_t key_lo(const SparseAttentionParams& p, int64_t h, int64_t part) const {
+    return lo[(p.lists == 1 ? 0 : h) * parts + part];
+  }
+  int64_t key_hi(const SparseAttentionParams& p, int64_t h, int64_t part) const {
+    return hi[(p.lists == 1 ? 0 : h) * parts + part];
+  }
 };
 
 struct GradInputs {
   const HeadRows &q, &k, &v, &dout;
   const float* lse;  // (N, H, L)
-  float* d;          // (N, H, L): D_i = dout_i . out_i
 };
 
-/// dq of rows [i0, i0 + rows) as dense tiles over the keys [lo, hi):
-/// dS = P (dP - D) with P = exp(scale q k^T - lse) (0 outside the lists) and
-/// dP = dout v^T; dq = scale dS k.
-void dq_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
-              int64_t n, int64_t h, int64_t i0, int64_t rows, const BlockShape& shape,
-              const RowGradScratch& w) {
+/// Where one part adds its key gradients (dk already scaled): rows of E and M
+/// floats for the keys from lo, ld_k and ld_v floats apart. Either the part's
+/// buffer or, with one part per head and unit column strides, dk and dv.
+struct KeyGrads {
+  int64_t lo;
+  float *dk, *dv;
+  int64_t ld_k, ld_v;
+  float* dk_row(int64_t j) const { return dk + (j - lo) * ld_k; }
+  float* dv_row(int64_t j) const { return dv + (j - lo) * ld_v; }
+};
+
+struct GradScratch {
+  float *p, *ds;           // P and dP, then dS: kBlockRows x kTile each
+  float *dq;               // kBlockRows x E
+  float *d;                // D_i = dout_i . out_i of the block's rows
+  float *p_row, *ds_row;   // one row's P and dP, then dS, on the edge-at-a-time path: up to S each
+
+  GradScratch(const SparseAttentionParams& params, Slicer& slicer)
+      : p(slicer.take(kBlockRows * kTile)),
+        ds(slicer.take(kBlockRows * kTile)),
+        dq(slicer.take(kBlockRows * params.E)),
+        d(slicer.take(kBlockRows)),
+        p_row(slicer.take(params.S)),
+        ds_row(slicer.take(params.S)) {}
+};
+
+/// Rows [i0, i0 + rows) as dense tiles over the keys [lo, hi): per tile
+/// P = exp(scale q k^T - lse) (0 outside the lists), dP = dout v^T and
+/// dS = P (dP - D), then dv += P^T dout, dk += scale dS^T q and
+/// dq += dS k: five products per tile.
+void grad_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
+                int64_t n, int64_t h, int64_t i0, int64_t rows, const BlockShape& shape,
+                const KeyGrads& out, const GradScratch& w) {
   const int64_t E = p.E, M = p.M;
   const float* lse = in.lse + (n * p.H + h) * p.L + i0;
-  const float* d = in.d + (n * p.H + h) * p.L + i0;
+  const float* q = in.q.row(n, h, i0);
+  const float* dout = in.dout.row(n, h, i0);
   std::fill(w.dq, w.dq + rows * E, 0.f);
   for (int64_t j0 = shape.lo; j0 < shape.hi; j0 += kTile) {
     const int64_t cols = std::min(kTile, shape.hi - j0);
-    sgemm(false, true, rows, cols, E, p.scale, in.q.row(n, h, i0), in.q.ld(), in.k.row(n, h, j0),
-          in.k.ld(), 0.f, w.s, kTile);
-    sgemm(false, true, rows, cols, M, 1.f, in.dout.row(n, h, i0), in.dout.ld(),
-          in.v.row(n, h, j0), in.v.ld(), 0.f, w.ds, kTile);
+    sgemm(false, true, rows, cols, E, p.scale, q, in.q.ld(), in.k.row(n, h, j0), in.k.ld(), 0.f,
+          w.p, kTile);
+    sgemm(false, true, rows, cols, M, 1.f, dout, in.dout.ld(), in.v.row(n, h, j0), in.v.ld(), 0.f,
+          w.ds, kTile);
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = w.s + r * kTile;
+      float* pr = w.p + r * kTile;
       float* dsr = w.ds + r * kTile;
-      if (g.begin(i0 + r) == g.end(i0 + r)) {  // no edge: lse = -inf, P = 0
+      if (g.begin(i0 + r) == g.end(i0 + r)) {  // no edge: lse = -inf, P = dS = 0
+        std::fill(pr, pr + cols, 0.f);
         std::fill(dsr, dsr + cols, 0.f);
         continue;
       }
-      mask_outside(g.idx, g.begin(i0 + r), g.end(i0 + r), j0, cols, sr);
-      vec::exp_shift(sr, cols, lse[r]);
-      vec::softmax_grad(dsr, sr, cols, d[r]);
+      const Run run = mask_holes(g.idx, g.begin(i0 + r), g.end(i0 + r), j0, cols, pr);
+      zero_outside(pr, run, cols);
+      zero_outside(dsr, run, cols);
+      vec::exp_shift(pr + run.begin, run.end - run.begin, lse[r]);
+      vec::softmax_grad(dsr + run.begin, pr + run.begin, run.end - run.begin, w.d[r]);
     }
-    sgemm(false, false, rows, E, cols, 1.f, w.ds, kTile, in.k.row(n, h, j0), in.k.ld(), 1.f, w.dq,
-          E);
+    sgemm(true, false, cols, M, rows, 1.f, w.p, kTile, dout, in.dout.ld(), 1.f, out.dv_row(j0),
+          out.ld_v);
+    sgemm(true, false, cols, E, rows, p.scale, w.ds, kTile, q, in.q.ld(), 1.f, out.dk_row(j0),
+          out.ld_k);
+    sgemm(false, false, rows, E, cols, 1.f, w.ds, kTile, in.k.row(n, h, j0), in.k.ld(), 1.f,
+          w.dq, E);
   }
   for (int64_t r = 0; r < rows; ++r)
     put_row(w.dq + r * E, E, row_ptr(p.dq, p.dq_stride, n, h, i0 + r), p.dq_stride[3], p.scale);
 }
 
-/// dq of row i one edge at a time: P and dP of all its edges (the gathered keys
-/// and values), dS = P (dP - D), then dq = scale sum dS k.
-void dq_row(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
-            int64_t n, int64_t h, int64_t i, const RowGradScratch& w) {
+/// Row i one edge at a time: P and dP of all its edges (the gathered keys and
+/// values), dS = P (dP - D); dq_i = scale sum dS k, and each edge's key gets
+/// scale dS q_i and P dout_i, in increasing key order.
+void grad_row(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
+              int64_t n, int64_t h, int64_t i, float d, const KeyGrads& out,
+              const GradScratch& w) {
   const int64_t E = p.E, M = p.M;
   const int64_t first = g.begin(i), count = g.end(i) - first;
   const int64_t* cols = g.idx + first;
@@ -291,138 +423,21 @@ void dq_row(const SparseAttentionBackwardParams& p, const GradInputs& in, const 
     gather_dots(in.dout.row(n, h, i), count, value, M, w.ds_row, kNothing);
     vec::scale(w.p_row, count, p.scale);
     vec::exp_shift(w.p_row, count, in.lse[(n * p.H + h) * p.L + i]);
-    vec::softmax_grad(w.ds_row, w.p_row, count, in.d[(n * p.H + h) * p.L + i]);
-    for (int64_t t = 0; t < count; ++t) vec::axpy(w.dq, w.ds_row[t], key(t), E);
+    vec::softmax_grad(w.ds_row, w.p_row, count, d);
+    const float* q = in.q.row(n, h, i);
+    const float* dout = in.dout.row(n, h, i);
+    for (int64_t t = 0; t < count; ++t) {
+      if (t + kPrefetchAhead < count) {  // the rows written kPrefetchAhead edges on
+        const int64_t ahead = cols[t + kPrefetchAhead];
+        for (int64_t c = 0; c < E; c += 16) __builtin_prefetch(out.dk_row(ahead) + c, 1, 3);
+        for (int64_t c = 0; c < M; c += 16) __builtin_prefetch(out.dv_row(ahead) + c, 1, 3);
+      }
+      vec::axpy(w.dq, w.ds_row[t], key(t), E);
+      vec::axpy(out.dk_row(cols[t]), p.scale * w.ds_row[t], q, E);
+      vec::axpy(out.dv_row(cols[t]), w.p_row[t], dout, M);
+    }
   }
   put_row(w.dq, E, row_ptr(p.dq, p.dq_stride, n, h, i), p.dq_stride[3], p.scale);
-}
-
-// ---------------------------------------------------------------------------
-// Backward, pass 2: dk and dv per key through the transposed lists
-// ---------------------------------------------------------------------------
-
-/// The transposed lists (compressed columns): for list g, the rows that hold
-/// key j are rows[offsets[g (S + 1) + j] : offsets[g (S + 1) + j + 1]], in
-/// increasing order. Built in one sweep per list (a counting sort by key).
-struct Transposed {
-  Buffer<int64_t> offsets, rows;
-
-  explicit Transposed(const SparseAttentionParams& p)
-      : offsets(static_cast<std::size_t>(p.lists * (p.S + 1))) {
-    const int64_t L = p.L, S = p.S;
-    int64_t total = 0;
-    for (int64_t g = 0; g < p.lists; ++g) {
-      const int64_t* off = p.offsets + g * (L + 1);
-      int64_t* t = offsets.data() + g * (S + 1);
-      std::fill(t, t + S + 1, 0);
-      for (int64_t e = off[0]; e < off[L]; ++e) ++t[p.columns[e] + 1];
-      t[0] = total;
-      for (int64_t j = 0; j < S; ++j) t[j + 1] += t[j];
-      total = t[S];
-    }
-    rows = Buffer<int64_t>(static_cast<std::size_t>(total));
-    Buffer<int64_t> next(static_cast<std::size_t>(S));
-    for (int64_t g = 0; g < p.lists; ++g) {
-      const int64_t* off = p.offsets + g * (L + 1);
-      const int64_t* t = offsets.data() + g * (S + 1);
-      std::copy(t, t + S, next.data());
-      for (int64_t i = 0; i < L; ++i)
-        for (int64_t e = off[i]; e < off[i + 1]; ++e) rows[next[p.columns[e]]++] = i;
-    }
-  }
-
-  Lines of_head(const SparseAttentionParams& p, int64_t h) const {
-    return {offsets.data() + (p.lists == 1 ? 0 : h) * (p.S + 1), rows.data()};
-  }
-};
-
-struct KeyGradScratch {
-  float *p, *ds;         // P^T and dP^T, then dS^T: kBlockKeys x kTile each
-  float *dk, *dv;        // kBlockKeys x E, kBlockKeys x M
-  float *neg_lse, *neg_d;  // kTile each
-  float *p_col, *ds_col;   // one key's P and dP, then dS, on the edge-at-a-time path: up to L each
-
-  KeyGradScratch(const SparseAttentionParams& params, Slicer& slicer)
-      : p(slicer.take(kBlockKeys * kTile)),
-        ds(slicer.take(kBlockKeys * kTile)),
-        dk(slicer.take(kBlockKeys * params.E)),
-        dv(slicer.take(kBlockKeys * params.M)),
-        neg_lse(slicer.take(kTile)),
-        neg_d(slicer.take(kTile)),
-        p_col(slicer.take(params.L)),
-        ds_col(slicer.take(params.L)) {}
-};
-
-/// dk, dv of keys [j0, j0 + keys) as dense tiles over the queries [lo, hi):
-/// dv = P^T dout, dk = scale dS^T q, P^T and dS^T recomputed per tile.
-void dkv_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& t,
-               int64_t n, int64_t h, int64_t j0, int64_t keys, const BlockShape& shape,
-               const KeyGradScratch& w) {
-  const int64_t E = p.E, M = p.M;
-  const float* lse = in.lse + (n * p.H + h) * p.L;
-  const float* d = in.d + (n * p.H + h) * p.L;
-  std::fill(w.dk, w.dk + keys * E, 0.f);
-  std::fill(w.dv, w.dv + keys * M, 0.f);
-  for (int64_t i0 = shape.lo; i0 < shape.hi; i0 += kTile) {
-    const int64_t rows = std::min(kTile, shape.hi - i0);
-    sgemm(false, true, keys, rows, E, p.scale, in.k.row(n, h, j0), in.k.ld(), in.q.row(n, h, i0),
-          in.q.ld(), 0.f, w.p, kTile);
-    sgemm(false, true, keys, rows, M, 1.f, in.v.row(n, h, j0), in.v.ld(), in.dout.row(n, h, i0),
-          in.dout.ld(), 0.f, w.ds, kTile);
-    // A row without edges (lse = -inf) holds no key, so all its entries are
-    // masked: shift them by 0 rather than +inf (which would make -inf + inf).
-    for (int64_t r = 0; r < rows; ++r) {
-      w.neg_lse[r] = lse[i0 + r] == -kInf ? 0.f : -lse[i0 + r];
-      w.neg_d[r] = -d[i0 + r];
-    }
-    for (int64_t c = 0; c < keys; ++c) {
-      float* pc = w.p + c * kTile;
-      float* dsc = w.ds + c * kTile;
-      mask_outside(t.idx, t.begin(j0 + c), t.end(j0 + c), i0, rows, pc);
-      vec::add(pc, w.neg_lse, rows);
-      vec::exp_shift(pc, rows, 0.f);
-      vec::add(dsc, w.neg_d, rows);
-      for (int64_t r = 0; r < rows; ++r) dsc[r] *= pc[r];
-    }
-    sgemm(false, false, keys, M, rows, 1.f, w.p, kTile, in.dout.row(n, h, i0), in.dout.ld(), 1.f,
-          w.dv, M);
-    sgemm(false, false, keys, E, rows, 1.f, w.ds, kTile, in.q.row(n, h, i0), in.q.ld(), 1.f, w.dk,
-          E);
-  }
-  for (int64_t c = 0; c < keys; ++c) {
-    put_row(w.dk + c * E, E, row_ptr(p.dk, p.dk_stride, n, h, j0 + c), p.dk_stride[3], p.scale);
-    put_row(w.dv + c * M, M, row_ptr(p.dv, p.dv_stride, n, h, j0 + c), p.dv_stride[3]);
-  }
-}
-
-/// dk, dv of key j one incoming edge at a time, in increasing row order: P and
-/// dP of all its edges (the gathered queries and output gradients), dS, then
-/// dv = sum P dout and dk = scale sum dS q.
-void dkv_key(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& t,
-             int64_t n, int64_t h, int64_t j, const KeyGradScratch& w) {
-  const int64_t E = p.E, M = p.M;
-  const float* lse = in.lse + (n * p.H + h) * p.L;
-  const float* d = in.d + (n * p.H + h) * p.L;
-  const int64_t first = t.begin(j), count = t.end(j) - first;
-  const int64_t* rows = t.idx + first;
-  std::fill(w.dk, w.dk + E, 0.f);
-  std::fill(w.dv, w.dv + M, 0.f);
-  if (count > 0) {
-    const auto query = [&](int64_t u) { return in.q.row(n, h, rows[u]); };
-    const auto grad = [&](int64_t u) { return in.dout.row(n, h, rows[u]); };
-    gather_dots(in.k.row(n, h, j), count, query, E, w.p_col, [&](int64_t u) { prefetch_row(grad(u), M); });
-    gather_dots(in.v.row(n, h, j), count, grad, M, w.ds_col, kNothing);
-    // A row that holds key j has an edge, so its lse is finite.
-    for (int64_t u = 0; u < count; ++u) w.p_col[u] = p.scale * w.p_col[u] - lse[rows[u]];
-    vec::exp_shift(w.p_col, count, 0.f);
-    for (int64_t u = 0; u < count; ++u) w.ds_col[u] = w.p_col[u] * (w.ds_col[u] - d[rows[u]]);
-    for (int64_t u = 0; u < count; ++u) {
-      vec::axpy(w.dv, w.p_col[u], grad(u), M);
-      vec::axpy(w.dk, w.ds_col[u], query(u), E);
-    }
-  }
-  put_row(w.dk, E, row_ptr(p.dk, p.dk_stride, n, h, j), p.dk_stride[3], p.scale);
-  put_row(w.dv, M, row_ptr(p.dv, p.dv_stride, n, h, j), p.dv_stride[3]);
 }
 
 }  // namespace
@@ -439,7 +454,10 @@ void sparse_attention_forward(const SparseAttentionParams& p) {
         const Item it = item_of(t, p.H, p.L, kBlockRows);
         const Lines g = rows_of_head(p, it.h);
         const BlockShape shape = block_shape(g, it.r0, it.count);
-        if (dense(shape, it.count)) return forward_dense(p, in, g, it.n, it.h, it.r0, it.count, shape, w);
+        if (dense(shape, it.count)) {
+          prefetch_next_block(p, {{&q, p.E}}, {{&k, p.E}, {&v, p.M}}, it.n, it.h, it.r0, shape);
+          return forward_dense(p, in, g, it.n, it.h, it.r0, it.count, shape, w);
+        }
         for (int64_t i = it.r0; i < it.r0 + it.count; ++i) forward_row(p, in, g, it.n, it.h, i, w);
       });
 }
@@ -450,35 +468,97 @@ void sparse_attention_backward(const SparseAttentionBackwardParams& p) {
   const HeadRows v(p.v, p.v_stride, p.N, p.H, p.S, p.M);
   const HeadRows out(p.out, p.out_stride, p.N, p.H, p.L, p.M);
   const HeadRows dout(p.dout, p.dout_stride, p.N, p.H, p.L, p.M);
-  Buffer<float> d(static_cast<std::size_t>(p.N * p.H * p.L));
-  const GradInputs in{q, k, v, dout, p.lse, d.data()};
+  const GradInputs in{q, k, v, dout, p.lse};
+  const PartLayout layout(p);
+  const int64_t parts = layout.parts, blocks = ceil_div(p.L, kBlockRows);
+  // One part per head adds straight into dk and dv when their rows have unit
+  // column stride; otherwise every part adds into its own rows of a buffer.
+  const bool direct = parts == 1 && p.dk_stride[3] == 1 && p.dv_stride[3] == 1;
+  const int64_t key_rows = direct ? 0 : layout.start.back();
+  Buffer<float> dk_parts(static_cast<std::size_t>(key_rows * p.E));
+  Buffer<float> dv_parts(static_cast<std::size_t>(key_rows * p.M));
 
-  // Pass 1: D_i = dout_i . out_i, then dq, per block of rows.
+  // Pass 1, per (n, h, part): dq of the part's rows, and its key gradients.
   parallel_for_scratch(
-      p.N * p.H * ceil_div(p.L, kBlockRows),
-      [&](Slicer& slicer) { return RowGradScratch(p, slicer); },
-      [&](int64_t t, const RowGradScratch& w) {
-        const Item it = item_of(t, p.H, p.L, kBlockRows);
-        for (int64_t i = it.r0; i < it.r0 + it.count; ++i)
-          in.d[(it.n * p.H + it.h) * p.L + i] =
-              vec::dot(dout.row(it.n, it.h, i), out.row(it.n, it.h, i), p.M);
-        const Lines g = rows_of_head(p, it.h);
-        const BlockShape shape = block_shape(g, it.r0, it.count);
-        if (dense(shape, it.count)) return dq_dense(p, in, g, it.n, it.h, it.r0, it.count, shape, w);
-        for (int64_t i = it.r0; i < it.r0 + it.count; ++i) dq_row(p, in, g, it.n, it.h, i, w);
+      p.N * p.H * parts, [&](Slicer& slicer) { return GradScratch(p, slicer); },
+      [&](int64_t t, const GradScratch& w) {
+        const int64_t n = t / (p.H * parts), h = (t / parts) % p.H, part = t % parts;
+        KeyGrads grads;
+        if (direct) {
+          grads = {0, row_ptr(p.dk, p.dk_stride, n, h, 0), row_ptr(p.dv, p.dv_stride, n, h, 0),
+                   p.dk_stride[2], p.dv_stride[2]};
+          store_zeros(p.S, p.E, grads.dk, grads.ld_k, 1);
+          store_zeros(p.S, p.M, grads.dv, grads.ld_v, 1);
+        } else {
+          const int64_t begin = layout.start[t], end = layout.start[t + 1];
+          grads = {layout.key_lo(p, h, part), dk_parts.data() + begin * p.E,
+                   dv_parts.data() + begin * p.M, p.E, p.M};
+          std::fill(grads.dk, grads.dk + (end - begin) * p.E, 0.f);
+          std::fill(grads.dv, grads.dv + (end - begin) * p.M, 0.f);
+        }
+        const Lines g = rows_of_head(p, h);
+        const auto [b0, b1] = part_blocks(blocks, parts, part);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t i0 = b * kBlockRows, rows = std::min(kBlockRows, p.L - i0);
+          for (int64_t r = 0; r < rows; ++r)
+            w.d[r] = vec::dot(dout.row(n, h, i0 + r), out.row(n, h, i0 + r), p.M);
+          const BlockShape shape = block_shape(g, i0, rows);
+          if (dense(shape, rows)) {
+            prefetch_next_block(p, {{&q, p.E}, {&dout, p.M}, {&out, p.M}},
+                                {{&k, p.E}, {&v, p.M}}, n, h, i0, shape);
+            grad_dense(p, in, g, n, h, i0, rows, shape, grads, w);
+            continue;
+          }
+          for (int64_t r = 0; r < rows; ++r) grad_row(p, in, g, n, h, i0 + r, w.d[r], grads, w);
+        }
       });
 
-  // Pass 2: dk and dv per block of keys, over each key's rows.
-  const Transposed transposed(p);
+  if (direct) return;
+  // Pass 2, per block of keys: the parts that cover each key, summed in part
+  // order.
   parallel_for_scratch(
       p.N * p.H * ceil_div(p.S, kBlockKeys),
-      [&](Slicer& slicer) { return KeyGradScratch(p, slicer); },
-      [&](int64_t t, const KeyGradScratch& w) {
+      [&](Slicer& slicer) {
+        struct Sums {
+          float *dk, *dv;
+        };
+        return Sums{slicer.take(p.E), slicer.take(p.M)};
+      },
+      [&](int64_t t, const auto& w) {
         const Item it = item_of(t, p.H, p.S, kBlockKeys);
-        const Lines g = transposed.of_head(p, it.h);
-        const BlockShape shape = block_shape(g, it.r0, it.count);
-        if (dense(shape, it.count)) return dkv_dense(p, in, g, it.n, it.h, it.r0, it.count, shape, w);
-        for (int64_t j = it.r0; j < it.r0 + it.count; ++j) dkv_key(p, in, g, it.n, it.h, j, w);
+        const int64_t first = (it.n * p.H + it.h) * parts;
+        for (int64_t j = it.r0; j < it.r0 + it.count; ++j) {
+          const float *dk = nullptr, *dv = nullptr;  // the sums: one part's rows, or w's
+          for (int64_t part = 0; part < parts; ++part) {
+            const int64_t lo = layout.key_lo(p, it.h, part);
+            if (j < lo || j >= layout.key_hi(p, it.h, part)) continue;
+            const int64_t row = layout.start[first + part] + (j - lo);
+            const float* pk = dk_parts.data() + row * p.E;
+            const float* pv = dv_parts.data() + row * p.M;
+            if (!dk) {
+              dk = pk;
+              dv = pv;
+              continue;
+            }
+            if (dk != w.dk) {
+              std::copy(dk, dk + p.E, w.dk);
+              std::copy(dv, dv + p.M, w.dv);
+              dk = w.dk;
+              dv = w.dv;
+            }
+            vec::add(w.dk, pk, p.E);
+            vec::add(w.dv, pv, p.M);
+          }
+          float* dk_out = row_ptr(p.dk, p.dk_stride, it.n, it.h, j);
+          float* dv_out = row_ptr(p.dv, p.dv_stride, it.n, it.h, j);
+          if (!dk) {  // no row attends to key j
+            zero_row(p.E, dk_out, p.dk_stride[3]);
+            zero_row(p.M, dv_out, p.dv_stride[3]);
+            continue;
+          }
+          put_row(dk, p.E, dk_out, p.dk_stride[3]);
+          put_row(dv, p.M, dv_out, p.dv_stride[3]);
+        }
       });
 }
 

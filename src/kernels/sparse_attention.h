@@ -10,25 +10,28 @@
 // softmax). A NaN score makes its row's out and lse NaN.
 //
 // Cost: time O(nnz (E + M)) per head, plus the dense tiles below; extra memory
-// the row statistics lse (N H L, the caller's) and, in the backward pass,
-// D_i = dout_i . out_i (N H L floats), the transposed edge list (as many
-// entries as the heads' lists hold), per-thread tiles, and copies of q, k, v,
-// out, dout when their columns are not contiguous. Nothing of size L x S.
+// the row statistics lse (N H L, the caller's) and, in the backward pass when
+// N H < 8, the key gradients of each part (below): per (batch, head) E + M
+// floats per key of each part's key range (S (E + M) plus the overlaps of the
+// ranges); per-thread tiles; copies of q, k, v, out, dout when their columns
+// are not contiguous. Nothing of size L x S.
 //
-// How a block of rows is computed (forward, and the dq pass of the backward):
-// the rows of a block of kBlockRows consecutive queries whose edges fill at
-// least half of the rectangle rows x [first column, last column] (banded
-// patterns: local, segments, causal, full) run as dense tiles: sgemm of the
-// block's queries against 256 consecutive keys (contiguous rows of k and v, no
-// gather), the columns outside each row's list set to -inf, then the online
-// softmax and sgemm with the values. Other blocks go one edge at a time: a dot
-// product over E and an axpy over M per edge, over contiguous rows. The dk, dv
-// pass does the same per block of keys over the transposed list (the rows of
-// each key in increasing order).
+// How a block of rows is computed: the rows of a block of kBlockRows
+// consecutive queries whose edges fill at least half of the rectangle rows x
+// [first column, last column] (banded patterns: local, segments, causal, full)
+// run as dense tiles: sgemm of the block's queries against 256 consecutive keys
+// (contiguous rows of k and v, no gather), the columns outside each row's list
+// set to -inf, then the online softmax and sgemm with the values. Other blocks
+// go one edge at a time: a dot product over E and an axpy over M per edge, over
+// contiguous rows. The backward pass computes P and dS once per tile (or per
+// edge) and derives dq, dk and dv from them, like the exact kernel.
 //
-// Determinism: every output row (of out, lse, dq) and every key (of dk, dv) is
-// computed by one work item in an order fixed by the edge list alone, with no
-// atomics, so results are bitwise the same for any thread count.
+// Determinism: every output row (of out, lse, dq) is computed by one work item
+// in an order fixed by the edge list alone. dk and dv are first summed per
+// "part", a run of row blocks of one (batch, head) whose number depends only on
+// N and H, into the part's own buffer (or, with one part, straight into dk and
+// dv), then the parts covering each key are added in part order: no atomics,
+// and results are bitwise the same for any thread count.
 #pragma once
 
 #include <cstdint>
@@ -59,9 +62,10 @@ struct SparseAttentionBackwardParams : SparseAttentionParams, QkvGrads {};
 /// Writes out and lse. Threads: num_threads() over (batch, head, row block).
 void sparse_attention_forward(const SparseAttentionParams& p);
 
-/// Writes dq, dk, dv. Two passes: dq (and D) over (batch, head, row block),
-/// then dk and dv over (batch, head, key block) through the transposed edge
-/// list, built once per call. Threads: num_threads() in each pass.
+/// Writes dq, dk, dv. Two passes: dq and each part's key gradients over
+/// (batch, head, part), enough parts per head for 8 work items when N H < 8;
+/// then the parts' sums over (batch, head, key block). Threads: num_threads()
+/// in each pass.
 void sparse_attention_backward(const SparseAttentionBackwardParams& p);
 
 }  // namespace attnkit::kernels

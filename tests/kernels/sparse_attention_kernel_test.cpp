@@ -2,9 +2,11 @@
 // float64 reference (reference::sparse_attention, a masked dense softmax, with
 // autograd): values and dq, dk, dv on shared and per-head lists, empty rows,
 // random duplicate-free rows, banded patterns, one key, L != S, E != M,
-// length 1, lengths that are no multiple of the kernel's blocks (64 rows or
-// keys, 256-wide tiles), strided inputs, a scale option; all edges equal the
-// exact softmax kernel; results are bitwise the same for 1 and 2 threads.
+// length 1, lengths that are no multiple of the kernel's blocks (32 rows or
+// keys, 256-wide tiles), N H below 8 (a head's rows in several parts, whose key
+// gradients are summed) and at 8 (one part), strided inputs, a scale option;
+// all edges equal the exact softmax kernel; results are bitwise the same for 1
+// and 2 threads.
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
@@ -170,7 +172,8 @@ TEST(SparseAttentionKernel, RandomRowsMatchTheReference) {
   };
   for (const Shape& s : {Shape{2, 3, 37, 53, 24, 11}, Shape{1, 2, 130, 300, 16, 40},
                          Shape{1, 1, 1, 1, 5, 3}, Shape{2, 2, 65, 1, 8, 8},
-                         Shape{1, 2, 1, 200, 7, 9}, Shape{1, 1, 300, 70, 33, 17}}) {
+                         Shape{1, 2, 1, 200, 7, 9}, Shape{1, 1, 300, 70, 33, 17},
+                         Shape{2, 4, 100, 90, 16, 16}}) {
     const auto in = make_inputs(s.N, s.H, s.L, s.S, s.E, s.M, 2);
     for (double density : {0.05, 0.3, 0.8, 1.0}) {
       const std::string what = "N " + std::to_string(s.N) + " H " + std::to_string(s.H) + " L " +
@@ -188,7 +191,8 @@ TEST(SparseAttentionKernel, RandomRowsMatchTheReference) {
 }
 
 TEST(SparseAttentionKernel, BandedPatternsMatchTheReference) {
-  // n = 300: four and a half 64-row blocks, one full and one partial 256 tile.
+  // n = 300: nine full 32-row blocks and a partial one, one full and one
+  // partial 256 tile; N H = 4 splits each head's rows in two parts.
   const int64_t n = 300;
   const auto in = make_inputs(2, 2, n, n, 32, 24, 3);
   expect_matches_reference(in, edges::local(n, 5), "local 5");
@@ -203,6 +207,13 @@ TEST(SparseAttentionKernel, BandedPatternsMatchTheReference) {
   std::mt19937 rng(4);
   expect_matches_reference(in, per_head_list({edges::local(n, 30), shared_list(random_rows(n, n, 0.1, 0.3, rng))}),
                            "per-head local and random");
+  // N H = 8: one part per head.
+  const auto eight = make_inputs(2, 4, n, n, 16, 16, 11);
+  expect_matches_reference(eight, edges::local(n, 40), "local 40, N H = 8");
+  expect_matches_reference(eight, per_head_list({edges::local(n, 30), edges::causal(n, n),
+                                                 shared_list(random_rows(n, n, 0.1, 0.3, rng)),
+                                                 edges::segments(n, 50)}),
+                           "per-head mixed, N H = 8");
   // L != S: causal is bottom-right aligned, keys S - L + i and before.
   const auto wide = make_inputs(1, 2, 70, 333, 16, 16, 5);
   expect_matches_reference(wide, edges::causal(70, 333), "causal L 70 S 333");
@@ -370,10 +381,11 @@ TEST(SparseAttentionKernel, NothingOfSizeLTimesSAt16k) {
   // L = S = 16384 with 9 edges per row: a dense mask and scores would take
   // 1.25 GiB per head. The kernels' own scratch (counted always; this test
   // does not install the tensor-counting allocator, which would change later
-  // tests in the same process) is the transposed list (nnz + S + 1 int64),
-  // D (L floats) and per-thread tiles: 1.6 MiB measured; with tensors counted
-  // (when another test installed the allocator) out, lse and the gradients
-  // add 4.1 MiB (5.6 MiB measured in all).
+  // tests in the same process) is the backward's key-gradient buffers (N H = 1
+  // gives 8 parts whose key ranges cover the S keys, overlapping by 8 keys at
+  // each of 7 part boundaries: (S + 56) (E + M) floats, 2.0 MiB) and per-thread
+  // tiles; with tensors counted (when another test installed the allocator)
+  // out, lse and the gradients add 4.1 MiB.
   constexpr int64_t kLength = 16384, kLimitBytes = int64_t{16} << 20;
   const auto e = edges::local(kLength, 4);
   auto q = torch::randn({1, 1, kLength, 16}).requires_grad_();
@@ -388,7 +400,7 @@ TEST(SparseAttentionKernel, NothingOfSizeLTimesSAt16k) {
   }
   const int64_t extra = memory::peak_bytes() - before;
   EXPECT_LT(extra, kLimitBytes) << "peak extra bytes " << extra;
-  EXPECT_GE(extra, e.num_edges() * int64_t{sizeof(int64_t)}) << "the counter must see the transposed list";
+  EXPECT_GE(extra, kLength * 32 * int64_t{sizeof(float)}) << "the counter must see the key-gradient buffers";
   EXPECT_TRUE(testing::all_finite(q.grad()) && testing::all_finite(k.grad()) &&
               testing::all_finite(v.grad()));
 }

@@ -131,6 +131,10 @@ inline float dot_strided(const float* x, int64_t xs, const float* y, int64_t n) 
 /// dst[c * stride] = factor * src[c] for c < cols.
 inline void put_row(const float* src, int64_t cols, float* dst, int64_t stride,
                     float factor = 1.f) {
+  if (stride == 1) {  // the common case, as a loop the compiler vectorises
+    for (int64_t c = 0; c < cols; ++c) dst[c] = factor * src[c];
+    return;
+  }
   for (int64_t c = 0; c < cols; ++c) dst[c * stride] = factor * src[c];
 }
 
