@@ -4,13 +4,38 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <malloc.h>
+
 #include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 
 #include "commands.h"
 #include "launch.h"
 
+namespace {
+
+/// glibc maps every allocation above its mmap threshold afresh and unmaps it
+/// on free, and an aligned allocation (torch's tensors: 64 bytes) never fits
+/// the threshold glibc raises to a freed block's size. So each large tensor
+/// of every step faulted its pages in again: 2048 page faults per 8 MiB output
+/// of sparse-local:span=64 at L = 4096 (N = 1, H = 8), about a tenth of that
+/// call's time (perf stat, 2026-11-23). The command line keeps freed memory in
+/// the heap for reuse instead: blocks up to 32 MiB (glibc's largest mmap
+/// threshold) come from the heap, and free memory at its top is returned to
+/// the system only beyond 1 GiB. A user's GLIBC_TUNABLES malloc settings win.
+void keep_freed_memory() {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables && std::strstr(tunables, "glibc.malloc.")) return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  keep_freed_memory();
   // Under a file-size limit (ulimit -f) the write that crosses it raises
   // SIGXFSZ, whose default action kills the process in the middle of a
   // checkpoint and leaves its temporary file behind. Ignored, the write fails
