@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -372,10 +373,36 @@ bool bias_grad_per_head(const SoftmaxAttentionBackwardParams& p) {
   return p.dbias_shape[0] == p.N && p.dbias_shape[1] == p.H;
 }
 
+/// The backward's work items: each (batch, head) in `parts` runs of whole key
+/// blocks. A part owns the dK, dV rows of its keys and adds its share of dQ
+/// into a dQ of its own; parts > 1 sum those in part order afterwards. The
+/// parts depend on the shape alone, so the result does not depend on the
+/// thread count.
+///
+/// Enough parts for kMinBackwardItems threads when N H is small, so that
+/// N H = 1 uses every core; one when N H is large, since each extra part
+/// costs an L x E dQ buffer and its sum. A dbias slice of the head's own that
+/// sums over the keys (Sb = 1) would be shared by the parts: then one part.
+constexpr int64_t kMinBackwardItems = 8;
+
+int64_t backward_parts(const SoftmaxAttentionBackwardParams& p) {
+  if (p.dbias) return 1;
+  const int64_t parts = ceil_div(kMinBackwardItems, p.N * p.H);
+  return std::max<int64_t>(1, std::min(parts, ceil_div(p.S, kBackwardBlockK)));
+}
+
+/// The keys [j_begin, j_end) of part `part` of `parts`: whole key blocks.
+std::pair<int64_t, int64_t> part_keys(const SoftmaxAttentionBackwardParams& p, int64_t parts,
+                                      int64_t part) {
+  const int64_t blocks = ceil_div(p.S, kBackwardBlockK);
+  return {std::min(p.S, part * blocks / parts * kBackwardBlockK),
+          std::min(p.S, (part + 1) * blocks / parts * kBackwardBlockK)};
+}
+
 struct BackwardScratch {
   float *q, *k, *v, *dout;  // packed copies of the head when the strides need it
   float *d;                 // D_i = rowsum(dO_i * O_i): L
-  float *dq;                // dQ accumulator of the head: L x E
+  float *dq;                // dQ accumulator of the head: L x E (one part per head)
   float *dk, *dv;           // dK, dV accumulators of one key block
   float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
 
@@ -386,18 +413,19 @@ struct BackwardScratch {
         dout(slicer.take(
             needs_pack({p.dout, p.dout_stride[2], p.dout_stride[3]}, p.L, p.M) ? p.L * p.M : 0)),
         d(slicer.take(p.L)),
-        dq(slicer.take(p.L * p.E)),
+        dq(slicer.take(backward_parts(p) == 1 ? p.L * p.E : 0)),
         dk(slicer.take(kBackwardBlockK * p.E)),
         dv(slicer.take(kBackwardBlockK * p.M)),
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
 };
 
-/// dq, dk, dv of head (n, h), and its dbias slice when it has its own. Key
-/// blocks outer (each owns its dK, dV rows), query blocks inner; dQ
-/// accumulates over key blocks in the head's scratch.
-void backward_head(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h,
-                   const BackwardScratch& w) {
+/// dk, dv of the keys [j_begin, j_end) of head (n, h), these keys' terms of dq
+/// added into `dq` (L x E, zeroed by the caller), and the head's dbias slice
+/// when it has its own (then the keys are [0, S): one part). Key blocks outer
+/// (each owns its dK, dV rows), query blocks inner.
+void backward_keys(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h,
+                   int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
@@ -407,14 +435,13 @@ void backward_head(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h
   const Rows dout = rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
   const float* lse = p.lse + (n * p.H + h) * L;
   row_deltas(p, n, h, dout, 0, L, w.d);
-  std::fill(w.dq, w.dq + L * E, 0.f);
   const bool dbias = p.dbias && bias_grad_per_head(p);
   const BiasGrad bias_grad = dbias ? BiasGrad(p, n, h) : BiasGrad();
   if (dbias) std::fill(bias_grad.slice, bias_grad.slice + bias_grad.Lb * bias_grad.Sb, 0.f);
 
   // Keys at or past key_end are invisible to every query: zero gradients.
-  const int64_t key_end = visible(L - 1);
-  for (int64_t j0 = 0; j0 < key_end; j0 += BK) {
+  const int64_t key_end = std::max(j_begin, std::min(j_end, visible(L - 1)));
+  for (int64_t j0 = j_begin; j0 < key_end; j0 += BK) {
     const int64_t cols = std::min(BK, key_end - j0);
     std::fill(w.dk, w.dk + cols * E, 0.f);
     std::fill(w.dv, w.dv + cols * M, 0.f);
@@ -428,7 +455,7 @@ void backward_head(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h
       if (dbias) bias_grad.add(i0, rows, j0, cols, w.ds, BK);
       sgemm(true, false, cols, M, rows, 1.f, w.prob, BK, x.dout.data, x.dout.ld, 1.f, w.dv, M);
       sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, x.q.data, x.q.ld, 1.f, w.dk, E);
-      sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, w.dq + i0 * E,
+      sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, dq + i0 * E,
             E);
     }
     store(w.dk, cols, E, head_of(p.dk, p.dk_stride, n, h) + j0 * p.dk_stride[2], p.dk_stride[2],
@@ -436,11 +463,10 @@ void backward_head(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h
     store(w.dv, cols, M, head_of(p.dv, p.dv_stride, n, h) + j0 * p.dv_stride[2], p.dv_stride[2],
           p.dv_stride[3]);
   }
-  store_zeros(S - key_end, E, head_of(p.dk, p.dk_stride, n, h) + key_end * p.dk_stride[2],
+  store_zeros(j_end - key_end, E, head_of(p.dk, p.dk_stride, n, h) + key_end * p.dk_stride[2],
               p.dk_stride[2], p.dk_stride[3]);
-  store_zeros(S - key_end, M, head_of(p.dv, p.dv_stride, n, h) + key_end * p.dv_stride[2],
+  store_zeros(j_end - key_end, M, head_of(p.dv, p.dv_stride, n, h) + key_end * p.dv_stride[2],
               p.dv_stride[2], p.dv_stride[3]);
-  store(w.dq, L, E, head_of(p.dq, p.dq_stride, n, h), p.dq_stride[2], p.dq_stride[3]);
 }
 
 // ---------------------------------------------------------------------------
@@ -564,10 +590,41 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
     }
     return;
   }
+  const int64_t parts = backward_parts(p), L = p.L, E = p.E;
+  if (parts == 1) {
+    parallel_for_scratch(
+        p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, s); },
+        [&](int64_t nh, const BackwardScratch& w) {
+          const int64_t n = nh / p.H, h = nh % p.H;
+          std::fill(w.dq, w.dq + L * E, 0.f);
+          backward_keys(p, n, h, 0, p.S, w.dq, w);
+          store(w.dq, L, E, head_of(p.dq, p.dq_stride, n, h), p.dq_stride[2], p.dq_stride[3]);
+        });
+    if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p);
+    return;
+  }
+  // Parts of heads, then each head's dQ summed over its parts in order, per
+  // block of query rows.
+  Buffer<float> dq_parts(static_cast<std::size_t>(p.N * p.H * parts * L * E));
   parallel_for_scratch(
-      p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, s); },
-      [&](int64_t nh, const BackwardScratch& w) { backward_head(p, nh / p.H, nh % p.H, w); });
-  if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p);
+      p.N * p.H * parts, [&](Slicer& s) { return BackwardScratch(p, s); },
+      [&](int64_t t, const BackwardScratch& w) {
+        const int64_t nh = t / parts, part = t % parts;
+        float* dq = dq_parts.data() + t * L * E;
+        std::fill(dq, dq + L * E, 0.f);
+        const auto [j_begin, j_end] = part_keys(p, parts, part);
+        backward_keys(p, nh / p.H, nh % p.H, j_begin, j_end, dq, w);
+      });
+  const int64_t blocks = ceil_div(L, kBackwardBlockQ);
+  parallel_for(p.N * p.H * blocks, 0, [&](int64_t t, float*) {
+    const int64_t nh = t / blocks, i0 = t % blocks * kBackwardBlockQ;
+    const int64_t rows = std::min(kBackwardBlockQ, L - i0);
+    float* sum = dq_parts.data() + nh * parts * L * E + i0 * E;  // part 0's rows take the sum
+    for (int64_t part = 1; part < parts; ++part)
+      vec::add(sum, dq_parts.data() + (nh * parts + part) * L * E + i0 * E, rows * E);
+    store(sum, rows, E, head_of(p.dq, p.dq_stride, nh / p.H, nh % p.H) + i0 * p.dq_stride[2],
+          p.dq_stride[2], p.dq_stride[3]);
+  });
 }
 
 }  // namespace attnkit::kernels

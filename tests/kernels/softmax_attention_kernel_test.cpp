@@ -506,6 +506,26 @@ TEST(SoftmaxKernel, OneAndTwoThreadsAgreeBitwise) {
   expect_same_bits(run_kernel(c, in, 1), run_kernel(c, in, 2));
 }
 
+// With N H < 8 and no bias the backward splits each head's keys into parts
+// (softmax_attention.cpp, backward_parts): here 4 parts of a head, their dq
+// summed in part order, so two threads run it in parallel and must still give
+// the one-thread bits; and the float64 reference holds (also with key lengths
+// ending inside a part and a part of keys no query sees).
+TEST(SoftmaxKernel, KeyPartsOfOneHeadMatchTheReferenceOnOneAndTwoThreads) {
+  for (const bool causal : {false, true}) {
+    Case c;
+    c.N = 1, c.H = 1, c.L = 300, c.S = 1000, c.E = 48, c.M = 80;
+    c.causal = causal;
+    c.key_lengths = {600};
+    c.layout = Layout::seq_major;
+    SCOPED_TRACE(c.str());
+    const Inputs in = make_inputs(c, 17);
+    const Outputs one = run_kernel(c, in, 1), two = run_kernel(c, in, 2);
+    expect_outputs_match(one, reference(c, in));
+    expect_same_bits(one, two);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Decoding: few queries over many keys, where the forward splits the keys of
 // each (batch, head, query block) into chunks and merges them (see
