@@ -11,6 +11,7 @@
 #include <attnkit/runtime.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -403,6 +404,27 @@ TEST(SparseAttentionKernel, NothingOfSizeLTimesSAt16k) {
   EXPECT_GE(extra, kLength * 32 * int64_t{sizeof(float)}) << "the counter must see the key-gradient buffers";
   EXPECT_TRUE(testing::all_finite(q.grad()) && testing::all_finite(k.grad()) &&
               testing::all_finite(v.grad()));
+}
+
+TEST(SparseAttentionKernel, NaNScoreMakesOnlyItsRowNaN) {
+  // A NaN in query 5 makes every score of row 5 NaN: its output is NaN, and
+  // every other row is finite. Through the band path (local), the tiled path
+  // with a gap in each row (strided) and with keys over more than one tile
+  // (full, 300 keys), and one edge at a time (a sparse random list).
+  const int64_t n = 300;
+  std::mt19937 rng(21);
+  auto q = torch::randn({1, 2, n, 16}, f32()), k = torch::randn({1, 2, n, 16}, f32()),
+       v = torch::randn({1, 2, n, 8}, f32());
+  q[0][1][5][3] = std::numeric_limits<float>::quiet_NaN();
+  for (const auto& [name, e] : std::vector<std::pair<std::string, EdgeList>>{
+           {"local", edges::local(n, 20)}, {"strided", edges::strided(n, 7)},
+           {"full", edges::full(n, n)}, {"random", shared_list(random_rows(n, n, 0.05, 0.0, rng))}}) {
+    SCOPED_TRACE(name);
+    const auto out = sparse_attention(q, k, v, e);
+    EXPECT_TRUE(torch::isnan(out[0][1][5]).all().item<bool>());
+    EXPECT_TRUE(testing::all_finite(out[0][0]));
+    EXPECT_TRUE(testing::all_finite(torch::cat({out[0][1].slice(0, 0, 5), out[0][1].slice(0, 6, n)})));
+  }
 }
 
 TEST(SparseAttentionKernel, SecondOrderGradientsRaise) {
