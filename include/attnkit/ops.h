@@ -174,9 +174,9 @@ struct SparseAttentionFuncOptions {
 /// float32 runs the edge-list kernel (src/kernels/sparse_attention.h): time
 /// O(nnz (E + M)) per head, with banded blocks of rows (local, segments,
 /// causal) as dense tiles; memory O(N H L) row statistics plus, in the backward
-/// pass, the transposed edge list; nothing of size L x S; results bitwise the
-/// same for any thread count. Strided q, k, v are read in place (copied once
-/// when their columns are not contiguous). Gradients for q, k and v (first
+/// pass when N H < 8, O(S (E + M)) key-gradient buffers per head; nothing of
+/// size L x S; results bitwise the same for any thread count. Strided q, k, v
+/// are read in place (copied once when their columns are not contiguous). Gradients for q, k and v (first
 /// order only). A row with no edge outputs zeros and gets zero gradients.
 /// Other dtypes run the composite, which builds a dense L x S mask and score
 /// matrix per head (O(L S) time and memory) and is differentiable twice.

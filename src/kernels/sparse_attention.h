@@ -19,12 +19,16 @@
 // How a block of rows is computed: the rows of a block of kBlockRows
 // consecutive queries whose edges fill at least half of the rectangle rows x
 // [first column, last column] (banded patterns: local, segments, causal, full)
-// run as dense tiles: sgemm of the block's queries against 256 consecutive keys
-// (contiguous rows of k and v, no gather), the columns outside each row's list
-// set to -inf, then the online softmax and sgemm with the values. Other blocks
-// go one edge at a time: a dot product over E and an axpy over M per edge, over
-// contiguous rows. The backward pass computes P and dS once per tile (or per
-// edge) and derives dq, dk and dv from them, like the exact kernel.
+// run as dense tiles, over contiguous rows of k and v (no gather). When the
+// block's keys fit one 256-key tile and each row's entries are one run of keys
+// (a band), AVX-512 register kernels compute the tile (scores transposed, one
+// key per row with the block's rows in the lanes, and a two-compare mask per
+// key); otherwise sgemm of the block's queries against 256 keys at a time, the
+// columns outside each row's list set to -inf, the online softmax and sgemm
+// with the values. Other blocks go one edge at a time: a dot product over E and
+// an axpy over M per edge, over contiguous rows. The backward pass computes P
+// and dS once per tile (or per edge) and derives dq, dk and dv from them, like
+// the exact kernel.
 //
 // Determinism: every output row (of out, lse, dq) is computed by one work item
 // in an order fixed by the edge list alone. dk and dv are first summed per
