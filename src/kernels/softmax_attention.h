@@ -70,9 +70,13 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p);
 /// For tests and benchmarks, which need to know which path a shape takes.
 int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p);
 
-/// Writes dq, dk, dv (and dbias). Threads: num_threads() over (batch, head),
-/// so at most N * H threads work; each head is computed by one thread in a
-/// fixed order, so the result is bitwise the same for any thread count.
+/// Writes dq, dk, dv (and dbias). Threads: num_threads() over (batch, head)
+/// and, when N H < 8 and there is no bias, over parts of each head's keys
+/// (whole key blocks, up to 8 items in all): a part owns its keys' dk and dv
+/// and adds its terms of dq into an L x E buffer of its own, and the parts'
+/// buffers are summed in part order. The parts depend on the shape alone, and
+/// each item runs in a fixed order, so the result is bitwise the same for any
+/// thread count.
 ///
 /// dbias: when every head has its own slice of it (dbias_shape[0] == N or
 /// N == 1, and dbias_shape[1] == H or H == 1) each head's thread sums its dS
@@ -82,9 +86,10 @@ int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p);
 /// blocks unless dbias sums over L, times key blocks unless it sums over S)
 /// and add the heads of the slice in increasing (n, h) order. Either way every
 /// entry has one writer and a fixed summation order: no atomics, bitwise the
-/// same for any thread count. Memory: dbias itself (the caller's), and per
-/// thread two query x key blocks, L floats and packed blocks of strided
-/// inputs; nothing of size N H L S.
+/// same for any thread count. Memory: dbias itself (the caller's), per thread
+/// two query x key blocks, L floats and packed blocks of strided inputs, and
+/// with parts their dq buffers (parts x L x E floats per head); nothing of
+/// size N H L S.
 void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p);
 
 }  // namespace attnkit::kernels

@@ -22,14 +22,15 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Work items: kBlockRows consecutive queries (the forward; the backward's
 // parts are runs of these blocks) or kBlockKeys consecutive keys (the sums of
-// the parts' key gradients). A dense tile spans kTile keys: at E = M = 64 the exact kernel's measurements (see
-// softmax_attention.cpp) put sgemm near its best from 128 x 256 blocks; a
-// banded block of b rows covers 2w + b columns for 2w + 1 edges per row (local
-// pattern of span w), so smaller blocks waste less. At w = 64, 32-row blocks
-// (1.24x the edges' work instead of 1.49x with 64) ran the band 1.01-1.11x
-// faster relative to exact attention in the same process (2026-11-23, L = 4096
-// and 16384, one thread), with random patterns unchanged: the smaller GEMMs
-// give back most of what the smaller tiles save.
+// the parts' key gradients). A dense tile spans kTile keys: at E = M = 64 the
+// exact kernel's measurements (see softmax_attention.cpp) put sgemm near its
+// best from 128 x 256 blocks; a banded block of b rows covers 2w + b columns
+// for 2w + 1 edges per row (local pattern of span w), so smaller blocks waste
+// less. At w = 64, 32-row blocks (1.24x the edges' work instead of 1.49x with
+// 64) ran the band 1.01-1.11x faster relative to exact attention in the same
+// process (2026-11-23, L = 4096 and 16384, one thread, sgemm tiles), with
+// random patterns unchanged: the smaller GEMMs gave back most of what the
+// smaller tiles saved. The band kernels below hold 32 rows in two vectors.
 constexpr int64_t kBlockRows = 32;
 constexpr int64_t kBlockKeys = 32;
 constexpr int64_t kTile = 256;
@@ -764,6 +765,52 @@ void grad_row(const SparseAttentionBackwardParams& p, const GradInputs& in, cons
   put_row(w.dq, E, row_ptr(p.dq, p.dq_stride, n, h, i), p.dq_stride[3], p.scale);
 }
 
+/// Pass 2's scratch: one key's sums of dk and dv.
+struct KeySums {
+  float *dk, *dv;
+  KeySums(const SparseAttentionParams& p, Slicer& slicer)
+      : dk(slicer.take(p.E)), dv(slicer.take(p.M)) {}
+};
+
+/// dk and dv of key j of head (n, h): the rows of the parts whose key range
+/// holds j (dk_parts, dv_parts laid out by `layout`), added in part order, or
+/// zeros when no row attends to key j.
+void sum_parts(const SparseAttentionBackwardParams& p, const PartLayout& layout,
+               const float* dk_parts, const float* dv_parts, int64_t n, int64_t h, int64_t j,
+               const KeySums& w) {
+  const int64_t first = (n * p.H + h) * layout.parts;
+  const float *dk = nullptr, *dv = nullptr;  // the sums: one part's rows, or w's
+  for (int64_t part = 0; part < layout.parts; ++part) {
+    const int64_t lo = layout.key_lo(p, h, part);
+    if (j < lo || j >= layout.key_hi(p, h, part)) continue;
+    const int64_t row = layout.start[first + part] + (j - lo);
+    const float* pk = dk_parts + row * p.E;
+    const float* pv = dv_parts + row * p.M;
+    if (!dk) {
+      dk = pk;
+      dv = pv;
+      continue;
+    }
+    if (dk != w.dk) {
+      std::copy(dk, dk + p.E, w.dk);
+      std::copy(dv, dv + p.M, w.dv);
+      dk = w.dk;
+      dv = w.dv;
+    }
+    vec::add(w.dk, pk, p.E);
+    vec::add(w.dv, pv, p.M);
+  }
+  float* dk_out = row_ptr(p.dk, p.dk_stride, n, h, j);
+  float* dv_out = row_ptr(p.dv, p.dv_stride, n, h, j);
+  if (!dk) {
+    zero_row(p.E, dk_out, p.dk_stride[3]);
+    zero_row(p.M, dv_out, p.dv_stride[3]);
+    return;
+  }
+  put_row(dk, p.E, dk_out, p.dk_stride[3]);
+  put_row(dv, p.M, dv_out, p.dv_stride[3]);
+}
+
 }  // namespace
 
 void sparse_attention_forward(const SparseAttentionParams& p) {
@@ -847,48 +894,11 @@ void sparse_attention_backward(const SparseAttentionBackwardParams& p) {
   // Pass 2, per block of keys: the parts that cover each key, summed in part
   // order.
   parallel_for_scratch(
-      p.N * p.H * ceil_div(p.S, kBlockKeys),
-      [&](Slicer& slicer) {
-        struct Sums {
-          float *dk, *dv;
-        };
-        return Sums{slicer.take(p.E), slicer.take(p.M)};
-      },
-      [&](int64_t t, const auto& w) {
+      p.N * p.H * ceil_div(p.S, kBlockKeys), [&](Slicer& slicer) { return KeySums(p, slicer); },
+      [&](int64_t t, const KeySums& w) {
         const Item it = item_of(t, p.H, p.S, kBlockKeys);
-        const int64_t first = (it.n * p.H + it.h) * parts;
-        for (int64_t j = it.r0; j < it.r0 + it.count; ++j) {
-          const float *dk = nullptr, *dv = nullptr;  // the sums: one part's rows, or w's
-          for (int64_t part = 0; part < parts; ++part) {
-            const int64_t lo = layout.key_lo(p, it.h, part);
-            if (j < lo || j >= layout.key_hi(p, it.h, part)) continue;
-            const int64_t row = layout.start[first + part] + (j - lo);
-            const float* pk = dk_parts.data() + row * p.E;
-            const float* pv = dv_parts.data() + row * p.M;
-            if (!dk) {
-              dk = pk;
-              dv = pv;
-              continue;
-            }
-            if (dk != w.dk) {
-              std::copy(dk, dk + p.E, w.dk);
-              std::copy(dv, dv + p.M, w.dv);
-              dk = w.dk;
-              dv = w.dv;
-            }
-            vec::add(w.dk, pk, p.E);
-            vec::add(w.dv, pv, p.M);
-          }
-          float* dk_out = row_ptr(p.dk, p.dk_stride, it.n, it.h, j);
-          float* dv_out = row_ptr(p.dv, p.dv_stride, it.n, it.h, j);
-          if (!dk) {  // no row attends to key j
-            zero_row(p.E, dk_out, p.dk_stride[3]);
-            zero_row(p.M, dv_out, p.dv_stride[3]);
-            continue;
-          }
-          put_row(dk, p.E, dk_out, p.dk_stride[3]);
-          put_row(dv, p.M, dv_out, p.dv_stride[3]);
-        }
+        for (int64_t j = it.r0; j < it.r0 + it.count; ++j)
+          sum_parts(p, layout, dk_parts.data(), dv_parts.data(), it.n, it.h, j, w);
       });
 }
 
