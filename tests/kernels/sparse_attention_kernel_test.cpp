@@ -208,6 +208,11 @@ TEST(SparseAttentionKernel, BandedPatternsMatchTheReference) {
   std::mt19937 rng(4);
   expect_matches_reference(in, per_head_list({edges::local(n, 30), shared_list(random_rows(n, n, 0.1, 0.3, rng))}),
                            "per-head local and random");
+  // Head dims past one 64-column register tile, with tails (E = 80, M = 72),
+  // on one head (the backward in 8 parts): the band kernels' column loops.
+  const auto wide_dims = make_inputs(1, 1, 150, 150, 80, 72, 12);
+  expect_matches_reference(wide_dims, edges::local(150, 20), "local 20, E 80, M 72");
+  expect_matches_reference(wide_dims, edges::segments(150, 40, true), "causal segments 40, E 80, M 72");
   // N H = 8: one part per head.
   const auto eight = make_inputs(2, 4, n, n, 16, 16, 11);
   expect_matches_reference(eight, edges::local(n, 40), "local 40, N H = 8");
@@ -325,12 +330,14 @@ TEST(SparseAttentionKernel, StridedInputsMatchTheReference) {
   auto k1 = torch::randn({N, 1, S, E}, f32()), v1 = torch::randn({N, 1, S, M}, f32());
   const Inputs broadcast{in.q, k1.expand({N, H, S, E}), v1.expand({N, H, S, M}),
                          torch::ones({N, H, L, M}, f32())};
-  auto q = in.q.clone().requires_grad_();
-  auto out = sparse_attention(q, broadcast.k, broadcast.v, random);
-  out.sum().backward();
-  const Result want = run(broadcast, random, {}, true), scale = magnitudes(broadcast, random, {});
-  EXPECT_LT(testing::scaled_err(out, want.out, scale.out), kFloatTol);
-  EXPECT_LT(testing::scaled_err(q.grad(), want.dq, scale.dq), kFloatTol);
+  for (const EdgeList& e : {random, edges::local(L, 20)}) {  // edge at a time, band kernels
+    auto q = in.q.clone().requires_grad_();
+    auto out = sparse_attention(q, broadcast.k, broadcast.v, e);
+    out.sum().backward();
+    const Result want = run(broadcast, e, {}, true), scale = magnitudes(broadcast, e, {});
+    EXPECT_LT(testing::scaled_err(out, want.out, scale.out), kFloatTol);
+    EXPECT_LT(testing::scaled_err(q.grad(), want.dq, scale.dq), kFloatTol);
+  }
 }
 
 TEST(SparseAttentionKernel, AllEdgesEqualTheExactKernel) {
