@@ -379,15 +379,13 @@ bool bias_grad_per_head(const SoftmaxAttentionBackwardParams& p) {
 /// parts depend on the shape alone, so the result does not depend on the
 /// thread count.
 ///
-/// Enough parts for kMinBackwardItems threads when N H is small, so that
+/// Enough parts for kMinSplitItems threads when N H is small, so that
 /// N H = 1 uses every core; one when N H is large, since each extra part
 /// costs an L x E dQ buffer and its sum. A dbias slice of the head's own that
 /// sums over the keys (Sb = 1) would be shared by the parts: then one part.
-constexpr int64_t kMinBackwardItems = 8;
-
 int64_t backward_parts(const SoftmaxAttentionBackwardParams& p) {
   if (p.dbias) return 1;
-  const int64_t parts = ceil_div(kMinBackwardItems, p.N * p.H);
+  const int64_t parts = ceil_div(kMinSplitItems, p.N * p.H);
   return std::max<int64_t>(1, std::min(parts, ceil_div(p.S, kBackwardBlockK)));
 }
 

@@ -547,15 +547,13 @@ void forward_row(const SparseAttentionParams& p, const Inputs& in, const Lines& 
 // an order fixed by the edge list, and the parts per head depend only on the
 // shapes, so the result does not depend on the thread count.
 
-/// Parts per (batch, head): enough work items for kMinBackwardItems threads
+/// Parts per (batch, head): enough work items for kMinSplitItems threads
 /// when N H is small, one when it is not (each extra part costs a buffer over
 /// its keys and a term in the sum of pass 2).
-constexpr int64_t kMinBackwardItems = 8;
-
 int64_t parts_per_head(const SparseAttentionParams& p) {
   const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kBlockRows);
   if (heads == 0 || blocks == 0) return 1;
-  return std::max<int64_t>(1, std::min(ceil_div(kMinBackwardItems, heads), blocks));
+  return std::max<int64_t>(1, std::min(ceil_div(kMinSplitItems, heads), blocks));
 }
 
 /// The row blocks [b0, b1) of part `part` of `parts`.

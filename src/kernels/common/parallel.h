@@ -19,6 +19,12 @@ namespace attnkit::kernels {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/// Work items a kernel makes at least, when it can split a (batch, head) into
+/// parts whose number depends on the shape alone (the exact and sparse
+/// backward passes): enough for 8 threads even at N H = 1, so results stay
+/// the same on any thread count while every core has work.
+constexpr int64_t kMinSplitItems = 8;
+
 /// a rounded up to a multiple of 16 floats (64 bytes: one cache line).
 inline int64_t round_up16(int64_t a) { return ceil_div(a, 16) * 16; }
 
