@@ -1,6 +1,8 @@
 // `attnkit bench-dense`: the dense layer (attnkit::linear) against the sgemm
-// peak and against libtorch's linear, and MultiheadAttention's forward+backward
-// on attnkit::linear against the same module with libtorch's projections.
+// peak and against libtorch's linear, in each dtype asked for (--dtype
+// float32,bfloat16 times both in one run, with the bf16 path named), and
+// MultiheadAttention's forward+backward (float32) on attnkit::linear against
+// the same module with libtorch's projections.
 #include <attnkit/nn/multihead.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
@@ -8,7 +10,10 @@
 
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "bench_util.h"
 #include "commands.h"
@@ -22,8 +27,13 @@ struct DenseConfig {
   int64_t rows = 8192, in = 512, out = 2048;
   int64_t embed = 512, heads = 8, length = 4096;
   int repeats = 5;
+  std::vector<std::string> dtypes{"float32"};
   std::string json;
 };
+
+torch::ScalarType parse_dtype(const std::string& name) {
+  return name == "bfloat16" ? torch::kBFloat16 : torch::kFloat;
+}
 
 /// The module's forward with libtorch's linear for every projection (what the
 /// module computed before attnkit::linear existed); the attention is the same op.
@@ -50,42 +60,75 @@ void run_dense(const DenseConfig& c) {
             << "pass" << std::right << std::setw(11) << "ms" << std::setw(10) << "GFLOP/s"
             << std::setw(7) << "%peak" << "\n";
   auto row = [&](const std::string& name, const std::string& impl, const std::string& pass,
-                 double ms, double flop) {
+                 double ms, double flop, const nlohmann::json& extra = nlohmann::json::object()) {
     const double gflops = flop / (ms * 1e6);
     std::cout << std::left << std::setw(42) << name << std::setw(11) << impl << std::setw(17) << pass
               << std::right << std::setw(11) << fmt(ms, 2) << std::setw(10) << fmt(gflops, 1)
               << std::setw(7) << fmt(100 * gflops / machine.sgemm_gflops, 0) << "\n";
-    doc["results"].push_back({{"case", name}, {"impl", impl}, {"pass", pass}, {"ms", ms},
-                              {"gflops", gflops}, {"fraction_of_peak", gflops / machine.sgemm_gflops}});
+    nlohmann::json r = {{"case", name}, {"impl", impl}, {"pass", pass}, {"ms", ms},
+                        {"gflops", gflops}, {"fraction_of_peak", gflops / machine.sgemm_gflops}};
+    r.update(extra);
+    doc["results"].push_back(r);
     doc["machine"] = machine.to_json();
     if (!c.json.empty()) write_json_atomically(c.json, doc);
   };
 
-  // The dense layer alone.
+  // The dense layer alone, in each dtype: the same values (drawn in float32,
+  // then converted), ours and libtorch's.
   torch::manual_seed(0);
-  auto x = torch::randn({c.rows, c.in}).requires_grad_();
-  auto w = (torch::randn({c.out, c.in}) / std::sqrt(double(c.in))).requires_grad_();
-  auto b = torch::randn({c.out}).requires_grad_();
+  const auto x0 = torch::randn({c.rows, c.in});
+  const auto w0 = torch::randn({c.out, c.in}) / std::sqrt(double(c.in));
+  const auto b0 = torch::randn({c.out});
   const double fwd_flop = 2.0 * c.rows * c.in * c.out;
   const std::string shape = "linear x(" + std::to_string(c.rows) + "," + std::to_string(c.in) +
                             ") W(" + std::to_string(c.out) + "," + std::to_string(c.in) + ")";
-  auto clear = [&] {
-    for (auto* t : {&x, &w, &b})
-      if (t->grad().defined()) t->mutable_grad().reset();
-  };
-  for (const bool ours : {true, false}) {
-    auto f = [&] { return ours ? attnkit::linear(x, w, b) : torch::nn::functional::linear(x, w, b); };
-    const std::string impl = ours ? to_string(linear_dispatch(x, w, b).backend) : "torch";
-    {
-      torch::NoGradGuard no_grad;
-      row(shape, impl, "forward", median(time_ms([&] { f(); }, c.repeats)), fwd_flop);
+  std::map<std::string, std::map<std::string, double>> linear_ms;  // ours: dtype -> pass -> ms
+  std::vector<std::string> paths;
+  for (const auto& dtype_name : c.dtypes) {
+    const auto dtype = parse_dtype(dtype_name);
+    auto x = x0.to(dtype).requires_grad_();
+    auto w = w0.to(dtype).requires_grad_();
+    auto b = b0.to(dtype).requires_grad_();
+    auto clear = [&] {
+      for (auto* t : {&x, &w, &b})
+        if (t->grad().defined()) t->mutable_grad().reset();
+    };
+    const Dispatch d = linear_dispatch(x, w, b);
+    // The path: float32 kernel, the bf16 kernel's (e.g. "bf16 via oneDNN
+    // matmul (amx)"), or why the composite runs.
+    const std::string path = d.reason.empty() ? dtype_name + " kernel" : d.reason;
+    paths.push_back(dtype_name + ": " + path);
+    const auto dy = torch::ones({c.rows, c.out}, x.options().requires_grad(false));
+    for (const bool ours : {true, false}) {
+      auto f = [&] { return ours ? attnkit::linear(x, w, b) : torch::nn::functional::linear(x, w, b); };
+      const std::string impl = ours ? to_string(d.backend) : "torch";
+      const std::string name = shape + " " + dtype_name;
+      const nlohmann::json extra = {{"dtype", dtype_name}, {"path", ours ? path : "libtorch"}};
+      double ms;
+      {
+        torch::NoGradGuard no_grad;
+        ms = median(time_ms([&] { f(); }, c.repeats));
+        row(name, impl, "forward", ms, fwd_flop, extra);
+        if (ours) linear_ms[dtype_name]["forward"] = ms;
+      }
+      // dx and dW each cost one forward product.
+      ms = median(time_ms([&] { f().backward(dy); }, c.repeats, clear));
+      row(name, impl, "forward_backward", ms, 3 * fwd_flop, extra);
+      if (ours) linear_ms[dtype_name]["forward_backward"] = ms;
+      machine.remeasure_peak();
     }
-    // dx and dW each cost one forward product.
-    row(shape, impl, "forward_backward",
-        median(time_ms([&] { f().backward(torch::ones({c.rows, c.out})); }, c.repeats, clear)),
-        3 * fwd_flop);
-    machine.remeasure_peak();
   }
+  std::cout << "\n";
+  for (const auto& p : paths) std::cout << "path " << p << "\n";
+  if (linear_ms.count("float32") && linear_ms.count("bfloat16")) {
+    for (const char* pass : {"forward", "forward_backward"}) {
+      const double speedup = linear_ms["float32"][pass] / linear_ms["bfloat16"][pass];
+      std::cout << "attnkit::linear bfloat16 " << pass << " is " << fmt(speedup, 2)
+                << "x the float32 kernel\n";
+      doc["bf16_speedup_over_float32"][pass] = speedup;
+    }
+  }
+  std::cout << "\n";
 
   // MultiheadAttention forward+backward, projections on attnkit::linear vs libtorch.
   nn::MultiheadAttention m(nn::MultiheadAttentionOptions(c.embed, c.heads));
@@ -132,6 +175,12 @@ void add_bench_dense_command(CLI::App& app) {
   cmd->add_option("--heads", c->heads, "MultiheadAttention heads")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--length", c->length, "MultiheadAttention sequence length")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--repeats", c->repeats, "Timed repeats after the warm-up")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--dtype", c->dtypes,
+                  "Dtypes of the dense-layer rows, comma-separated (float32, bfloat16); "
+                  "MultiheadAttention runs in float32")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"float32", "bfloat16"}))
+      ->capture_default_str();
   cmd->add_option("--json", c->json, "Also write the results to this JSON file");
   cmd->callback([c] {
     if (c->embed % c->heads != 0)

@@ -17,7 +17,8 @@ enum class Backend { kernel, composite };
 
 struct Dispatch {
   Backend backend = Backend::kernel;
-  /// Empty when the kernel runs; otherwise why it does not.
+  /// Why the composite runs; empty when the kernel runs, or naming how it runs
+  /// where that varies (linear on bfloat16: "bf16 via oneDNN matmul (amx)").
   std::string reason;
 
   static Dispatch kernel() { return {}; }

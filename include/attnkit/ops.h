@@ -239,7 +239,10 @@ torch::Tensor hop_distances(const EdgeList& edges, int64_t max_distance);
 // Dense layer, the semantics of torch::nn::functional::linear:
 //   y = x weight^T + bias,  x (..., in), weight (out, in), bias (out) -> (..., out).
 // Any number of leading dimensions (at least one dimension in all); float32 runs
-// oneDNN's sgemm, other dtypes the composite. Gradients for x, weight and bias.
+// oneDNN's sgemm; bfloat16 runs oneDNN's bf16 matmul (float32 accumulation, bf16
+// results; converted to float32 inside where the CPU lacks AVX512_BF16, which
+// linear_dispatch's reason names); float64 the composite. Gradients for x,
+// weight and bias, in their dtype.
 // ----------------------------------------------------------------------------
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {});

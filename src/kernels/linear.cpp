@@ -4,6 +4,8 @@
 #include <cstring>
 
 #include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/gemm_bf16.h"
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 
@@ -46,6 +48,55 @@ void linear_backward(const LinearParams& p, const float* dy, int64_t dy_row_stri
     Buffer<float> ones(static_cast<std::size_t>(std::max<int64_t>(p.rows, 1)));
     std::fill(ones.data(), ones.data() + p.rows, 1.f);
     sgemm(true, false, p.out, 1, p.rows, 1.f, dy, dy_row_stride, ones.data(), 1, 0.f, g.dbias, 1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// bfloat16: the same products through gemm_bf16, float32 accumulation, each
+// result rounded once to bf16.
+// ---------------------------------------------------------------------------
+
+void linear_forward(const LinearParamsBf16& p, bf16* y, int64_t y_row_stride) {
+  if (p.rows == 0 || p.out == 0) return;
+  ThreadScope scope;
+  // The bias goes into the matmul (added to the float32 accumulator before the
+  // rounding), so y is written once.
+  gemm_bf16(false, !p.weight_transposed, p.rows, p.out, p.in, 1.f, p.x, p.x_row_stride, p.weight,
+            p.weight_row_stride, 0.f, y, y_row_stride, p.bias);
+}
+
+void linear_backward(const LinearParamsBf16& p, const bf16* dy, int64_t dy_row_stride,
+                     const LinearGradientsBf16& g) {
+  ThreadScope scope;
+  if (g.dx) {  // dx (rows, in) = dy (rows, out) W (out, in)
+    gemm_bf16(false, p.weight_transposed, p.rows, p.in, p.out, 1.f, dy, dy_row_stride, p.weight,
+              p.weight_row_stride, 0.f, g.dx, p.in);
+  }
+  if (g.dweight && !p.weight_transposed) {  // dW (out, in) = dy^T (out, rows) x (rows, in)
+    gemm_bf16(true, false, p.out, p.in, p.rows, 1.f, dy, dy_row_stride, p.x, p.x_row_stride, 0.f,
+              g.dweight, p.in);
+  }
+  if (g.dweight && p.weight_transposed) {  // dW^T (in, out) = x^T (in, rows) dy (rows, out)
+    gemm_bf16(true, false, p.in, p.out, p.rows, 1.f, p.x, p.x_row_stride, dy, dy_row_stride, 0.f,
+              g.dweight, p.out);
+  }
+  if (g.dbias) {
+    // db (out) = column sums of dy, in float32 down the rows, one block of
+    // columns per work item: each sum has a fixed order, whatever the thread
+    // count. (A GEMV with a ones vector, as the float32 kernel does, would
+    // need a bf16 ones vector and a float32 result to round anyway.)
+    constexpr int64_t kColumns = 64;
+    const int64_t blocks = ceil_div(p.out, kColumns);
+#pragma omp parallel for num_threads(num_threads()) schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t j0 = block * kColumns, width = std::min(kColumns, p.out - j0);
+      float sum[kColumns] = {};
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const bf16* row = dy + r * dy_row_stride + j0;
+        for (int64_t j = 0; j < width; ++j) sum[j] += to_float(row[j]);
+      }
+      for (int64_t j = 0; j < width; ++j) g.dbias[j0 + j] = to_bf16(sum[j]);
+    }
   }
 }
 

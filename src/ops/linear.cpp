@@ -1,10 +1,14 @@
 // Op boundary of the dense layer: validation, dispatch, autograd, registration.
-// float32 runs kernels/linear (oneDNN sgemm); other dtypes run at::linear.
+// float32 runs kernels/linear on oneDNN's sgemm; bfloat16 runs kernels/linear
+// on oneDNN's bf16 matmul (or float32 conversion where the CPU lacks
+// AVX512_BF16); float64 runs at::linear.
 #include "kernels/linear.h"
 
 #include <attnkit/ops.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "ops/autograd_util.h"
 #include "ops/checks.h"
@@ -65,15 +69,28 @@ int64_t row_stride(const torch::Tensor& m) {
   return m.size(0) <= 1 ? std::max<int64_t>(m.size(1), 1) : m.stride(0);
 }
 
-kernels::LinearParams make_params(const torch::Tensor& x2, const WeightView& w,
-                                  const torch::Tensor& bias) {
-  kernels::LinearParams p;
-  p.x = x2.data_ptr<float>();
+/// The kernel's element type for a tensor's data: float, or kernels::bf16
+/// (layout-compatible with c10::BFloat16).
+template <typename T>
+T* data(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    static_assert(std::is_same_v<T, kernels::bf16> && sizeof(c10::BFloat16) == sizeof(kernels::bf16));
+    return reinterpret_cast<kernels::bf16*>(t.data_ptr<c10::BFloat16>());
+  }
+}
+
+template <typename T>
+kernels::LinearParamsT<T> make_params(const torch::Tensor& x2, const WeightView& w,
+                                      const torch::Tensor& bias) {
+  kernels::LinearParamsT<T> p;
+  p.x = data<T>(x2);
   p.x_row_stride = row_stride(x2);
-  p.weight = w.stored.data_ptr<float>();
+  p.weight = data<T>(w.stored);
   p.weight_row_stride = row_stride(w.stored);
   p.weight_transposed = w.transposed;
-  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.bias = bias.defined() ? data<T>(bias) : nullptr;
   p.rows = x2.size(0), p.in = x2.size(1);
   p.out = w.transposed ? w.stored.size(1) : w.stored.size(0);
   return p;
@@ -83,8 +100,26 @@ kernels::LinearParams make_params(const torch::Tensor& x2, const WeightView& w,
 /// undefined tensor (it records every tensor argument's device).
 struct NoBias {};
 
-/// y = x W^T + b by kernels/linear; the backward computes only the gradients
-/// autograd asks for.
+/// Runs the kernel's forward for T = float or kernels::bf16.
+template <typename T>
+void kernel_forward(const torch::Tensor& x2, const WeightView& w, const torch::Tensor& bias,
+                    torch::Tensor& y, int64_t out) {
+  kernels::linear_forward(make_params<T>(x2, w, bias), data<T>(y), std::max<int64_t>(out, 1));
+}
+
+template <typename T>
+void kernel_backward(const torch::Tensor& x2, const WeightView& w, const torch::Tensor& dy,
+                     int64_t ldy, const torch::Tensor& dx, const torch::Tensor& dw,
+                     const torch::Tensor& db) {
+  kernels::LinearGradientsT<T> g;
+  if (dx.defined()) g.dx = data<T>(dx);
+  if (dw.defined()) g.dweight = data<T>(dw);
+  if (db.defined()) g.dbias = data<T>(db);
+  kernels::linear_backward(make_params<T>(x2, w, torch::Tensor()), data<T>(dy), ldy, g);
+}
+
+/// y = x W^T + b by kernels/linear (float32 or bfloat16: every tensor has x's
+/// dtype); the backward computes only the gradients autograd asks for.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -102,7 +137,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     auto sizes = x.sizes().vec();
     sizes.back() = out;
     auto y = torch::empty(sizes, x.options());
-    kernels::linear_forward(make_params(x2, w, b), y.data_ptr<float>(), std::max<int64_t>(out, 1));
+    if (x.scalar_type() == torch::kBFloat16)
+      kernel_forward<kernels::bf16>(x2, w, b, y, out);
+    else
+      kernel_forward<float>(x2, w, b, y, out);
     // The originals, not x2 / w.stored: they carry the autograd edges that
     // once_differentiable attaches its error node to (and the version checks).
     ctx->save_for_backward({x, weight});
@@ -120,24 +158,28 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const int64_t rows = x2.size(0);
     // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
     const auto dy = as_rows(grads[0], out);
+    // Gradients in the inputs' dtype (autograd hands dy in the output's dtype).
     torch::Tensor dx, dw, db;
-    kernels::LinearGradients g;
-    if (ctx->needs_input_grad(0)) {  // in x's shape; the kernel sees (rows, in) rows
+    if (ctx->needs_input_grad(0))  // in x's shape; the kernel sees (rows, in) rows
       dx = torch::empty(x.sizes(), x2.options());
-      g.dx = dx.data_ptr<float>();
-    }
-    if (ctx->needs_input_grad(1)) {  // in the weight's stored layout: no transposing copy
-      dw = w.transposed ? torch::empty({in, out}, x2.options()) : torch::empty({out, in}, x2.options());
-      g.dweight = dw.data_ptr<float>();
-      if (w.transposed) dw = dw.t();
-    }
-    if (has_bias && ctx->needs_input_grad(2)) {
-      db = torch::empty({out}, x2.options());
-      g.dbias = db.data_ptr<float>();
-    }
+    // In the weight's stored layout: no transposing copy (the kernel writes
+    // the stored layout; autograd gets the (out, in) view).
+    torch::Tensor dw_stored;
+    if (ctx->needs_input_grad(1))
+      dw_stored = w.transposed ? torch::empty({in, out}, x2.options()) : torch::empty({out, in}, x2.options());
+    if (has_bias && ctx->needs_input_grad(2)) db = torch::empty({out}, x2.options());
     const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
-    kernels::linear_backward(make_params(x2, w, torch::Tensor()), dy.data_ptr<float>(), ldy, g);
-    return detail::once_differentiable(kOp, {dx, dw, db}, {x, weight, grads[0]});
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    if (bf16)
+      kernel_backward<kernels::bf16>(x2, w, dy, ldy, dx, dw_stored, db);
+    else
+      kernel_backward<float>(x2, w, dy, ldy, dx, dw_stored, db);
+    if (dw_stored.defined()) dw = w.transposed ? dw_stored.t() : dw_stored;
+    if (!bf16) return detail::once_differentiable(kOp, {dx, dw, db}, {x, weight, grads[0]});
+    return detail::once_differentiable(
+        kOp, {dx, dw, db}, {x, weight, grads[0]},
+        "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
+        "use float64 inputs, which take the differentiable composite path");
   }
 };
 
@@ -150,8 +192,25 @@ torch::Tensor linear_op(const torch::Tensor& x, const torch::Tensor& weight,
 
 Dispatch linear_dispatch(const torch::Tensor& x, const torch::Tensor& weight,
                          const torch::Tensor& bias) {
-  check_linear(x, weight, bias);
-  return detail::float32_kernel_or_composite({{"x", &x}});  // weight and bias match x
+  check_linear(x, weight, bias);  // weight and bias have x's dtype
+  switch (x.scalar_type()) {
+    case torch::kFloat:
+      return Dispatch::kernel();
+    case torch::kBFloat16: {
+      // The kernel either way; the reason says how its products run.
+      const auto path = kernels::bf16_gemm_path();
+      if (path != kernels::Bf16Path::float32)
+        return {Backend::kernel, std::string("bf16 via oneDNN matmul (") + kernels::to_string(path) + ")"};
+      const auto isa = kernels::bf16_gemm_isa_path();
+      if (isa == kernels::Bf16Path::float32)
+        return {Backend::kernel, "bf16 converted to float32 (no AVX512_BF16)"};
+      return {Backend::kernel, std::string("bf16 converted to float32 (forced, though the CPU has ") +
+                                   kernels::to_string(isa) + ")"};
+    }
+    default:
+      return Dispatch::composite("x is " + detail::dtype_name(x.scalar_type()) +
+                                 "; the kernel is float32 and bfloat16 only");
+  }
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

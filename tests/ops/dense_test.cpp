@@ -184,7 +184,7 @@ TEST(DenseOp, DispatchNamesTheBackendAndWhy) {
   EXPECT_TRUE(attnkit::linear_dispatch(x, w).reason.empty());
   const auto d = attnkit::linear_dispatch(x.to(torch::kDouble), w.to(torch::kDouble));
   EXPECT_EQ(d.backend, Backend::composite);
-  EXPECT_EQ(d.reason, "x is float64; the kernel is float32 only");
+  EXPECT_EQ(d.reason, "x is float64; the kernel is float32 and bfloat16 only");
   // The composite is the float64 definition: gradients by finite differences.
   testing::expect_gradients_match(
       [](const std::vector<torch::Tensor>& t) { return attnkit::linear(t[0], t[1], t[2]); },
