@@ -86,9 +86,10 @@ void run_dense(const DenseConfig& c) {
   std::vector<std::string> paths;
   for (const auto& dtype_name : c.dtypes) {
     const auto dtype = parse_dtype(dtype_name);
-    auto x = x0.to(dtype).requires_grad_();
-    auto w = w0.to(dtype).requires_grad_();
-    auto b = b0.to(dtype).requires_grad_();
+    // Copies (to() of the same dtype would return x0 itself, whose
+    // requires_grad would then make the next dtype's conversion a non-leaf).
+    auto leaf = [&](const torch::Tensor& t) { return t.to(dtype, false, true).requires_grad_(); };
+    auto x = leaf(x0), w = leaf(w0), b = leaf(b0);
     auto clear = [&] {
       for (auto* t : {&x, &w, &b})
         if (t->grad().defined()) t->mutable_grad().reset();
