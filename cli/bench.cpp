@@ -31,6 +31,7 @@ struct BenchConfig {
                                      "sparse-local"};
   std::vector<std::string> impl{"fast", "torch"};
   std::vector<std::string> pass{"forward"};
+  std::vector<std::string> dtypes{"float32"};  // float32 | bfloat16: the inputs' dtype
   std::vector<int64_t> lengths{256, 1024};
   int64_t queries = 0;  // 0: L = S = each length; else L = queries over S = each length keys
   int64_t batch = 1, heads = 8, dim = 64;
@@ -44,6 +45,7 @@ struct BenchConfig {
 
 struct Result {
   std::string attention, run, impl, pass;  // run: fast | reference | torch; impl: what ran
+  std::string dtype;                        // float32 | bfloat16
   std::string dispatch_reason;
   int64_t N, H, L, S, E, M;
   bool causal;
@@ -78,11 +80,12 @@ double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
-               const std::string& run, const std::string& pass, int64_t length) {
+               const std::string& run, const std::string& pass, const std::string& dtype,
+               int64_t length) {
   const int64_t L = c.queries > 0 ? c.queries : length, S = length;
   const nn::AttentionShape shape{c.batch, c.heads, L, S, c.dim, c.dim};
-  Result r{spec.str(), run, "", pass, "", shape.N, shape.H, L, S, shape.E, shape.M, c.causal,
-           num_threads()};
+  Result r{spec.str(), run, "", pass, dtype, "", shape.N, shape.H, L, S, shape.E, shape.M,
+           c.causal, num_threads()};
   const bool backward = pass == "forward_backward";
   const nn::AttendArgs args{c.causal, {}};
   if (c.causal && !info.supports.causal) {
@@ -95,9 +98,14 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
     return r;
   }
 
+  // The same float32 draw for every dtype; floating inputs converted.
   torch::manual_seed(0);
   nn::MechanismInputs inputs = info.sample(shape, torch::kFloat);
-  for (auto& t : inputs) t = t.detach().requires_grad_(backward);
+  const auto type = dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat;
+  for (auto& t : inputs) {
+    if (t.is_floating_point()) t = t.to(type);
+    t = t.detach().requires_grad_(backward && t.is_floating_point());
+  }
 
   // What the row runs, and which backend that is.
   std::function<torch::Tensor()> call;
@@ -184,7 +192,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
 void print_header(const MachineRecord& machine) {
   std::cout << machine.header() << "\n"
             << std::left << std::setw(22) << "attention" << std::setw(11) << "impl" << std::setw(17)
-            << "pass" << std::right << std::setw(7) << "L" << std::setw(7) << "S" << std::setw(11)
+            << "pass" << std::setw(6) << "dtype" << std::right << std::setw(7) << "L" << std::setw(7) << "S" << std::setw(11)
             << "ms" << std::setw(10)
             << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(9) << "ns/edge" << std::setw(10)
             << "peak MiB" << std::setw(10)
@@ -201,7 +209,8 @@ std::string opt(const c10::optional<double>& x, int precision, bool scientific =
 
 void print_row(const Result& r, double peak) {
   std::cout << std::left << std::setw(22) << r.attention << std::setw(11)
-            << (r.impl.empty() ? r.run : r.impl) << std::setw(17) << r.pass << std::right
+            << (r.impl.empty() ? r.run : r.impl) << std::setw(17) << r.pass << std::setw(6)
+            << (r.dtype == "bfloat16" ? "bf16" : "f32") << std::right
             << std::setw(7) << r.L << std::setw(7) << r.S;
   if (!r.note.empty()) {
     std::cout << "   skipped: " << r.note << "\n";
@@ -217,8 +226,10 @@ void print_row(const Result& r, double peak) {
 
 void print_legend() {
   std::cout
-      << "\nimpl        what ran: kernel (attnkit's float32 kernel), composite (libtorch ops,\n"
-      << "            src/reference), torch (plain libtorch matmul-softmax-matmul)\n"
+      << "\nimpl        what ran: kernel (an attnkit kernel; the `path` lines name it where the\n"
+      << "            dtype decides), composite (libtorch ops, src/reference), torch (plain\n"
+      << "            libtorch matmul-softmax-matmul)\n"
+      << "dtype       the inputs' dtype (f32, bf16); %peak is against the float32 sgemm peak\n"
       << "ms          median wall time of --repeats calls after an untimed warm-up\n"
       << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
       << "%peak       GFLOP/s over the best sgemm peak measured before the row (header: the first)\n"
@@ -232,6 +243,27 @@ void print_legend() {
       << "            for mechanisms that approximate it\n";
 }
 
+/// Which path each mechanism's kernel took per dtype (where the dispatch names
+/// one), and with several dtypes, each fast row's speed against float32's.
+void print_paths_and_ratios(const std::vector<Result>& rows) {
+  std::vector<std::string> paths;
+  for (const auto& r : rows) {
+    if (r.run != "fast" || r.dispatch_reason.empty()) continue;
+    const std::string line = r.attention + " " + r.dtype + ": " + r.dispatch_reason;
+    if (std::find(paths.begin(), paths.end(), line) == paths.end()) paths.push_back(line);
+  }
+  if (!paths.empty()) std::cout << "\n";
+  for (const auto& line : paths) std::cout << "path " << line << "\n";
+  for (const auto& r : rows) {
+    if (r.run != "fast" || r.dtype == "float32" || !r.note.empty()) continue;
+    for (const auto& base : rows)
+      if (base.run == "fast" && base.dtype == "float32" && base.note.empty() &&
+          base.attention == r.attention && base.pass == r.pass && base.L == r.L && base.S == r.S)
+        std::cout << r.attention << " " << r.dtype << " " << r.pass << " L=" << r.L << " S=" << r.S
+                  << ": " << fmt(base.ms / r.ms, 2) << "x the float32 row\n";
+  }
+}
+
 nlohmann::json to_json(const Result& r, double peak) {
   auto opt_json = [](const c10::optional<double>& x) {
     return x ? nlohmann::json(*x) : nlohmann::json(nullptr);
@@ -241,6 +273,7 @@ nlohmann::json to_json(const Result& r, double peak) {
           {"impl", r.impl},
           {"dispatch_reason", r.dispatch_reason},
           {"pass", r.pass},
+          {"dtype", r.dtype},
           {"N", r.N}, {"H", r.H}, {"L", r.L}, {"S", r.S}, {"E", r.E}, {"M", r.M},
           {"causal", r.causal},
           {"threads", r.threads},
@@ -264,19 +297,23 @@ void run_bench(const BenchConfig& c) {
   print_header(machine);
   nlohmann::json doc;
   doc["results"] = nlohmann::json::array();
+  std::vector<Result> rows;
   for (int64_t length : c.lengths) {
     for (const auto& [info, spec] : mechanisms)
       for (const auto& run : c.impl)
-        for (const auto& pass : c.pass) {
-          if (run == "torch" && info->name != "full") continue;  // nothing to compare
-          Result r = measure(c, *info, spec, run, pass, length);
-          print_row(r, machine.sgemm_gflops);
-          if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
-          doc["machine"] = machine.to_json();
-          if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
-        }
+        for (const auto& pass : c.pass)
+          for (const auto& dtype : c.dtypes) {
+            if (run == "torch" && info->name != "full") continue;  // nothing to compare
+            Result r = measure(c, *info, spec, run, pass, dtype, length);
+            print_row(r, machine.sgemm_gflops);
+            if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
+            doc["machine"] = machine.to_json();
+            if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
+            rows.push_back(std::move(r));
+          }
     machine.remeasure_peak();  // a busy moment lowers one measurement, not the best
   }
+  print_paths_and_ratios(rows);
   print_legend();
   std::cout << "best sgemm peak over the run: " << fmt(machine.sgemm_gflops, 1)
             << " GFLOP/s (rows above used the best measured before them; the JSON uses this one)\n";
@@ -336,6 +373,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--check-limit", config->check_limit,
                   "Largest N*H*L*S for which err and approx_err are computed (float64 references)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  auto dtypes = std::make_shared<std::string>();
+  cmd->add_option("--dtype", *dtypes,
+                  "Comma list of input dtypes, float32, bfloat16 (default: float32); the paths "
+                  "the kernels took and each bfloat16 row's speed against float32 are printed "
+                  "after the table");
   cmd->add_option("--json", config->json, "Also write the results to this JSON file");
   cmd->callback([=] {
     if (*list) {
@@ -347,9 +389,11 @@ void add_bench_command(CLI::App& app) {
     if (!impl->empty()) c.impl = split_list(*impl);
     if (!pass->empty()) c.pass = split_list(*pass);
     if (!lengths->empty()) c.lengths = parse_positive_list("--lengths", *lengths);
+    if (!dtypes->empty()) c.dtypes = split_list(*dtypes);
     resolve_specs("--attention", c.attention);  // refuses bad specs before any work
     check_choices("--impl", c.impl, {"fast", "reference", "torch"});
     check_choices("--pass", c.pass, {"forward", "forward_backward"});
+    check_choices("--dtype", c.dtypes, {"float32", "bfloat16"});
     run_bench(c);
   });
 }

@@ -41,7 +41,12 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const SoftmaxAttentionFuncOptions& options = {});
 /// Which backend softmax_attention runs for these arguments (validated as by
 /// the op): the float32 kernel when q, k and v are float32 (with or without a
-/// bias, which may require grad), else the composite, with the reason.
+/// bias, which may require grad); for bfloat16 the kernel too, its reason
+/// naming how: "bf16 on AMX tiles" (bf16 products with float32 accumulation
+/// and softmax, bf16 outputs), or the float32 kernel on converted inputs with
+/// the outputs rounded to bf16 (with a bias, or where AMX is unavailable or
+/// ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
+/// the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v,
                                     const SoftmaxAttentionFuncOptions& options = {});

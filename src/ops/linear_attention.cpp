@@ -162,22 +162,23 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   detail::check_qkv(op, q, k, v);
   detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  if (!linear_attention_dispatch(q, k, v, options).uses_kernel()) {
-    // bfloat16 keeps 8 bits: the normalised form's gradient subtracts nearly
-    // equal terms (S v and z out), which in bfloat16 arithmetic lost up to 7%
-    // (measured, tests/ops/regressions_test.cpp). Compute in float32 and round
-    // the result once, as the bf16 kernels of the performance roadmap will.
-    if (q.scalar_type() == torch::kBFloat16)
-      return reference::linear_attention(q.to(torch::kFloat), k.to(torch::kFloat),
-                                         v.to(torch::kFloat), options)
-          .to(torch::kBFloat16);
+  // bfloat16 keeps 8 bits: the normalised form's gradient subtracts nearly
+  // equal terms (S v and z out), which in bfloat16 arithmetic lost up to 7%
+  // (measured, tests/ops/regressions_test.cpp). So bf16 inputs take the
+  // float32 kernel, and the result is rounded once.
+  if (q.scalar_type() == torch::kBFloat16)
+    return linear_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), options)
+        .to(torch::kBFloat16);
+  if (!linear_attention_dispatch(q, k, v, options).uses_kernel())
     return reference::linear_attention(q, k, v, options);
-  }
   return LinearAttentionFunction::apply(q, k, v, options);
 }
 
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const LinearAttentionFuncOptions&) {
+  if (q.scalar_type() == torch::kBFloat16 && k.scalar_type() == q.scalar_type() &&
+      v.scalar_type() == q.scalar_type())
+    return {Backend::kernel, "bf16 converted to float32 (no bf16 kernel for linear attention)"};
   return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 

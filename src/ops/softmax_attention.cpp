@@ -1,9 +1,13 @@
 // Op boundary of exact softmax attention: validation, the dispatch between
-// the tiled kernel (float32) and the composite reference (other dtypes), and
-// the kernel's autograd.
+// the tiled kernels (float32; bfloat16 on AMX tiles, or through float32) and
+// the composite reference (other dtypes), and the kernels' autograd.
 #include "kernels/softmax_attention.h"
 
+#include "kernels/softmax_attention_bf16.h"
+
 #include <torch/autograd.h>
+
+#include <string>
 
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
@@ -144,16 +148,85 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
   }
 };
 
+/// Exact attention on bfloat16 q, k, v by the AMX kernel (no bias).
+class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAttentionBf16Function> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const Constants& c) {
+    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+    auto out = torch::empty({N, H, L, M}, q.options());
+    auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
+    auto p = params(q, k, v, c, out, lse);
+    kernels::softmax_attention_forward_bf16(p);
+    ctx->save_for_backward({q, k, v, out, lse, c.key_lengths});
+    ctx->saved_data["scale"] = c.scale;
+    ctx->saved_data["causal"] = c.causal;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Constants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
+    kernels::SoftmaxAttentionBf16BackwardParams p;
+    static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
+    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    detail::bind(p.dout, p.dout_stride, grads[0]);
+    detail::bind(p.dq, p.dq_stride, dq);
+    detail::bind(p.dk, p.dk_stride, dk);
+    detail::bind(p.dv, p.dv_stride, dv);
+    kernels::softmax_attention_backward_bf16(p);
+    return detail::once_differentiable(
+        kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]},
+        "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
+        "use float64 inputs, which take the differentiable composite path");
+  }
+
+ private:
+  static kernels::SoftmaxAttentionBf16Params params(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const torch::Tensor& v, const Constants& c,
+                                                    const torch::Tensor& out,
+                                                    const torch::Tensor& lse) {
+    kernels::SoftmaxAttentionBf16Params p;
+    detail::bind(p.q, p.q_stride, q);
+    detail::bind(p.k, p.k_stride, k);
+    detail::bind(p.v, p.v_stride, v);
+    detail::bind(p.out, p.out_stride, out);
+    p.lse = lse.data_ptr<float>();
+    p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
+    p.scale = static_cast<float>(c.scale);
+    p.causal = c.causal;
+    p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;
+    return p;
+  }
+};
+
+/// Why bfloat16 inputs cannot take the AMX kernel; empty when they can.
+std::string bf16_fallback_reason(const SoftmaxAttentionFuncOptions& options) {
+  if (options.bias().defined()) return "a bias";
+  if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
+  if (kernels::bf16_gemm_isa_path() != kernels::Bf16Path::amx) return "no AMX";
+  if (!kernels::softmax_attention_bf16_available()) return "AMX tiles not granted by the OS";
+  return {};
+}
+
 }  // namespace
 
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const SoftmaxAttentionFuncOptions& options) {
   check_arguments(q, k, v, options);
   // check_qkv and check_bias made q, k, v and the bias one floating dtype.
+  if (q.scalar_type() == torch::kBFloat16) {
+    const std::string why = bf16_fallback_reason(options);
+    if (why.empty()) return {Backend::kernel, "bf16 on AMX tiles"};
+    return {Backend::kernel, "bf16 converted to float32 (" + why + ")"};
+  }
   if (q.scalar_type() != torch::kFloat)
     return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +
-                               "; the kernel is float32 only (convert them, and the bias, to "
-                               "float32 to take it)");
+                               "; the kernels are float32 and bfloat16 only (convert them, and "
+                               "the bias, to float32 to take the float32 kernel)");
   return Dispatch::kernel();
 }
 
@@ -165,6 +238,15 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
   const Constants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
                     options.causal()};
+  if (q.scalar_type() == torch::kBFloat16) {
+    if (bf16_fallback_reason(options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
+    // The float32 kernel on converted inputs; autograd converts the gradients back.
+    auto converted = options;
+    converted.scale(c.scale);
+    if (options.bias().defined()) converted.bias(options.bias().to(torch::kFloat));
+    return softmax_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), converted)
+        .to(torch::kBFloat16);
+  }
   if (options.bias().defined()) return SoftmaxAttentionFunction::apply(q, k, v, options.bias(), c);
   return SoftmaxAttentionFunction::apply(q, k, v, c);
 }

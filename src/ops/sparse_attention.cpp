@@ -94,17 +94,24 @@ Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& 
                                    const SparseAttentionFuncOptions& options) {
   check_arguments(q, k, v, edges, options);
   // check_qkv made q, k and v one floating dtype.
+  if (q.scalar_type() == torch::kBFloat16)
+    return {Backend::kernel, "bf16 converted to float32 (no bf16 kernel for sparse attention)"};
   if (q.scalar_type() != torch::kFloat)
     return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +
-                               "; the edge-list kernel is float32 only (the composite builds a "
-                               "dense L x S mask and score matrix per head, O(L S) time and "
-                               "memory whatever the number of edges)");
+                               "; the edge-list kernel is float32 and bfloat16 only (the "
+                               "composite builds a dense L x S mask and score matrix per head, "
+                               "O(L S) time and memory whatever the number of edges)");
   return Dispatch::kernel();
 }
 
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionFuncOptions& options) {
+  // bf16: the float32 kernel on converted inputs (not the dense composite),
+  // the result rounded once; autograd converts the gradients back.
+  if (q.scalar_type() == torch::kBFloat16 && sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
+    return sparse_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), edges, options)
+        .to(torch::kBFloat16);
   if (!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
     return reference::sparse_attention(q, k, v, edges, options);
   // (lists, L + 1): one list for all heads, or one per head (H may be 0).
