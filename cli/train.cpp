@@ -21,6 +21,7 @@ namespace {
 
 struct TrainFlags {
   std::string task = "char-lm", data, architecture, positions = "sinusoidal", norm = "pre", display = "auto";
+  std::string dtype = "float32";
   std::vector<std::string> attention;
   int64_t layers = 0, width = 0, heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
@@ -103,6 +104,19 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation (0: the whole split)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--dtype", f->dtype,
+                  "Compute dtype: float32, or bf16 (alias bfloat16): mixed precision, the forward and backward "
+                  "passes in bfloat16 on a copy of the model refreshed every step; float32 loss, weights, "
+                  "optimiser state, all-reduce and checkpoints; validation in bf16 (docs/TRAINING.md)")
+      ->check([](const std::string& value) -> std::string {
+        try {
+          train::dtype_from_string(value);
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+        return "";
+      })
+      ->capture_default_str();
   cmd->add_option("--display", f->display, "Progress: auto (a live line on a terminal, else plain lines), live, plain, quiet")
       ->check(CLI::IsMember({"auto", "live", "plain", "quiet"}))->capture_default_str();
   cmd->add_option("--out", f->out, "Run directory")->required();
@@ -152,7 +166,7 @@ void add_train_command(CLI::App& app) {
       trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
           .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
           .checkpoint_every(f->checkpoint_every).log_every(f->log_every).eval_every(f->eval_every)
-          .eval_batches(f->eval_batches);
+          .eval_batches(f->eval_batches).dtype(train::dtype_from_string(f->dtype));
       if (f->task != "copy" && f->data.empty())
         throw CLI::ValidationError("--data", "--task " + f->task +
                                                  " needs --data DIR (see `attnkit data char-lm`)");
@@ -188,6 +202,7 @@ void add_train_command(CLI::App& app) {
       if (given("--log-every")) trainer.log_every(f->log_every);
       if (given("--eval-every")) trainer.eval_every(f->eval_every);
       if (given("--eval-batches")) trainer.eval_batches(f->eval_batches);
+      if (given("--dtype")) trainer.dtype(train::dtype_from_string(f->dtype));
     }
     // Data parallel: --nproc (a launcher, or one of its workers), or
     // --world-size/--rank/--master-* (or their environment variables).

@@ -190,10 +190,19 @@ struct GradientReducer::Bucket {
 };
 
 GradientReducer::GradientReducer(Communicator& communicator, std::vector<torch::Tensor> parameters,
-                                 int64_t bucket_bytes, bool overlap)
-    : comm_(communicator), params_(std::move(parameters)), overlap_(overlap) {
+                                 int64_t bucket_bytes, bool overlap, std::vector<torch::Tensor> sources)
+    : comm_(communicator), params_(std::move(parameters)), sources_(std::move(sources)), overlap_(overlap) {
   TORCH_CHECK(bucket_bytes > 0, "GradientReducer: bucket_bytes must be > 0, got ", bucket_bytes);
   const std::size_t n = params_.size();
+  if (sources_.empty()) sources_ = params_;
+  TORCH_CHECK(sources_.size() == n, "GradientReducer: ", sources_.size(), " gradient sources for ", n,
+              " parameters; expected one per parameter");
+  for (std::size_t k = 0; k < n; ++k)
+    TORCH_CHECK(sources_[k].is_leaf() && sources_[k].requires_grad() && sources_[k].sizes() == params_[k].sizes() &&
+                    sources_[k].is_floating_point(),
+                "GradientReducer: gradient source ", k, " must be a floating-point leaf that requires grad, of "
+                "its parameter's shape ", params_[k].sizes(), "; got ", sources_[k].scalar_type(), " ",
+                sources_[k].sizes());
   bucket_of_.resize(n);
   offset_of_.resize(n);
   seen_.assign(n, false);
@@ -229,7 +238,7 @@ GradientReducer::GradientReducer(Communicator& communicator, std::vector<torch::
   // parameter used several times (tied embeddings, shared blocks) has one
   // accumulator, which runs once per backward pass with the summed gradient.
   for (std::size_t k = 0; k < n; ++k) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[k]);
+    auto acc = torch::autograd::impl::grad_accumulator(sources_[k]);
     TORCH_CHECK(acc, "GradientReducer: parameter ", k, " has no gradient accumulator");
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
@@ -268,11 +277,11 @@ void GradientReducer::launch(std::size_t b) {
   auto& bucket = *buckets_[b];
   for (auto k : bucket.params) {
     auto slice = bucket.buffer.narrow(0, offset_of_[k], params_[k].numel());
-    const auto& grad = params_[k].grad();
+    const auto& grad = sources_[k].grad();
     // A parameter unused this step contributes what its grad holds (zeros
     // after the optimiser's zero_grad), or zeros when it has none yet.
     if (grad.defined())
-      slice.copy_(grad.reshape({-1}));
+      slice.copy_(grad.reshape({-1}));  // converts a bfloat16 gradient to float32
     else
       slice.zero_();
   }

@@ -28,6 +28,18 @@ Display display_from_name(const std::string& name) {
   throw std::invalid_argument("TrainerOptions: display '" + name + "' is not auto|live|plain|quiet");
 }
 
+}  // namespace
+
+std::string to_string(DType dtype) { return dtype == DType::bf16 ? "bf16" : "float32"; }
+
+DType dtype_from_string(const std::string& name) {
+  if (name == "float32") return DType::float32;
+  if (name == "bf16" || name == "bfloat16") return DType::bf16;
+  throw std::invalid_argument("TrainerOptions: dtype must be float32, bf16 or bfloat16, got '" + name + "'");
+}
+
+namespace {
+
 /// Reads `key` of `j` as T; the error names the key, what was expected and what came.
 template <typename T>
 T field(const nlohmann::json& j, const std::string& what, const std::string& key, const char* type) {
@@ -42,10 +54,12 @@ T field(const nlohmann::json& j, const std::string& what, const std::string& key
   return v.get<T>();
 }
 
-void check_keys(const nlohmann::json& j, const std::string& what, const std::set<std::string>& known) {
+/// Refuses keys outside `known` and `optional`, and missing keys of `known`.
+void check_keys(const nlohmann::json& j, const std::string& what, const std::set<std::string>& known,
+                const std::set<std::string>& optional = {}) {
   if (!j.is_object()) throw std::invalid_argument(what + ": expected a JSON object, got " + j.dump());
   for (const auto& item : j.items())
-    if (!known.count(item.key()))
+    if (!known.count(item.key()) && !optional.count(item.key()))
       throw std::invalid_argument(what + ": unknown key '" + item.key() + "'");
   for (const auto& key : known)
     if (!j.contains(key)) throw std::invalid_argument(what + ": missing key '" + key + "'");
@@ -80,7 +94,8 @@ std::string TrainerOptions::to_json() const {
                       {"checkpoint_every", checkpoint_every_},
                       {"out", out_},
                       {"resume", resume_},
-                      {"display", display_name(display_)}};
+                      {"display", display_name(display_)},
+                      {"dtype", to_string(dtype_)}};
   return j.dump();
 }
 
@@ -90,7 +105,9 @@ TrainerOptions TrainerOptions::from_json(const std::string& json) {
   check_keys(j, what,
              {"steps", "batch", "context", "lr", "warmup", "min_lr", "weight_decay", "betas", "eps",
               "clip", "seed", "threads", "log_every", "eval_every", "eval_batches",
-              "checkpoint_every", "out", "resume", "display"});
+              "checkpoint_every", "out", "resume", "display"},
+             // Checkpoints written before mixed precision have no dtype: float32.
+             {"dtype"});
   const auto& betas = j.at("betas");
   if (!betas.is_array() || betas.size() != 2 || !betas[0].is_number() || !betas[1].is_number())
     throw std::invalid_argument(what + ": key 'betas' must be [beta1, beta2], got " + betas.dump());
@@ -114,6 +131,7 @@ TrainerOptions TrainerOptions::from_json(const std::string& json) {
       .out(field<std::string>(j, what, "out", "a string"))
       .resume(field<bool>(j, what, "resume", "a boolean"))
       .display(display_from_name(field<std::string>(j, what, "display", "a string")));
+  if (j.contains("dtype")) o.dtype(dtype_from_string(field<std::string>(j, what, "dtype", "a string")));
   return o;
 }
 

@@ -181,6 +181,12 @@ std::vector<std::string> resume_mismatches(const Header& stored, const TrainerOp
   return out;
 }
 
+/// Logits as scored: a bfloat16 model's in float32 (its log-softmax would
+/// otherwise run in bfloat16), any other as they are.
+torch::Tensor scoring_logits(const torch::Tensor& logits) {
+  return logits.scalar_type() == torch::kBFloat16 ? logits.to(torch::kFloat32) : logits;
+}
+
 json metrics_json(const std::string& prefix, const tasks::Metrics& m) {
   return {{prefix + "loss", m.loss()}, {prefix + "bpc", m.bits()}, {prefix + "accuracy", m.accuracy()}};
 }
@@ -237,8 +243,42 @@ Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions
                                std::to_string(options_.steps()));
   }
 
+  if (options_.dtype() == DType::bf16) {
+    // Mixed precision keeps two models: model_ holds the float32 weights that
+    // the optimiser, clipping, the all-reduce and the checkpoints see, and
+    // work_ runs the forward and backward passes with bfloat16 parameters,
+    // refreshed from model_ before every step. A separate copy (rather than
+    // casting inside each module's forward, or converting the model with
+    // Module::to) leaves the model code dtype-agnostic, keeps the float64 and
+    // int64 buffers (SAC's baseline, clustered attention's call counter) in
+    // their dtypes, and rounds each weight to bfloat16 once per step instead
+    // of once per use. Built before the seed, so that its initial weights
+    // (overwritten by refresh_work) draw nothing from the seeded generator.
+    work_ = models::Transformer(model_options_);
+    std::unordered_set<const void*> converted;
+    for (auto& p : work_->parameters())
+      if (converted.insert(p.unsafeGetTensorImpl()).second) p.set_data(p.detach().to(torch::kBFloat16));
+  }
   torch::manual_seed(options_.seed());
   model_ = models::Transformer(model_options_);
+  if (work_) {
+    const auto master = model_->named_parameters(), copy = work_->named_parameters();
+    std::unordered_set<const void*> seen;
+    for (const auto& item : master) {
+      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: once
+      const auto* other = copy.find(item.key());
+      TORCH_CHECK(other && other->sizes() == item.value().sizes(), "train: the bf16 working copy lacks parameter ",
+                  item.key());
+      work_params_.emplace_back(item.value(), *other);
+    }
+    const auto master_buffers = model_->named_buffers(), copy_buffers = work_->named_buffers();
+    for (const auto& item : master_buffers) {
+      const auto* other = copy_buffers.find(item.key());
+      TORCH_CHECK(other && other->sizes() == item.value().sizes(), "train: the bf16 working copy lacks buffer ",
+                  item.key());
+      work_buffers_.emplace_back(item.value(), *other);
+    }
+  }
   if (distributed_.world_size() > 1 && model_->edge_predictor())
     throw std::invalid_argument(
         "train: data-parallel training of SAC models is not supported: their REINFORCE baseline is a "
@@ -253,6 +293,31 @@ Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::refresh_work() {
+  if (!work_) return;
+  torch::NoGradGuard no_grad;
+  for (auto& [master, copy] : work_params_) copy.copy_(master);  // rounds to nearest even
+  for (auto& [master, copy] : work_buffers_) copy.copy_(master);
+}
+
+void Trainer::keep_work_buffers() {
+  if (!work_) return;
+  torch::NoGradGuard no_grad;
+  for (auto& [master, copy] : work_buffers_) master.copy_(copy);
+}
+
+void Trainer::take_work_grads() {
+  if (!work_) return;
+  for (auto& [master, copy] : work_params_) {
+    const auto& grad = copy.grad();
+    if (!grad.defined()) continue;  // unused this step: no gradient, as in float32
+    if (master.grad().defined())
+      master.mutable_grad().copy_(grad);
+    else
+      master.mutable_grad() = grad.to(torch::kFloat32);
+  }
+}
 
 torch::optim::Optimizer& Trainer::optimizer() { return *optimizer_; }
 
@@ -353,7 +418,7 @@ tasks::Metrics evaluate_distributed(Communicator& comm, models::Transformer& mod
   const auto batches = task.eval_batches(split, batch, context);
   const std::size_t n = max_batches > 0 ? std::min<std::size_t>(batches.size(), max_batches) : batches.size();
   for (std::size_t i = comm.rank(); i < n; i += comm.world_size())
-    local += tasks::score(model->forward(batches[i].input), batches[i]);
+    local += tasks::score(scoring_logits(model->forward(batches[i].input)), batches[i]);
   model->train(was_training);
   return allreduce_metrics(comm, local, "validation all-reduce");
 }
@@ -482,16 +547,34 @@ TrainResult Trainer::run() {
   std::unique_ptr<GradientReducer> reducer;
   double allreduce_seconds = 0;  // this interval's waits for the gradient all-reduce
   if (distributed) {
-    std::vector<torch::Tensor> trainable;
-    std::unordered_set<const void*> seen;
-    for (const auto& p : model_->parameters())
-      if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) trainable.push_back(p);
-    reducer = std::make_unique<GradientReducer>(*comm, trainable, distributed_.bucket_bytes(), distributed_.overlap());
+    std::vector<torch::Tensor> trainable, sources;
+    if (work_) {
+      // bf16: the hooks watch the working copy's parameters, whose bfloat16
+      // gradients the buckets take in float32; the float32 mean lands in the
+      // float32 parameters' grads.
+      for (const auto& [master, copy] : work_params_)
+        if (master.requires_grad()) {
+          trainable.push_back(master);
+          sources.push_back(copy);
+        }
+    } else {
+      std::unordered_set<const void*> seen;
+      for (const auto& p : model_->parameters())
+        if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) trainable.push_back(p);
+    }
+    reducer = std::make_unique<GradientReducer>(*comm, trainable, distributed_.bucket_bytes(), distributed_.overlap(),
+                                                sources);
   }
   const int64_t shard = options_.batch() / world;
   auto last_checkpoint = [&] { return result.checkpoint.empty() ? resumed_from_ : result.checkpoint; };
 
+  // The model the passes run on: model_, or in bf16 its working copy (whose
+  // edge predictor then samples the structures and keeps the REINFORCE
+  // baseline until keep_work_buffers() hands it to model_).
+  auto& net = compute_model();
+  auto& net_predictor = net->edge_predictor();
   model_->train();
+  net->train();
   try {
   for (int64_t step = start_step_; step < options_.steps(); ++step) {
     // One optimiser step on the batch of `step`.
@@ -514,7 +597,10 @@ TrainResult Trainer::run() {
       torch::manual_seed(dropout_seed(options_.seed(), step, rank));
     }
     optimizer_->zero_grad();
-    const auto logits = model_->forward(batch.input);
+    refresh_work();
+    if (work_) work_->zero_grad();
+    // The loss and its log-softmax in float32 whatever the compute dtype.
+    const auto logits = net->forward(batch.input).to(torch::kFloat32);
     const auto loss = tasks::loss(logits, batch);
     const double loss_value = loss.item<double>();
     if (!distributed && !std::isfinite(loss_value))
@@ -525,8 +611,8 @@ TrainResult Trainer::run() {
     if (predictor) {
       // REINFORCE: -sum_t grad log p(y_t | y_<t) (R - b), b the moving average
       // of past rewards (kept in the predictor's buffer).
-      const auto reinforce = sac_reinforce(*predictor, model_->sac_structures(), logits.detach(), batch,
-                                           model_->sac_options());
+      const auto reinforce = sac_reinforce(*net_predictor, net->sac_structures(), logits.detach(), batch,
+                                           net->sac_options());
       if (reinforce.surrogate.defined()) {
         objective = loss + reinforce.surrogate;
         reward_sum += reinforce.mean_reward;
@@ -553,7 +639,9 @@ TrainResult Trainer::run() {
                                  "); try a lower --lr or a tighter --clip");
     } else {
       objective.backward();
+      take_work_grads();
     }
+    keep_work_buffers();  // bf16: the forward pass's and REINFORCE's buffer updates
     if (options_.clip() > 0) {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, options_.clip());
       if (predictor) predictor_grad_norm = torch::nn::utils::clip_grad_norm_(predictor_params, options_.clip());
@@ -605,18 +693,21 @@ TrainResult Trainer::run() {
       allreduce_seconds = 0;
       if (reward_batches > 0) {
         record["sac_reward"] = reward_sum / static_cast<double>(reward_batches);
-        record["sac_baseline"] = predictor->baseline();
+        record["sac_baseline"] = net_predictor->baseline();
         if (options_.clip() > 0) record["sac_grad_norm"] = predictor_grad_norm;
       }
       reward_sum = 0;
       reward_batches = 0;
       if (evaluate_now) {
-        result.valid = distributed ? evaluate_distributed(*comm, model_, *task_, tasks::Split::valid, options_.batch(),
+        // In the run's dtype: the working copy, refreshed with this step's weights.
+        refresh_work();
+        result.valid = distributed ? evaluate_distributed(*comm, net, *task_, tasks::Split::valid, options_.batch(),
                                                           options_.context(), options_.eval_batches())
-                                   : evaluate(model_, *task_, tasks::Split::valid, options_.batch(),
+                                   : evaluate(net, *task_, tasks::Split::valid, options_.batch(),
                                               options_.context(), options_.eval_batches());
+        keep_work_buffers();
         result.validated = true;
-        model_->train();
+        net->train();
         record.update(metrics_json("valid_", result.valid));
         char text[128];
         std::snprintf(text, sizeof(text), "step %lld: valid loss %.4f  %s %.4f",
@@ -766,7 +857,7 @@ tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tas
   const std::size_t n = max_batches > 0 ? std::min<std::size_t>(batches.size(), max_batches) : batches.size();
   const auto partner = structure ? task.partners(context) : std::vector<int64_t>{};
   for (std::size_t i = 0; i < n; ++i) {
-    total += tasks::score(model->forward(batches[i].input), batches[i]);
+    total += tasks::score(scoring_logits(model->forward(batches[i].input)), batches[i]);
     if (structure) {
       const auto& edges = model->sac_structures().edges;
       for (size_t b = 0; b < edges.size(); ++b)

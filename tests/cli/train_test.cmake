@@ -19,7 +19,7 @@ foreach(sub train eval generate)
 endforeach()
 run_ok(${CLI} train --help)
 foreach(flag --task --data --attention --layers --width --heads --ffn --context --batch --steps --lr
-             --dropout --positions --seed --threads --out --resume --warmup --clip --checkpoint-every)
+             --dropout --positions --seed --threads --out --resume --warmup --clip --checkpoint-every --dtype)
   if(NOT out MATCHES "${flag}")
     message(FATAL_ERROR "'attnkit train --help' lacks ${flag}:\n${out}")
   endif()
@@ -249,3 +249,31 @@ if(NOT rows EQUAL 8 OR NOT inputs STREQUAL "layer 1" OR row_l1 LESS 0 OR row_l1 
   message(FATAL_ERROR "approx --run rows: ${json}")
 endif()
 run_refused("excludes" ${CLI} approx --run ${masked} --length 64)
+
+# ---------------------------------------------------------------------------
+# --dtype bf16: mixed precision. The header records it, the checkpoint holds
+# float32 weights (eval reads it as any run), --resume keeps the dtype and
+# refuses another; a bad value is refused naming the accepted ones.
+set(bf16 ${OUT_DIR}/bf16)
+run_refused("dtype must be float32, bf16 or bfloat16, got 'fp16'" ${CLI} train ${model} --steps 2 --dtype fp16
+            --out ${bf16})
+if(EXISTS ${bf16})
+  message(FATAL_ERROR "a refused --dtype created the run directory")
+endif()
+run_ok(${CLI} train ${model} --steps 3 --dtype bf16 --eval-batches 1 --out ${bf16})
+if(NOT out MATCHES "trained to step 3 of 3; checkpoint .*; valid loss [0-9.]+, bpc [0-9.]+")
+  message(FATAL_ERROR "train --dtype bf16's summary line:\n${out}")
+endif()
+checkpoint_header(${bf16}/checkpoint-00000003.ckpt)
+read_fields("${header}" "trainer" dtype)
+if(NOT dtype STREQUAL "bf16")
+  message(FATAL_ERROR "the bf16 run's header says dtype '${dtype}': ${header}")
+endif()
+if(header MATCHES "\"dtype\":\"BFloat16\"" OR NOT header MATCHES "\"dtype\":\"Float\"")
+  message(FATAL_ERROR "the bf16 run's checkpoint should hold float32 tensors: ${header}")
+endif()
+run_ok(${CLI} eval --run ${bf16} --max-batches 1 --threads 1)
+run_refused("trainer dtype: checkpoint \"bf16\", now \"float32\"" ${CLI} train --out ${bf16} --resume --steps 4
+            --dtype float32)
+run_ok(${CLI} train --out ${bf16} --resume --steps 4 --display quiet)
+expect_checkpoints(${bf16} 3 4)

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -286,6 +287,44 @@ TEST(GradientReducer, LaunchesBucketsDuringTheBackwardPass) {
   EXPECT_EQ(sequential.last_launched_in_backward(), 0u);
 }
 
+// Mixed precision: the hooks watch bfloat16 working copies, the buckets take
+// their gradients in float32, the float32 parameters receive the mean (in a
+// one-process group: the copies' gradients, converted exactly).
+TEST(GradientReducer, ReducesTheBf16GradientsOfWorkingCopiesIntoFloat32Parameters) {
+  auto comm = Communicator::connect(DistributedOptions().master_port(free_port()).timeout(20));
+  torch::manual_seed(5);
+  auto w1 = torch::randn({64, 32}).requires_grad_();
+  auto w2 = torch::randn({32, 16}).requires_grad_();
+  auto c1 = w1.detach().to(torch::kBFloat16).requires_grad_();
+  auto c2 = w2.detach().to(torch::kBFloat16).requires_grad_();
+  GradientReducer reducer(*comm, {w1, w2}, 1, /*overlap=*/true, {c1, c2});  // one bucket per parameter
+  EXPECT_EQ(reducer.bytes(), (64 * 32 + 32 * 16) * 4);  // float32 buckets
+  reducer.prepare();
+  torch::tanh(torch::randn({5, 64}).to(torch::kBFloat16).matmul(c1)).matmul(c2).sum().backward();
+  EXPECT_FALSE(w1.grad().defined());
+  reducer.finish();
+  EXPECT_EQ(reducer.last_launched_in_backward(), 2u);  // the copies' hooks fired
+  ASSERT_TRUE(w1.grad().defined() && w2.grad().defined());
+  EXPECT_EQ(w1.grad().scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(w1.grad(), c1.grad().to(torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(w2.grad(), c2.grad().to(torch::kFloat32)));
+  // One source per parameter, of its shape.
+  auto error_of = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "(no error)";
+  };
+  EXPECT_NE(error_of([&] { GradientReducer(*comm, {w1, w2}, 1, true, {c1}); })
+                .find("1 gradient sources for 2 parameters"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { GradientReducer(*comm, {w1, w2}, 1, true, {c2, c1}); })
+                .find("gradient source 0 must be a floating-point leaf that requires grad, of its parameter's shape"),
+            std::string::npos);
+}
+
 // ---------------------------------------------------------------------------
 // `attnkit train` with several processes on loopback.
 // ---------------------------------------------------------------------------
@@ -376,6 +415,62 @@ TEST(DataParallelCli, TwoProcessesMatchOneProcessWithTheGlobalBatch) {
   }
   // Only rank 0 wrote: one metrics file, checkpoints, nothing else per rank.
   EXPECT_EQ(list_checkpoints(two).size(), 1u);
+}
+
+// bf16: two processes with batch 4 each against one with batch 8, one step.
+// Both start from the same float32 weights and round them to the same bf16
+// copy; they differ where the bf16 arithmetic does (each rank's bf16 weight
+// gradients sum 4 x 32 positions and are rounded to bf16 before the float32
+// all-reduce, one process rounds the sum of 8 x 32 once): relative 2^-8 of a
+// gradient's summands. AdamW's first step moves every element by
+// lr g / (|g| + eps) = +-lr, so the two runs agree exactly except where that
+// noise flips the sign of a gradient that cancels to the noise level (and the
+// key biases, whose gradient is zero in exact arithmetic: pure noise). Where
+// |g| is within a few orders of eps = 1e-8, the relative noise moves
+// g / (|g| + eps) a little: many elements differ by far less than lr / 100
+// (measured: 7.6% of them, max 8e-6 = lr / 190). Bounds: at most 0.1% of the
+// other elements differ by more than lr / 100 (measured: 3 of 17,952), none
+// by more than 2 lr (a flipped sign). Rank 1 reading rank 0's rows, or
+// gradients not reduced, would flip about half of them. The step's loss is the same
+// computation on the same bf16 weights, sharded: within 1e-3 relative; the
+// gradient norm (of the float32 mean gradient) within 2^-7.
+TEST(DataParallelCli, Bf16TwoProcessesMatchOneProcessWithTheGlobalBatch) {
+  testing::ScratchDir dir;
+  const std::string one = (dir.path() / "one").string(), two = (dir.path() / "two").string();
+  const std::vector<std::string> args{"--dtype", "bf16", "--batch", "8", "--steps", "1", "--log-every", "1"};
+  Child single(model_args(one) + args, (dir.path() / "single").string());
+  Child pair(model_args(two) + args + std::vector<std::string>{"--nproc", "2", "--bucket-mb", "0.01"},
+             (dir.path() / "pair").string());
+  const int s1 = single.wait(120), s2 = pair.wait(120);
+  ASSERT_TRUE(exited_ok(s1)) << single.output();
+  ASSERT_TRUE(exited_ok(s2)) << pair.output();
+  auto a = load_run(one), b = load_run(two);
+  EXPECT_EQ(a.trainer.dtype(), DType::bf16);
+  EXPECT_EQ(b.trainer.dtype(), DType::bf16);
+  const auto pa = a.model->named_parameters(), pb = b.model->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  const double lr = 3e-3 * 1 / 2;  // warm-up: step 1 of 2
+  int64_t elements = 0, differ = 0;
+  double diff = 0;
+  for (const auto& item : pa) {
+    EXPECT_EQ(pb[item.key()].scalar_type(), torch::kFloat32);
+    const auto d = (item.value() - pb[item.key()]).abs();
+    const std::string& name = item.key();
+    if (name.size() >= 11 && name.compare(name.size() - 11, 11, "k_proj.bias") == 0) continue;
+    diff = std::max(diff, d.max().item<double>());
+    elements += d.numel();
+    differ += (d > lr / 100).sum().item<int64_t>();
+  }
+  std::cout << "bf16, one step: " << differ << " of " << elements << " elements differ by more than lr / 100, max "
+            << diff << " (lr " << lr << ")\n";
+  EXPECT_LE(differ, elements / 1000);
+  EXPECT_LE(diff, 2 * lr * (1 + 1e-3));
+  const auto m1 = metrics_of(one), m2 = metrics_of(two);
+  ASSERT_EQ(m1.size(), 1u);
+  ASSERT_EQ(m2.size(), 1u);
+  EXPECT_NEAR(m2[0]["loss"].get<double>(), m1[0]["loss"].get<double>(), 1e-3 * m1[0]["loss"].get<double>());
+  EXPECT_NEAR(m2[0]["grad_norm"].get<double>(), m1[0]["grad_norm"].get<double>(),
+              std::ldexp(m1[0]["grad_norm"].get<double>(), -7));
 }
 
 // A worker killed with SIGKILL mid-run: the other one stops with an error

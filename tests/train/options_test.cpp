@@ -31,13 +31,14 @@ TEST(TrainOptions, JsonRoundTrip) {
                .steps(77).batch(3).context(33).lr(2e-3).warmup(5).min_lr(1e-5).weight_decay(0.2)
                .betas(std::make_tuple(0.8, 0.95)).eps(1e-7).clip(0.5).seed(42).threads(2)
                .log_every(4).eval_every(6).eval_batches(2).checkpoint_every(9).out("runs/x")
-               .resume(true).display(Display::plain);
+               .resume(true).display(Display::plain).dtype(DType::bf16);
   const auto back = TrainerOptions::from_json(o.to_json());
   EXPECT_EQ(back.to_json(), o.to_json());
   EXPECT_EQ(back.steps(), 77);
   EXPECT_EQ(back.seed(), 42u);
   EXPECT_DOUBLE_EQ(std::get<1>(back.betas()), 0.95);
   EXPECT_EQ(back.display(), Display::plain);
+  EXPECT_EQ(back.dtype(), DType::bf16);
   // Doubles survive bit-exactly (the checkpoint comparison relies on it).
   EXPECT_EQ(TrainerOptions::from_json(TrainerOptions().lr(0.1 + 0.2).to_json()).lr(), 0.1 + 0.2);
 }
@@ -54,6 +55,37 @@ TEST(TrainOptions, JsonRefusals) {
   EXPECT_NE(error_of([&] { TrainerOptions::from_json("{\"steps\":1}"); }).find("missing key"),
             std::string::npos);
   EXPECT_NE(error_of([&] { TrainerOptions::from_json("nope"); }).find("not JSON"), std::string::npos);
+}
+
+// --dtype: float32 by default, bf16 under either name, anything else refused
+// naming the option, the accepted values and the value; a checkpoint written
+// before the option existed (no "dtype" key) reads as float32.
+TEST(TrainOptions, Dtype) {
+  EXPECT_EQ(TrainerOptions().dtype(), DType::float32);
+  EXPECT_EQ(dtype_from_string("float32"), DType::float32);
+  EXPECT_EQ(dtype_from_string("bf16"), DType::bf16);
+  EXPECT_EQ(dtype_from_string("bfloat16"), DType::bf16);
+  EXPECT_EQ(to_string(DType::bf16), "bf16");
+  EXPECT_EQ(to_string(DType::float32), "float32");
+  for (const char* bad : {"fp16", "float16", "BF16", "", "float64"})
+    EXPECT_EQ(error_of([&] { dtype_from_string(bad); }),
+              std::string("TrainerOptions: dtype must be float32, bf16 or bfloat16, got '") + bad + "'");
+  const auto bf16 = TrainerOptions().dtype(DType::bf16);
+  EXPECT_NE(bf16.to_json().find("\"dtype\":\"bf16\""), std::string::npos) << bf16.to_json();
+  EXPECT_EQ(TrainerOptions::from_json(bf16.to_json()).dtype(), DType::bf16);
+  auto j = TrainerOptions().to_json();
+  const auto key = j.find(",\"dtype\":\"float32\"");
+  ASSERT_NE(key, std::string::npos) << j;
+  auto old = j;
+  old.erase(key, std::string(",\"dtype\":\"float32\"").size());
+  EXPECT_EQ(TrainerOptions::from_json(old).dtype(), DType::float32);
+  auto wrong = j;
+  wrong.replace(key, std::string(",\"dtype\":\"float32\"").size(), ",\"dtype\":\"fp8\"");
+  EXPECT_NE(error_of([&] { TrainerOptions::from_json(wrong); }).find("dtype must be float32, bf16 or bfloat16, got 'fp8'"),
+            std::string::npos);
+  wrong.replace(wrong.find("\"fp8\""), 5, "16");
+  EXPECT_NE(error_of([&] { TrainerOptions::from_json(wrong); }).find("key 'dtype' must be a string"),
+            std::string::npos);
 }
 
 TEST(TrainOptions, Validate) {

@@ -77,8 +77,9 @@ struct ThreadsGuard {
 /// Trains 20 steps straight and 10 + 10 with a stop and a resume in between;
 /// the two end with bitwise the same weights and buffers.
 void check_resume_is_bitwise(const std::string& name, const models::TransformerOptions& model,
-                             const tasks::TaskOptions& task) {
+                             const tasks::TaskOptions& task, DType dtype = DType::float32) {
   const auto straight_dir = fresh_dir(name + "_straight"), resumed_dir = fresh_dir(name + "_resumed");
+  auto tiny_run = [dtype](const std::string& out) { return ::tiny_run(out).dtype(dtype); };
   Trainer straight(tiny_run(straight_dir), model, task);
   const auto full = straight.run();
   EXPECT_EQ(full.step, 20);
@@ -108,6 +109,8 @@ void check_resume_is_bitwise(const std::string& name, const models::TransformerO
   EXPECT_EQ(a.step, 20);
   expect_same_weights(a.model, b.model);
   expect_same_weights(a.model, straight.model());
+  for (const auto& p : a.model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(read_stored_options(resumed_dir).trainer.dtype(), dtype);
   // One record per step in metrics.jsonl: 5, 10 (the stop), 15, 20.
   std::ifstream in(fs::path(resumed_dir) / "metrics.jsonl");
   std::vector<int64_t> steps;
@@ -179,6 +182,40 @@ TEST(TrainTrainer, ResumeEqualsUninterruptedBitwise) {
                              .attention({"sac:alpha=1,variant=all-connected,hidden=8,max_distance=9"});
     check_resume_is_bitwise("sac", encoder, {"copy", "", 8});
   }
+}
+
+// The same in mixed precision: the bf16 working copy is a function of the
+// float32 weights, and its buffers (clustered attention's call counter, SAC's
+// baseline) are handed back to them, so a checkpoint holds everything.
+TEST(TrainTrainer, Bf16ResumeEqualsUninterruptedBitwise) {
+  ThreadsGuard threads;
+  {
+    SCOPED_TRACE("bf16 char-lm decoder, full attention, dropout 0.1");
+    check_resume_is_bitwise("bf16_lm", tiny_decoder(), char_lm(), DType::bf16);
+  }
+  {
+    SCOPED_TRACE("bf16 copy encoder, improved-clustered attention");
+    const auto encoder = tiny_decoder()
+                             .architecture(models::Architecture::encoder)
+                             .attention({"improved-clustered:clusters=4,topk=4"});
+    check_resume_is_bitwise("bf16_copy", encoder, {"copy", "", 8}, DType::bf16);
+  }
+  {
+    SCOPED_TRACE("bf16 copy encoder, SAC");
+    const auto encoder = tiny_decoder()
+                             .architecture(models::Architecture::encoder)
+                             .attention({"sac:alpha=1,variant=all-connected,hidden=8,max_distance=9"});
+    check_resume_is_bitwise("bf16_sac", encoder, {"copy", "", 8}, DType::bf16);
+  }
+}
+
+// A run's dtype shapes its trajectory: resuming it in another is refused.
+TEST(TrainTrainer, ResumeInAnotherDtypeIsRefused) {
+  ThreadsGuard threads;
+  const auto dir = fresh_dir("dtype_refuse");
+  Trainer(tiny_run(dir).steps(2).dtype(DType::bf16), tiny_decoder(), char_lm()).run();
+  const auto msg = error_of([&] { Trainer(tiny_run(dir).steps(4).resume(true), tiny_decoder(), char_lm()); });
+  EXPECT_NE(msg.find("trainer dtype: checkpoint \"bf16\", now \"float32\""), std::string::npos) << msg;
 }
 
 // The REINFORCE term on a hand-made batch: its gradient with respect to each

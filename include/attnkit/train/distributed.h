@@ -108,9 +108,13 @@ class GradientReducer {
  public:
   /// `parameters`: leaf float32 tensors that require grad, each once; the
   /// same list in the same order on every rank. Registers the hooks; they are
-  /// removed by the destructor.
+  /// removed by the destructor. `sources` (mixed precision; empty: the
+  /// parameters themselves): leaves of the same shapes, one per parameter,
+  /// whose gradients the backward pass computes (in any floating dtype); the
+  /// hooks watch them, their gradients are all-reduced in float32 and the mean
+  /// is left in the float32 parameters' grads.
   GradientReducer(Communicator& communicator, std::vector<torch::Tensor> parameters, int64_t bucket_bytes,
-                  bool overlap);
+                  bool overlap, std::vector<torch::Tensor> sources = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -137,6 +141,7 @@ class GradientReducer {
 
   Communicator& comm_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> sources_;  // whose grads are reduced: params_ or their working copies
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<int64_t> offset_of_;

@@ -43,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace attnkit::train {
@@ -50,6 +51,22 @@ namespace attnkit::train {
 /// How a run shows its progress: `automatic` is `live` when stderr is a
 /// terminal and `plain` otherwise.
 enum class Display { automatic, live, plain, quiet };
+
+/// The dtype a run computes in. `float32`: everything in float32. `bf16`
+/// (mixed precision): the forward and backward passes run in bfloat16 on a
+/// working copy of the model, refreshed from the float32 weights before every
+/// step; the loss (its log-softmax) is computed in float32 from the bf16
+/// logits, the gradients are converted to float32 and everything after the
+/// backward pass (data-parallel all-reduce, clipping, AdamW and its state,
+/// checkpoints) works on the float32 weights. Validation runs in the run's
+/// dtype. docs/TRAINING.md, "Mixed precision".
+enum class DType { float32, bf16 };
+
+/// "float32" or "bf16" (the names the options' JSON and `--dtype` use).
+std::string to_string(DType dtype);
+/// "float32", "bf16" or "bfloat16"; anything else throws an error naming the
+/// option, the accepted values and the value given.
+DType dtype_from_string(const std::string& name);
 
 struct TrainerOptions {
   TORCH_ARG(int64_t, steps) = 1000;   ///< optimiser steps of the whole run
@@ -72,6 +89,7 @@ struct TrainerOptions {
   TORCH_ARG(std::string, out);               ///< the run directory
   TORCH_ARG(bool, resume) = false;           ///< continue from the newest checkpoint of `out`
   TORCH_ARG(Display, display) = Display::automatic;
+  TORCH_ARG(DType, dtype) = DType::float32;  ///< compute dtype (float32 weights and optimiser state either way)
 
  public:  // TORCH_ARG leaves the access private
   /// The options as JSON (what a checkpoint stores) and back; from_json
@@ -129,7 +147,14 @@ class Trainer {
   const DistributedOptions& distributed() const { return distributed_; }
   const models::TransformerOptions& model_options() const { return model_options_; }
   const tasks::TaskOptions& task_options() const { return task_options_; }
+  /// The model with the run's float32 weights (what the optimiser updates and
+  /// checkpoints hold).
   models::Transformer& model() { return model_; }
+  /// The model the forward and backward passes run on: model() in float32;
+  /// with DType::bf16 its bfloat16 working copy (parameters refreshed from
+  /// model() before every step and every validation; buffers copied both
+  /// ways, so that state such as a SAC baseline lives in model()).
+  models::Transformer& compute_model() { return work_ ? work_ : model_; }
   const tasks::Task& task() const { return *task_; }
   torch::optim::Optimizer& optimizer();
 
@@ -139,6 +164,15 @@ class Trainer {
 
  private:
   void write_checkpoint(int64_t step, double elapsed, const TrainResult& result);
+  /// bf16: the working copy's parameters := model()'s rounded to bfloat16,
+  /// its buffers := model()'s. No-op in float32.
+  void refresh_work();
+  /// bf16: model()'s buffers := the working copy's (after a forward pass or a
+  /// REINFORCE update changed them). No-op in float32.
+  void keep_work_buffers();
+  /// bf16: each float32 parameter's grad := its working copy's gradient in
+  /// float32 (undefined where the copy got none). No-op in float32.
+  void take_work_grads();
 
   TrainerOptions options_;
   DistributedOptions distributed_;
@@ -146,6 +180,10 @@ class Trainer {
   tasks::TaskOptions task_options_;
   std::unique_ptr<tasks::Task> task_;
   models::Transformer model_{nullptr};
+  // bf16: the bfloat16 working copy, and (float32 parameter, its copy) and
+  // (buffer, its copy) pairs, each parameter once.
+  models::Transformer work_{nullptr};
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> work_params_, work_buffers_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   int64_t start_step_ = 0;
   double elapsed_before_ = 0;  // seconds trained before this process (resumed runs)
@@ -228,7 +266,7 @@ SacReinforce sac_reinforce(nn::EdgePredictorImpl& predictor, const models::SacSt
 /// Metrics of `model` (eval mode, no autograd) over the first `max_batches`
 /// (0: all) evaluation batches of `split`, `batch` sequences of `context` tokens.
 /// For a SAC model, `structure` (when given) receives statistics of the
-/// structures it decoded.
+/// structures it decoded. The logits of a bfloat16 model are scored in float32.
 tasks::Metrics evaluate(models::Transformer& model, const tasks::Task& task, tasks::Split split,
                         int64_t batch, int64_t context, int64_t max_batches,
                         StructureStats* structure = nullptr);
