@@ -531,14 +531,14 @@ TEST(EdgesHopDistances, Refusals) {
   expect_error([] { edges::hop_distances(EdgeList{}, 2); }, {"edges::hop_distances"});
 }
 
-TEST(SparseDispatch, KernelForFloat32CompositeOtherwiseSayingWhy) {
-  // float32 runs the edge-list kernel (tests/kernels/sparse_attention_kernel_test.cpp
+TEST(SparseDispatch, KernelForFloat32AndBfloat16CompositeOtherwiseSayingWhy) {
+  // float32 (and bfloat16, converted) runs the edge-list kernel (tests/kernels/sparse_attention_kernel_test.cpp
   // checks it against the reference); float64 takes the composite, whose output
   // is exactly the reference's, and the reason says what it costs.
   const std::string why =
-      "q, k and v are float64; the edge-list kernel is float32 only (the composite builds a "
-      "dense L x S mask and score matrix per head, O(L S) time and memory whatever the number "
-      "of edges)";
+      "q, k and v are float64; the edge-list kernel is float32 and bfloat16 only (the composite "
+      "builds a dense L x S mask and score matrix per head, O(L S) time and memory whatever the "
+      "number of edges)";
   torch::manual_seed(13);
   const auto e = edges::local(6, 1);
   auto q = torch::randn({1, 2, 6, 3}), k = torch::randn({1, 2, 6, 3}), v = torch::randn({1, 2, 6, 2});

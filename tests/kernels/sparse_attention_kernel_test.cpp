@@ -149,18 +149,39 @@ EdgeList per_head_list(const std::vector<EdgeList>& heads) {
   return {torch::stack(offsets), torch::cat(columns)};
 }
 
-TEST(SparseAttentionKernel, DispatchTakesTheKernelForFloat32Only) {
+TEST(SparseAttentionKernel, DispatchTakesTheKernelForFloat32AndBfloat16) {
   auto q = torch::randn({1, 2, 6, 3}), v = torch::randn({1, 2, 6, 2});
   const auto e = edges::local(6, 1);
   testing::expect_kernel(sparse_attention_dispatch(q, q, v, e));
   auto q64 = q.to(torch::kDouble), v64 = v.to(torch::kDouble);
   testing::expect_composite(
       sparse_attention_dispatch(q64, q64, v64, e),
-      "q, k and v are float64; the edge-list kernel is float32 only (the composite builds a dense "
-      "L x S mask and score matrix per head, O(L S) time and memory whatever the number of edges)");
+      "q, k and v are float64; the edge-list kernel is float32 and bfloat16 only (the composite "
+      "builds a dense L x S mask and score matrix per head, O(L S) time and memory whatever the "
+      "number of edges)");
   // float64 is the reference itself, bit for bit.
   EXPECT_TRUE(torch::equal(sparse_attention(q64, q64, v64, e),
                            reference::sparse_attention(q64, q64, v64, e, {})));
+  // bfloat16 takes the float32 kernel on converted inputs: its result is that
+  // kernel's, rounded once, and so are the gradients.
+  // (k is its own tensor: a tensor used twice would sum two rounded gradients.)
+  auto leaf = [](const torch::Tensor& t, torch::ScalarType type) {
+    return t.detach().to(type).requires_grad_();
+  };
+  auto qb = leaf(q, torch::kBFloat16), kb = leaf(torch::randn({1, 2, 6, 3}), torch::kBFloat16),
+       vb = leaf(v, torch::kBFloat16);
+  const auto d = sparse_attention_dispatch(qb, kb, vb, e);
+  EXPECT_TRUE(d.uses_kernel());
+  EXPECT_EQ(d.reason, "bf16 converted to float32 (no bf16 kernel for sparse attention)");
+  auto out = sparse_attention(qb, kb, vb, e);
+  out.sum().backward();
+  auto q32 = leaf(qb, torch::kFloat), k32 = leaf(kb, torch::kFloat), v32 = leaf(vb, torch::kFloat);
+  auto out32 = sparse_attention(q32, k32, v32, e);
+  out32.sum().backward();
+  EXPECT_TRUE(torch::equal(out, out32.to(torch::kBFloat16)));
+  for (auto [ours, want] : {std::pair{qb.grad(), q32.grad()}, {kb.grad(), k32.grad()},
+                            {vb.grad(), v32.grad()}})
+    EXPECT_TRUE(torch::equal(ours, want.to(torch::kBFloat16)));
 }
 
 TEST(SparseAttentionKernel, RandomRowsMatchTheReference) {
