@@ -49,21 +49,22 @@ Visibility visibility_of(const SoftmaxAttentionBf16Params& p, int64_t n) {
 
 void zero(bf16* x, int64_t n) { std::memset(x, 0, static_cast<size_t>(n) * sizeof(bf16)); }
 
-/// out[c] = bf16(exp(s[c] - shift)) for c < n; returns the float32 sum of the
+/// out[c] = bf16(exp(scale s[c] - shift)) for c < n (one rounding before the
+/// exp: a fused multiply-subtract); returns the float32 sum of the
 /// exponentials (before rounding).
-float exp_to_bf16(const float* s, int64_t n, float shift, bf16* out) {
+float exp_to_bf16(const float* s, int64_t n, float scale, float shift, bf16* out) {
 #ifdef __AVX512BF16__
-  const __m512 sh = _mm512_set1_ps(shift);
+  const __m512 sc = _mm512_set1_ps(scale), sh = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
-    const __m512 e = vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), sh));
+    const __m512 e = vec::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + c), sc, sh));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)_mm512_cvtneps_pbh(e));
   }
   if (c < n) {
     const __mmask16 k = vec::tail_mask(n - c);
-    const __m512 e = vec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), sh));
+    const __m512 e = vec::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + c), sc, sh));
     sum = _mm512_mask_add_ps(sum, k, sum, e);
     _mm256_mask_storeu_epi16(out + c, k, (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -71,7 +72,7 @@ float exp_to_bf16(const float* s, int64_t n, float shift, bf16* out) {
 #else
   float sum = 0.f;
   for (int64_t c = 0; c < n; ++c) {
-    const float e = vec::exp(s[c] - shift);
+    const float e = vec::exp(std::fma(s[c], scale, -shift));
     sum += e;
     out[c] = to_bf16(e);
   }
@@ -144,15 +145,22 @@ void forward_block(const SoftmaxAttentionBf16Params& p, ForwardPacks& packs, int
         float* s = w.s + r * BK;
         bf16* pr = w.p + r * BK;
         const int64_t seen = std::clamp<int64_t>(visible(i0 + r) - j0, 0, cols);
-        vec::scale(s, seen, p.scale);
+        // The scaled scores' max: for scale > 0 it is the raw max times scale
+        // (rounding is monotonic), so the scores are read twice, not three
+        // times; else they are scaled first.
+        float factor = p.scale;
+        if (factor <= 0.f) {
+          vec::scale(s, seen, factor);
+          factor = 1.f;
+        }
         // max(block max, m) keeps a NaN of either: the row then stays NaN.
-        const float m_new = std::max(vec::max(s, seen), w.m[r]);
+        const float m_new = std::max(vec::max(s, seen) * factor, w.m[r]);
         if (m_new == -kInf) {  // nothing visible to this row yet: P = 0, not NaN
           zero(pr, cols32);
           continue;
         }
         const float alpha = vec::exp(w.m[r] - m_new);  // 0 on the row's first visible block
-        w.l[r] = w.l[r] * alpha + exp_to_bf16(s, seen, m_new, pr);
+        w.l[r] = w.l[r] * alpha + exp_to_bf16(s, seen, factor, m_new, pr);
         zero(pr + seen, cols32 - seen);
         if (alpha != 1.f) vec::scale(w.o + r * M32, p.M, alpha);
         w.m[r] = m_new;

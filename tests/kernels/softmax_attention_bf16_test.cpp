@@ -10,14 +10,15 @@
 // rounds only P, dS and the results. Both errors are dominated by the final
 // rounding to bf16, so the ratio is about 1. Measured here, worst over the
 // cases, outputs and gradients, on 1 and 2 threads (printed by the tests):
-//   AMX kernel           0.99
+//   AMX kernel           1.00 (dv at scale 0, where P is uniform; 0.99 elsewhere)
 //   float32 conversion   0.95
 // The bound is the rule's 2, not these numbers.
 //
 // Shapes: one query and key, lengths off the 32 / 64 / 128 blocks, L != S,
-// E != M, E and M of 128, causal with L > S (rows that see nothing), key
-// lengths including 0, strided (N, L, H, E) views, heads split into key parts
-// (N H < 8) and not; results bitwise equal on 1 and 2 threads.
+// E != M, E and M of 128, negative and zero scales, causal with L > S (rows
+// that see nothing), key lengths including 0, strided (N, L, H, E) views,
+// heads split into key parts (N H < 8) and not; results bitwise equal on 1
+// and 2 threads.
 //
 // ctest runs these also with ONEDNN_MAX_CPU_ISA capped (tests/CMakeLists.txt),
 // where the op must take the float32 conversion path by itself.
@@ -44,6 +45,7 @@ struct Case {
   bool causal = false;
   std::vector<int64_t> key_lengths = {};  // empty: none
   bool strided = false;                   // q, k, v, dout as (N, L, H, X) transposed views
+  c10::optional<double> scale = c10::nullopt;  // unset: 1 / sqrt(E)
 };
 
 const std::vector<Case>& cases() {
@@ -59,6 +61,8 @@ const std::vector<Case>& cases() {
       {"N H >= 8: one part per head", 2, 5, 257, 257, 64, 64, true},
       {"one head in key parts", 1, 1, 1000, 1000, 64, 64, true},
       {"E = M = 128", 1, 2, 130, 260, 128, 128},
+      {"negative scale", 1, 2, 40, 300, 32, 32, true, {}, false, -0.3},
+      {"zero scale: uniform weights", 1, 1, 20, 30, 16, 16, false, {}, false, 0.0},
   };
   return all;
 }
@@ -102,7 +106,8 @@ std::vector<torch::Tensor> run(const Inputs& in, const Case& c, torch::ScalarTyp
   // .to() keeps the strides of a strided view (preserve_format), so the op sees them.
   auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).detach().requires_grad_(); };
   auto q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
-  auto options = SoftmaxAttentionFuncOptions().causal(c.causal).key_lengths(in.key_lengths);
+  auto options =
+      SoftmaxAttentionFuncOptions().causal(c.causal).key_lengths(in.key_lengths).scale(c.scale);
   auto out = ours ? softmax_attention(q, k, v, options) : reference::softmax_attention(q, k, v, options);
   out.backward(in.dout.to(dtype));
   std::vector<torch::Tensor> result;
