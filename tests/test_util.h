@@ -4,6 +4,7 @@
 
 #include <attnkit/dispatch.h>
 #include <attnkit/ops.h>
+#include <attnkit/runtime.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +16,20 @@
 #include <vector>
 
 namespace attnkit::testing {
+
+/// Restores attnkit's thread count when it goes out of scope; given a count,
+/// sets it first.
+class ThreadsGuard {
+ public:
+  ThreadsGuard() : previous_(num_threads()) {}
+  explicit ThreadsGuard(int threads) : ThreadsGuard() { set_num_threads(threads); }
+  ~ThreadsGuard() { set_num_threads(previous_); }
+  ThreadsGuard(const ThreadsGuard&) = delete;
+  ThreadsGuard& operator=(const ThreadsGuard&) = delete;
+
+ private:
+  int previous_;
+};
 
 inline torch::TensorOptions f64() { return torch::TensorOptions().dtype(torch::kDouble); }
 inline torch::TensorOptions f32() { return torch::TensorOptions().dtype(torch::kFloat); }

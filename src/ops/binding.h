@@ -4,6 +4,7 @@
 
 #include <torch/types.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -35,6 +36,35 @@ void bind(Ptr& ptr, int64_t (&stride)[R], const torch::Tensor& t) {
   bind_strides(t, stride);
   if (t.numel() == 0)
     for (auto& s : stride) s = 0;
+}
+
+/// Binds q, k, v and out to a kernel's QkvParams-style fields (pointers and
+/// strides) and sets N, H, L, S, E, M from their shapes.
+template <typename Params>
+void bind_qkv(Params& p, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& out) {
+  bind(p.q, p.q_stride, q);
+  bind(p.k, p.k_stride, k);
+  bind(p.v, p.v_stride, v);
+  bind(p.out, p.out_stride, out);
+  p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
+}
+
+/// The input gradients of a q/k/v backward pass: dq, dk, dv allocated
+/// contiguous in the shapes and dtype of q, k, v, and bound with the output
+/// gradient dout to p's QkvGrads-style fields.
+template <typename Params>
+std::array<torch::Tensor, 3> bind_qkv_grads(Params& p, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& v,
+                                            const torch::Tensor& dout) {
+  std::array<torch::Tensor, 3> grads{torch::empty_like(q, torch::MemoryFormat::Contiguous),
+                                     torch::empty_like(k, torch::MemoryFormat::Contiguous),
+                                     torch::empty_like(v, torch::MemoryFormat::Contiguous)};
+  bind(p.dout, p.dout_stride, dout);
+  bind(p.dq, p.dq_stride, grads[0]);
+  bind(p.dk, p.dk_stride, grads[1]);
+  bind(p.dv, p.dv_stride, grads[2]);
+  return grads;
 }
 
 }  // namespace attnkit::detail

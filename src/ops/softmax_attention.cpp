@@ -64,12 +64,8 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
                                             const torch::Tensor& key_lengths, const Constants& c,
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
-  detail::bind(p.q, p.q_stride, q);
-  detail::bind(p.k, p.k_stride, k);
-  detail::bind(p.v, p.v_stride, v);
-  detail::bind(p.out, p.out_stride, out);
+  detail::bind_qkv(p, q, k, v, out);
   p.lse = lse.data_ptr<float>();
-  p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
   p.key_lengths = key_lengths.defined() ? key_lengths.data_ptr<int64_t>() : nullptr;
@@ -108,13 +104,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
         make_params(q, k, v, bias, key_lengths, c, out, lse);
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
-    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    detail::bind(p.dout, p.dout_stride, grads[0]);
-    detail::bind(p.dq, p.dq_stride, dq);
-    detail::bind(p.dk, p.dk_stride, dk);
-    detail::bind(p.dv, p.dv_stride, dv);
+    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
     // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
     torch::Tensor dbias;
@@ -170,13 +160,7 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
     const Constants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
-    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    detail::bind(p.dout, p.dout_stride, grads[0]);
-    detail::bind(p.dq, p.dq_stride, dq);
-    detail::bind(p.dk, p.dk_stride, dk);
-    detail::bind(p.dv, p.dv_stride, dv);
+    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     kernels::softmax_attention_backward_bf16(p);
     return detail::once_differentiable(
         kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]},
@@ -190,12 +174,8 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
                                                     const torch::Tensor& out,
                                                     const torch::Tensor& lse) {
     kernels::SoftmaxAttentionBf16Params p;
-    detail::bind(p.q, p.q_stride, q);
-    detail::bind(p.k, p.k_stride, k);
-    detail::bind(p.v, p.v_stride, v);
-    detail::bind(p.out, p.out_stride, out);
+    detail::bind_qkv(p, q, k, v, out);
     p.lse = lse.data_ptr<float>();
-    p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
     p.scale = static_cast<float>(c.scale);
     p.causal = c.causal;
     p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;

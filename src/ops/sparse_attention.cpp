@@ -41,12 +41,8 @@ kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::
                                            const torch::Tensor& v, const Constants& c,
                                            const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SparseAttentionParams p;
-  detail::bind(p.q, p.q_stride, q);
-  detail::bind(p.k, p.k_stride, k);
-  detail::bind(p.v, p.v_stride, v);
-  detail::bind(p.out, p.out_stride, out);
+  detail::bind_qkv(p, q, k, v, out);
   p.lse = lse.data_ptr<float>();
-  p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2), p.E = q.size(3), p.M = v.size(3);
   p.scale = static_cast<float>(c.scale);
   p.offsets = c.offsets.data_ptr<int64_t>();
   p.lists = c.offsets.size(0);
@@ -75,13 +71,7 @@ class SparseAttentionFunction : public torch::autograd::Function<SparseAttention
     const Constants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble()};
     kernels::SparseAttentionBackwardParams p;
     static_cast<kernels::SparseAttentionParams&>(p) = make_params(q, k, v, c, out, lse);
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
-    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    detail::bind(p.dout, p.dout_stride, grads[0]);
-    detail::bind(p.dq, p.dq_stride, dq);
-    detail::bind(p.dk, p.dk_stride, dk);
-    detail::bind(p.dv, p.dv_stride, dv);
+    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     kernels::sparse_attention_backward(p);
     return detail::once_differentiable(kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
   }

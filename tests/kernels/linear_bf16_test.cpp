@@ -45,15 +45,7 @@ class ForceFloat32 {
   bool previous_;
 };
 
-/// Restores attnkit's thread count.
-class ThreadsGuard {
- public:
-  explicit ThreadsGuard(int threads) : previous_(num_threads()) { set_num_threads(threads); }
-  ~ThreadsGuard() { set_num_threads(previous_); }
-
- private:
-  int previous_;
-};
+using testing::ThreadsGuard;
 
 const bf16* bf16_data(const torch::Tensor& t) {
   return reinterpret_cast<const bf16*>(t.data_ptr<c10::BFloat16>());

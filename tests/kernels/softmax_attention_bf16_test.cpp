@@ -35,6 +35,7 @@
 #include "kernels/gemm_bf16.h"
 #include "kernels/softmax_attention_bf16.h"
 #include "reference/reference.h"
+#include "test_util.h"
 
 namespace attnkit {
 namespace {
@@ -67,15 +68,7 @@ const std::vector<Case>& cases() {
   return all;
 }
 
-/// Restores attnkit's thread count.
-class ThreadsGuard {
- public:
-  explicit ThreadsGuard(int threads) : previous_(num_threads()) { set_num_threads(threads); }
-  ~ThreadsGuard() { set_num_threads(previous_); }
-
- private:
-  int previous_;
-};
+using testing::ThreadsGuard;
 
 /// The case's inputs, rounded to bf16 and held in float32 (every computation
 /// sees the same values); dout likewise.

@@ -14,6 +14,7 @@
 #include <map>
 #include <set>
 
+#include "test_util.h"
 #include "train/train_test_util.h"
 
 using namespace attnkit;
@@ -23,11 +24,7 @@ using attnkit::testing::fresh_dir;
 
 namespace {
 
-struct ThreadsGuard {
-  ThreadsGuard() : previous(attnkit::num_threads()) {}
-  ~ThreadsGuard() { attnkit::set_num_threads(previous); }
-  int previous;
-};
+using attnkit::testing::ThreadsGuard;
 
 models::TransformerOptions tiny_decoder() {
   return models::TransformerOptions().layers(2).width(32).heads(2).ffn(64).dropout(0.0);

@@ -17,6 +17,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "test_util.h"
 #include "train/train_test_util.h"
 
 namespace fs = std::filesystem;
@@ -68,11 +69,7 @@ std::string error_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
-struct ThreadsGuard {
-  ThreadsGuard() : previous(attnkit::num_threads()) {}
-  ~ThreadsGuard() { attnkit::set_num_threads(previous); }
-  int previous;
-};
+using attnkit::testing::ThreadsGuard;
 
 /// Trains 20 steps straight and 10 + 10 with a stop and a resume in between;
 /// the two end with bitwise the same weights and buffers.
