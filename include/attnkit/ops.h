@@ -70,7 +70,9 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,
                                const LinearAttentionFuncOptions& options = {});
 /// The backend linear_attention runs for these arguments (the op calls this):
-/// the chunked kernel when q, k and v are float32, else the composite.
+/// the chunked kernel when q, k and v are float32, and on bfloat16 converted
+/// to float32 (the result rounded once; reason "bf16 converted to float32
+/// (...)"), else the composite.
 /// Assumes arguments the op accepts; it does not validate them.
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v,
@@ -183,13 +185,15 @@ struct SparseAttentionFuncOptions {
 /// size L x S; results bitwise the same for any thread count. Strided q, k, v
 /// are read in place (copied once when their columns are not contiguous). Gradients for q, k and v (first
 /// order only). A row with no edge outputs zeros and gets zero gradients.
-/// Other dtypes run the composite, which builds a dense L x S mask and score
+/// bfloat16 runs the float32 kernel on converted inputs, the result rounded
+/// once. float64 runs the composite, which builds a dense L x S mask and score
 /// matrix per head (O(L S) time and memory) and is differentiable twice.
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionFuncOptions& options = {});
 /// The backend sparse_attention runs (the op calls this): the edge-list kernel
-/// when q, k and v are float32, else the composite; the reason says why.
+/// when q, k and v are float32 or bfloat16 (converted: the reason says so),
+/// else the composite; the reason says why.
 Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const EdgeList& edges,
                                    const SparseAttentionFuncOptions& options = {});
