@@ -16,7 +16,7 @@
 //
 // Shapes: one query and key, lengths off the 32 / 64 / 128 blocks, L != S,
 // E != M, E and M of 128, negative and zero scales, causal with L > S (rows
-// that see nothing), key lengths including 0, strided (N, L, H, E) views,
+// that see nothing), key lengths including 0, row- and column-strided views,
 // heads split into key parts (N H < 8) and not; results bitwise equal on 1
 // and 2 threads.
 //
@@ -45,7 +45,9 @@ struct Case {
   int64_t N, H, L, S, E, M;
   bool causal = false;
   std::vector<int64_t> key_lengths = {};  // empty: none
-  bool strided = false;                   // q, k, v, dout as (N, L, H, X) transposed views
+  // 1: q, k, v, dout as (N, L, H, X) transposed views (rows strided);
+  // 2: as (N, H, X, L) transposed views (columns strided)
+  int strided = 0;
   c10::optional<double> scale = c10::nullopt;  // unset: 1 / sqrt(E)
 };
 
@@ -58,12 +60,13 @@ const std::vector<Case>& cases() {
       {"decode: one query, many keys", 1, 1, 1, 500, 64, 64},
       {"key lengths 0, 45, 200", 3, 1, 50, 200, 64, 64, false, {0, 45, 200}},
       {"key lengths, causal", 2, 2, 129, 129, 64, 64, true, {129, 70}},
-      {"strided views", 2, 3, 65, 97, 64, 32, false, {}, true},
+      {"row-strided views", 2, 3, 65, 97, 64, 32, false, {}, 1},
+      {"column-strided views", 1, 2, 50, 70, 40, 24, true, {}, 2},
       {"N H >= 8: one part per head", 2, 5, 257, 257, 64, 64, true},
       {"one head in key parts", 1, 1, 1000, 1000, 64, 64, true},
       {"E = M = 128", 1, 2, 130, 260, 128, 128},
-      {"negative scale", 1, 2, 40, 300, 32, 32, true, {}, false, -0.3},
-      {"zero scale: uniform weights", 1, 1, 20, 30, 16, 16, false, {}, false, 0.0},
+      {"negative scale", 1, 2, 40, 300, 32, 32, true, {}, 0, -0.3},
+      {"zero scale: uniform weights", 1, 1, 20, 30, 16, 16, false, {}, 0, 0.0},
   };
   return all;
 }
@@ -79,9 +82,11 @@ struct Inputs {
 Inputs make_inputs(const Case& c, uint64_t seed) {
   torch::manual_seed(seed);
   auto draw = [&](int64_t rows, int64_t cols) {
-    // Strided: drawn as (N, rows, H, cols) and viewed as (N, H, rows, cols).
-    auto t = c.strided ? torch::randn({c.N, rows, c.H, cols}).transpose(1, 2)
-                       : torch::randn({c.N, c.H, rows, cols});
+    // Strided: drawn as (N, rows, H, cols) or (N, H, cols, rows) and viewed
+    // as (N, H, rows, cols).
+    auto t = c.strided == 1   ? torch::randn({c.N, rows, c.H, cols}).transpose(1, 2)
+             : c.strided == 2 ? torch::randn({c.N, c.H, cols, rows}).transpose(2, 3)
+                              : torch::randn({c.N, c.H, rows, cols});
     return t.to(torch::kBFloat16).to(torch::kFloat);
   };
   Inputs in;
