@@ -77,6 +77,16 @@ class SparseAttentionFunction : public torch::autograd::Function<SparseAttention
   }
 };
 
+/// The float32 kernel on validated arguments.
+torch::Tensor run_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const EdgeList& edges, const SparseAttentionFuncOptions& options) {
+  // (lists, L + 1): one list for all heads, or one per head (H may be 0).
+  auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
+  const Constants c{offsets.contiguous(), edges.columns.contiguous(),
+                    detail::scale_or_default(options.scale(), q.size(3))};
+  return SparseAttentionFunction::apply(q, k, v, c);
+}
+
 }  // namespace
 
 Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
@@ -97,18 +107,15 @@ Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& 
 torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const EdgeList& edges,
                                const SparseAttentionFuncOptions& options) {
-  // bf16: the float32 kernel on converted inputs (not the dense composite),
-  // the result rounded once; autograd converts the gradients back.
-  if (q.scalar_type() == torch::kBFloat16 && sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
-    return sparse_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), edges, options)
-        .to(torch::kBFloat16);
+  // Validates once (the edge-list check reads every edge).
   if (!sparse_attention_dispatch(q, k, v, edges, options).uses_kernel())
     return reference::sparse_attention(q, k, v, edges, options);
-  // (lists, L + 1): one list for all heads, or one per head (H may be 0).
-  auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
-  const Constants c{offsets.contiguous(), edges.columns.contiguous(),
-                    detail::scale_or_default(options.scale(), q.size(3))};
-  return SparseAttentionFunction::apply(q, k, v, c);
+  // bf16: the float32 kernel on converted inputs (not the dense composite),
+  // the result rounded once; autograd converts the gradients back.
+  if (q.scalar_type() == torch::kBFloat16)
+    return run_kernel(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), edges, options)
+        .to(torch::kBFloat16);
+  return run_kernel(q, k, v, edges, options);
 }
 
 }  // namespace attnkit
