@@ -11,7 +11,11 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
            const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
            int64_t ldc) {
   if (m == 0 || n == 0) return;
-  if (k == 0) {  // oneDNN rejects K = 0; the product is empty, C = beta * C.
+  // oneDNN rejects K = 0, and with alpha = 0 its SSE4.1 kernels (what a
+  // baseline CPU, or ATTNKIT_MAX_ISA=baseline, runs) read C even when beta = 0,
+  // turning garbage scratch into NaN (0 * NaN). Either way the product
+  // contributes nothing: C = beta * C, and C is not read when beta = 0.
+  if (k == 0 || alpha == 0.f) {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
     return;
