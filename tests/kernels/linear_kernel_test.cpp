@@ -41,6 +41,12 @@ constexpr double kPerEntryTol = 64.0 / (1 << 24);
 // k are O(eps) differences of O(1) terms), no float32 computation resolves it:
 // there the bound is this many times the error of libtorch's float32 run of the
 // reference on the same inputs. 4x leaves room for a different summation order.
+// That calibration is one float32 run's luck, though: our scalar build
+// (ATTNKIT_MAX_ISA=baseline, no FMA) measured 0.57 against 4 x 0.090 on dk of
+// the normalised elu form with L = S = 1. So the normalised forms are checked
+// per entry instead (normalised_magnitudes), against the size of the terms
+// that cancel: exactly what float32 can resolve, and stricter than the
+// relative bound wherever nothing cancels.
 constexpr double kVsFloat32Factor = 4.0;
 
 torch::Tensor empty_like_f32(at::IntArrayRef sizes) { return torch::empty(sizes, f32()); }
@@ -121,6 +127,28 @@ std::string describe(const LinearAttentionFuncOptions& o, int64_t L, int64_t S, 
 // Feature-map linear attention
 // ---------------------------------------------------------------------------
 
+/// Error scales of the normalised forms out = num / den, num a polynomial with
+/// non-negative coefficients of the features: the sums of |terms| of num / den
+/// and of its gradients with den held at its value (term_magnitudes), doubled
+/// for the normaliser's own gradient terms, which are as large and cancel them
+/// where a query sees one key.
+std::vector<torch::Tensor> normalised_magnitudes(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& dout,
+                                                 const LinearAttentionFuncOptions& o) {
+  auto unnormalised = o;
+  unnormalised.normalize(false);
+  // den = phi(q_i) . sum of the visible phi(k_j), + eps: num with v = 1.
+  const auto ones = torch::ones({k.size(0), k.size(1), k.size(2), 1}, k.options());
+  const auto den = reference::linear_attention(q, k, ones, unnormalised) + o.eps();
+  auto scaled = testing::term_magnitudes(
+      [&](const std::vector<torch::Tensor>& x) {
+        return reference::linear_attention(x[0], x[1], x[2], unnormalised) / den;
+      },
+      {q, k, v}, dout);
+  for (auto& t : scaled) t = 2 * t;
+  return scaled;
+}
+
 /// Per-entry check against the sums of |terms| (see kPerEntryTol).
 void expect_per_entry(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
                       const std::vector<torch::Tensor>& magnitudes, const std::string& what) {
@@ -162,14 +190,19 @@ TEST(LinearKernel, MatchesFloat64ReferenceInValuesAndGradients) {
               f, {qq.to(torch::kFloat), kk.to(torch::kFloat), v.to(torch::kFloat)}, dout);
           const bool polynomial = map == FeatureMap::identity && !normalize;
           const auto magnitudes =
-              polynomial ? testing::term_magnitudes(f, {qq, kk, v}, dout) : std::vector<torch::Tensor>{};
+              polynomial ? testing::term_magnitudes(f, {qq, kk, v}, dout)
+              : normalize ? normalised_magnitudes(qq, kk, v, dout, o)
+                          : std::vector<torch::Tensor>{};
           // 64 and 1 divide every L; 7 and 16 divide none but 1 (or 64 for 16).
           for (int64_t chunk : {1, 7, 16, 64}) {
             if (!causal && chunk != 64) continue;  // non-causal is one chunk whatever the size
             auto g = linear_kernels(qq.to(torch::kFloat), kk.to(torch::kFloat), v.to(torch::kFloat),
                                     dout.to(torch::kFloat), o, chunk);
             const std::string what = describe(o, L, S, chunk) + " E=" + std::to_string(E);
-            expect_matches({g.out, g.dq, g.dk, g.dv}, want, f32_ref, what);
+            if (normalize)  // per entry only: see kVsFloat32Factor
+              expect_per_entry({g.out, g.dq, g.dk, g.dv}, want, magnitudes, what);
+            else
+              expect_matches({g.out, g.dq, g.dk, g.dv}, want, f32_ref, what);
             if (polynomial) expect_per_entry({g.out, g.dq, g.dk, g.dv}, want, magnitudes, what);
           }
         }
