@@ -9,8 +9,10 @@ Environment:
     ATTNKIT_CMAKE_BUILD_DIR   CMake build directory (default: build-python/ in the source tree)
     ATTNKIT_CMAKE_ARGS        extra CMake arguments, e.g. -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
     ATTNKIT_JOBS              parallel build jobs (default: all cores)
-The library is compiled for the build machine's CPU (-march=native, as the
-CMake build); -DATTNKIT_NATIVE=OFF in ATTNKIT_CMAKE_ARGS makes a portable one.
+The library runs on any x86-64-v2 CPU, whatever machine builds it: its kernels
+are compiled once per ISA level (baseline, avx2, avx512, amx) and the best
+level the running CPU has is picked at load (attnkit.isa() names it). On an
+older CPU, `import attnkit` fails saying which level is missing.
 """
 import os
 import pathlib

@@ -41,6 +41,7 @@ struct BenchConfig {
   // N*H*L*S up to which the float64 checks (err, approx_err) run.
   int64_t check_limit = int64_t{1} << 25;
   std::string json;
+  bool measure_peak = true;  // false: no sgemm peak or torch.mm (emulators, smoke runs)
 };
 
 struct Result {
@@ -56,6 +57,7 @@ struct Result {
   int64_t peak_bytes = 0;
   c10::optional<double> err, approx_err;
   std::string note;  // non-empty: the row did not run (why)
+  std::string dispatch_isa;  // the kernel's ISA level; empty for the composite and torch
 };
 
 /// The plain libtorch composite a user would write for exact attention.
@@ -120,6 +122,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
     const Dispatch d = info.dispatch ? info.dispatch(inputs, args, spec) : Dispatch::kernel();
     r.impl = to_string(d.backend);
     r.dispatch_reason = d.reason;
+    r.dispatch_isa = d.isa;
     call = [&] { return info.run(inputs, args, spec); };
   }
 
@@ -217,7 +220,7 @@ void print_row(const Result& r, double peak) {
     return;
   }
   c10::optional<double> pct;
-  if (r.gflops) pct = 100.0 * *r.gflops / peak;
+  if (r.gflops && peak > 0) pct = 100.0 * *r.gflops / peak;
   std::cout << std::setw(11) << fmt(r.ms, 2) << std::setw(10) << opt(r.gflops, 1) << std::setw(7)
             << opt(pct, 0) << std::setw(9) << opt(r.ns_per_edge, 2) << std::setw(10)
             << fmt(r.peak_bytes / 1048576.0, 1) << std::setw(10)
@@ -226,8 +229,8 @@ void print_row(const Result& r, double peak) {
 
 void print_legend() {
   std::cout
-      << "\nimpl        what ran: kernel (an attnkit kernel; the `path` lines name it where the\n"
-      << "            dtype decides), composite (libtorch ops, src/reference), torch (plain\n"
+      << "\nimpl        what ran: kernel (an attnkit kernel; the `path` lines name its ISA level\n"
+      << "            and how it ran), composite (libtorch ops, src/reference), torch (plain\n"
       << "            libtorch matmul-softmax-matmul)\n"
       << "dtype       the inputs' dtype (f32, bf16); %peak is against the float32 sgemm peak\n"
       << "ms          median wall time of --repeats calls after an untimed warm-up\n"
@@ -243,13 +246,16 @@ void print_legend() {
       << "            for mechanisms that approximate it\n";
 }
 
-/// Which path each mechanism's kernel took per dtype (where the dispatch names
-/// one), and with several dtypes, each fast row's speed against float32's.
+/// Which path each mechanism's op took per dtype (the ISA level of its kernel,
+/// and how it ran where the dispatch says), and with several dtypes, each fast
+/// row's speed against float32's.
 void print_paths_and_ratios(const std::vector<Result>& rows) {
   std::vector<std::string> paths;
   for (const auto& r : rows) {
-    if (r.run != "fast" || r.dispatch_reason.empty()) continue;
-    const std::string line = r.attention + " " + r.dtype + ": " + r.dispatch_reason;
+    if (r.run != "fast") continue;
+    Dispatch d{r.impl == "kernel" ? Backend::kernel : Backend::composite, r.dispatch_reason,
+               r.dispatch_isa};
+    const std::string line = r.attention + " " + r.dtype + ": " + d.describe();
     if (std::find(paths.begin(), paths.end(), line) == paths.end()) paths.push_back(line);
   }
   if (!paths.empty()) std::cout << "\n";
@@ -272,6 +278,7 @@ nlohmann::json to_json(const Result& r, double peak) {
           {"run", r.run},
           {"impl", r.impl},
           {"dispatch_reason", r.dispatch_reason},
+          {"dispatch_isa", r.dispatch_isa},
           {"pass", r.pass},
           {"dtype", r.dtype},
           {"N", r.N}, {"H", r.H}, {"L", r.L}, {"S", r.S}, {"E", r.E}, {"M", r.M},
@@ -279,7 +286,8 @@ nlohmann::json to_json(const Result& r, double peak) {
           {"threads", r.threads},
           {"ms", r.ms},
           {"gflops", opt_json(r.gflops)},
-          {"fraction_of_peak", r.gflops ? nlohmann::json(*r.gflops / peak) : nlohmann::json(nullptr)},
+          {"fraction_of_peak",
+           r.gflops && peak > 0 ? nlohmann::json(*r.gflops / peak) : nlohmann::json(nullptr)},
           {"ns_per_edge", opt_json(r.ns_per_edge)},
           {"peak_bytes", r.peak_bytes},
           {"err", opt_json(r.err)},
@@ -293,7 +301,7 @@ void run_bench(const BenchConfig& c) {
   std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> mechanisms;
   for (const auto& text : c.attention) mechanisms.push_back(nn::resolve_mechanism(text));
 
-  MachineRecord machine = MachineRecord::measure();
+  MachineRecord machine = MachineRecord::measure(c.measure_peak);
   print_header(machine);
   nlohmann::json doc;
   doc["results"] = nlohmann::json::array();
@@ -311,15 +319,16 @@ void run_bench(const BenchConfig& c) {
             if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
             rows.push_back(std::move(r));
           }
-    machine.remeasure_peak();  // a busy moment lowers one measurement, not the best
+    if (c.measure_peak) machine.remeasure_peak();  // a busy moment lowers one measurement, not the best
   }
   print_paths_and_ratios(rows);
   print_legend();
-  std::cout << "best sgemm peak over the run: " << fmt(machine.sgemm_gflops, 1)
-            << " GFLOP/s (rows above used the best measured before them; the JSON uses this one)\n";
+  if (c.measure_peak)
+    std::cout << "best sgemm peak over the run: " << fmt(machine.sgemm_gflops, 1)
+              << " GFLOP/s (rows above used the best measured before them; the JSON uses this one)\n";
   if (!c.json.empty()) {
     for (auto& row : doc["results"])
-      if (row["gflops"].is_number())
+      if (row["gflops"].is_number() && machine.sgemm_gflops > 0)
         row["fraction_of_peak"] = row["gflops"].get<double>() / machine.sgemm_gflops;
     doc["machine"] = machine.to_json();
     write_json_atomically(c.json, doc);
@@ -379,6 +388,9 @@ void add_bench_command(CLI::App& app) {
                   "the kernels took and each bfloat16 row's speed against float32 are printed "
                   "after the table");
   cmd->add_option("--json", config->json, "Also write the results to this JSON file");
+  cmd->add_flag("--no-peak{false}", config->measure_peak,
+                "Skip the sgemm peak and torch.mm measurements (about a second natively, minutes "
+                "under an emulator); %peak stays empty");
   cmd->callback([=] {
     if (*list) {
       std::cout << nn::describe_mechanisms();

@@ -95,9 +95,9 @@ void run_dense(const DenseConfig& c) {
         if (t->grad().defined()) t->mutable_grad().reset();
     };
     const Dispatch d = linear_dispatch(x, w, b);
-    // The path: float32 kernel, the bf16 kernel's (e.g. "bf16 via oneDNN
-    // matmul (amx)"), or why the composite runs.
-    const std::string path = d.reason.empty() ? dtype_name + " kernel" : d.reason;
+    // The path: the kernel's ISA level and how it ran (e.g. "kernel (amx;
+    // bf16 via oneDNN matmul (amx))"), or why the composite runs.
+    const std::string path = d.describe();
     paths.push_back(dtype_name + ": " + path);
     const auto dy = torch::ones({c.rows, c.out}, x.options().requires_grad(false));
     for (const bool ours : {true, false}) {

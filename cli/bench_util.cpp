@@ -16,13 +16,6 @@
 
 namespace attnkit::cli {
 
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
 double load_average() {
   std::ifstream in("/proc/loadavg");
   double load = -1;
@@ -61,13 +54,15 @@ double measure_torch_mm_gflops() {
 
 }  // namespace
 
-MachineRecord MachineRecord::measure() {
+MachineRecord MachineRecord::measure(bool with_peaks) {
   MachineRecord m;
-  m.cpu = cpu_name();
+  m.cpu = cpu_model();
+  m.isa = attnkit::isa();
+  m.isa_description = attnkit::isa_description();
   m.threads = num_threads();
-  m.sgemm_gflops = sgemm_peak_gflops();
+  m.sgemm_gflops = with_peaks ? sgemm_peak_gflops() : 0;
   m.torch_blas = torch_blas_library();
-  m.torch_mm_gflops = measure_torch_mm_gflops();
+  m.torch_mm_gflops = with_peaks ? measure_torch_mm_gflops() : 0;
   return m;
 }
 
@@ -75,15 +70,19 @@ void MachineRecord::remeasure_peak() { sgemm_gflops = std::max(sgemm_gflops, sge
 
 std::string MachineRecord::header() const {
   std::ostringstream o;
-  o << "cpu: " << cpu << ", " << threads << " thread(s); sgemm peak (oneDNN, this process): "
-    << fmt(sgemm_gflops, 1) << " GFLOP/s\n"
-    << "libtorch matmul (the `torch` rows): " << torch_blas << ", torch.mm " << fmt(torch_mm_gflops, 1)
-    << " GFLOP/s\n";
+  // 0: not measured (bench --no-peak).
+  const auto rate = [](double gflops) { return gflops > 0 ? fmt(gflops, 1) + " GFLOP/s" : "not measured"; };
+  o << "cpu: " << cpu << ", " << threads << " thread(s), isa " << isa_description
+    << "; sgemm peak (oneDNN, this process): " << rate(sgemm_gflops) << "\n"
+    << "libtorch matmul (the `torch` rows): " << torch_blas << ", torch.mm " << rate(torch_mm_gflops)
+    << "\n";
   return o.str();
 }
 
 nlohmann::json MachineRecord::to_json() const {
   return {{"cpu", cpu},
+          {"isa", isa},
+          {"isa_description", isa_description},
           {"threads", threads},
           {"sgemm_gflops", sgemm_gflops},
           {"torch_blas", torch_blas},

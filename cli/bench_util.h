@@ -14,8 +14,6 @@
 
 namespace attnkit::cli {
 
-std::string cpu_name();
-
 /// The 1-minute load average of /proc/loadavg (-1 if unknown), to record how
 /// busy a shared machine was (2 cores: load 2 = both busy).
 double load_average();
@@ -32,13 +30,16 @@ double thread_cpu_now_ms();
 /// thread count: the best sgemm peak seen so far and libtorch's torch.mm.
 struct MachineRecord {
   std::string cpu;
+  std::string isa;              // the kernels' level (runtime.h: isa())
+  std::string isa_description;  // and how it was chosen
   int threads = 1;
   double sgemm_gflops = 0;     // best of every measurement so far
   std::string torch_blas;      // the library behind libtorch's matmul
   double torch_mm_gflops = 0;  // torch::mm of 1024^3 float32 through it
 
-  /// Measures everything (about a second).
-  static MachineRecord measure();
+  /// Measures everything (about a second); without peaks, the sgemm peak and
+  /// torch.mm are left at 0 (not measured).
+  static MachineRecord measure(bool with_peaks = true);
   /// Measures the sgemm peak again and keeps the best (benchmarks call it
   /// between rows: a busy core lowers one measurement, never the best).
   void remeasure_peak();

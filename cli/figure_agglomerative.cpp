@@ -187,7 +187,7 @@ void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
   if (!c.json.empty()) {
     nlohmann::json doc;
     doc["command"] = command_line(c);
-    doc["machine"] = {{"cpu", cpu_name()}, {"threads", num_threads()}};
+    doc["machine"] = {{"cpu", cpu_model()}, {"isa", isa_description()}, {"threads", num_threads()}};
     doc["config"] = {{"part", c.part}, {"clock", c.clock}, {"batch", c.batch}, {"d_model", c.d_model}, {"heads", c.heads},
                      {"repeats", c.repeats}, {"pass", "forward, no autograd"}};
     doc["rows"] = nlohmann::json::array();
@@ -274,7 +274,7 @@ void run_figure(const FigureConfig& c) {
   Subjects subjects(c);
 
   std::cout << command_line(c) << "\n"
-            << "cpu: " << cpu_name() << ", threads: " << num_threads() << ", load: " << load_average()
+            << "cpu: " << cpu_model() << ", isa: " << isa_description() << ", threads: " << num_threads() << ", load: " << load_average()
             << "\nforward " << c.clock << " ms of the " << c.part << " (median +- standard error of "
             << c.repeats << " repeats)\n\n"
             << std::left << std::setw(8) << "mask" << std::right << std::setw(7) << "L" << std::setw(22)

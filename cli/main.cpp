@@ -47,7 +47,16 @@ int main(int argc, char** argv) {
   attnkit::cli::set_command_line(argc, argv);  // `train --nproc` repeats it for its workers
   CLI::App app{"attnkit: fast CPU attention mechanisms (full softmax, clustered, agglomerative, "
                "linear, sparse) with forward and backward passes"};
-  app.set_version_flag("--version", "attnkit " + attnkit::version());
+  // The second line names the kernels' ISA level (runtime.h: isa_description).
+  app.set_version_flag("--version", std::function<std::string()>([] {
+    std::string isa;
+    try {
+      isa = attnkit::isa_description();
+    } catch (const std::exception& e) {
+      isa = std::string("none: ") + e.what();
+    }
+    return "attnkit " + attnkit::version() + "\nisa: " + isa;
+  }));
   app.require_subcommand(1);
   attnkit::cli::add_bench_command(app);
   attnkit::cli::add_bench_dense_command(app);

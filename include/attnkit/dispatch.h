@@ -20,10 +20,17 @@ struct Dispatch {
   /// Why the composite runs; empty when the kernel runs, or naming how it runs
   /// where that varies (linear on bfloat16: "bf16 via oneDNN matmul (amx)").
   std::string reason;
+  /// The instruction-set level the kernel runs at (runtime.h: isa()), e.g.
+  /// "avx2"; empty for the composite.
+  std::string isa;
 
-  static Dispatch kernel() { return {}; }
-  static Dispatch composite(std::string why) { return {Backend::composite, std::move(why)}; }
+  /// The kernel at the current level; `how` as for `reason`.
+  static Dispatch kernel(std::string how = {});
+  static Dispatch composite(std::string why) { return {Backend::composite, std::move(why), {}}; }
   bool uses_kernel() const { return backend == Backend::kernel; }
+  /// One line for people: "kernel (avx2)", "kernel (amx; bf16 on AMX tiles)",
+  /// "composite (q is float64; the kernel is float32 only)".
+  std::string describe() const;
 };
 
 inline const char* to_string(Backend backend) {

@@ -9,6 +9,31 @@ namespace attnkit {
 /// The library version, e.g. "0.1.0".
 std::string version();
 
+/// The instruction-set level attnkit's kernels run at: "baseline" (x86-64-v2),
+/// "avx2" (x86-64-v3), "avx512" (x86-64-v4), "avx512_bf16" or "amx". The
+/// library holds a build of its kernels for each level and runs the best one
+/// the CPU and operating system support, lowered by the cap (set_max_isa or
+/// the environment variable ATTNKIT_MAX_ISA). Decided at the first kernel
+/// call (or the first call of these functions), then fixed for the process.
+/// Throws when the CPU lacks even the baseline, naming what is missing.
+std::string isa();
+/// How the level was decided: the CPU's best level, the cap and where it came
+/// from, and oneDNN's cap, e.g. "avx2 (CPU: avx2)" or "avx2 (capped by
+/// ATTNKIT_MAX_ISA=avx2; CPU: amx; oneDNN capped to avx2)".
+std::string isa_description();
+/// The best level this CPU and operating system support (no cap), or
+/// "below baseline".
+std::string machine_isa();
+/// Caps the level, as ATTNKIT_MAX_ISA does (and replacing it), oneDNN's with
+/// it: a machine then runs exactly what a CPU of that level runs. Works only
+/// before the level is decided, like oneDNN's dnnl_set_max_cpu_isa: returns
+/// true when taken, false when the level was already decided. An unknown
+/// name throws. A cap above the machine's level changes nothing.
+bool set_max_isa(const std::string& level);
+
+/// The CPU's model name as CPUID reports it (e.g. "AMD EPYC 9R14"), or "unknown".
+std::string cpu_model();
+
 /// Threads used by attnkit's kernels (and by oneDNN inside them). Default:
 /// omp_get_max_threads(). Values < 1 restore the default. Results do not
 /// depend on this beyond float rounding.

@@ -11,7 +11,12 @@
   registry mechanism in ``attnkit.nn.mechanisms``);
 * models: ``attnkit.models.Transformer`` (the builder, generation, runs of
   ``attnkit train``);
-* ``attnkit.mechanisms()`` lists the registry.
+* ``attnkit.mechanisms()`` lists the registry;
+* ``attnkit.isa()`` names the instruction-set level the kernels run at
+  (``baseline``, ``avx2``, ``avx512``, ``avx512_bf16`` or ``amx``: the best the
+  CPU has, capped by the environment variable ``ATTNKIT_MAX_ISA`` or by
+  ``attnkit.set_max_isa`` before the first kernel call), ``attnkit.isa_description()``
+  says how it was chosen.
 """
 import torch
 
@@ -19,10 +24,21 @@ from ._library import library_path, mechanisms
 
 __version__ = torch.ops.attnkit.version()
 
+isa = torch.ops.attnkit.isa
+isa_description = torch.ops.attnkit.isa_description
+machine_isa = torch.ops.attnkit.machine_isa
+set_max_isa = torch.ops.attnkit.set_max_isa
+
+if machine_isa() == "below baseline":
+    # The kernels need x86-64-v2; say so at import rather than at the first op.
+    raise ImportError("attnkit: this CPU lacks the baseline level attnkit's kernels are built for "
+                      "(x86-64-v2: SSE4.2, SSSE3, POPCNT, CMPXCHG16B)")
+
 __all__ = [
     "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
     "edge_pattern", "linear", "library_path", "mechanisms", "nn", "models",
+    "isa", "isa_description", "machine_isa", "set_max_isa",
 ]
 
 softmax_attention = torch.ops.attnkit.softmax_attention

@@ -450,6 +450,12 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       .def("save", &Memory::save);
   m.def("mechanisms_json() -> str", &mechanisms_json);
   m.def("version() -> str", &attnkit::version);
+  m.def("isa() -> str", &attnkit::isa);
+  m.def("isa_description() -> str", &attnkit::isa_description);
+  m.def("machine_isa() -> str", &attnkit::machine_isa);
+  m.def("set_max_isa(str level) -> bool", [](c10::string_view level) {
+    return attnkit::set_max_isa(std::string(level));
+  });
   m.def("load_document_memory(str path) -> __torch__.torch.classes.attnkit.DocumentMemory", &load_memory);
 }
 

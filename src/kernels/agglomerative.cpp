@@ -13,7 +13,7 @@
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 namespace {
 
 // Rows per scan block. Block totals cost (M + 1) floats per block, 1/64 of the
@@ -365,4 +365,4 @@ void agglomerative_backward(const AgglomerativeBackwardParams& p) {
     backward_full(p);
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

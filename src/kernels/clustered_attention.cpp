@@ -12,7 +12,7 @@
 #include "kernels/common/visibility.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -471,4 +471,4 @@ void clustered_attention_backward(const ClusteredAttentionBackwardParams& p) {
   }
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

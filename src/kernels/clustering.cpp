@@ -10,7 +10,7 @@
 #include "kernels/kmeans.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 void select_top_keys(const float* scores, int64_t valid, int64_t S, int64_t k, int64_t* top) {
   k = std::min(k, S);
@@ -40,6 +40,13 @@ void select_top_keys(const float* scores, int64_t valid, int64_t S, int64_t k, i
           _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + j), _mm512_set1_ps(worst), _CMP_GT_OQ);
       for (; better; better &= better - 1) offer(j + __builtin_ctz(better));
     }
+#elif ATTNKIT_AVX2
+    // Eight keys per compare, likewise.
+    for (; j + 8 <= valid; j += 8) {
+      unsigned better = static_cast<unsigned>(_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(worst), _CMP_GT_OQ)));
+      for (; better; better &= better - 1) offer(j + __builtin_ctz(better));
+    }
 #endif
     for (; j < valid; ++j) offer(j);
     std::sort(top, top + kv);
@@ -67,4 +74,4 @@ void cluster_queries(const ClusterParams& p) {
   hamming_kmeans(kp);
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

@@ -8,7 +8,7 @@
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -408,4 +408,4 @@ void gated_linear_attention_backward(const GatedLinearAttentionBackwardParams& p
       [&](int64_t nh, const GatedScratch& w) { gated_backward_head(p, nh / p.H, nh % p.H, w); });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

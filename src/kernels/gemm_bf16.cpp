@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "kernels/common/gemm.h"
+#include "kernels/common/isa.h"
 #include "kernels/memory.h"
 
 namespace attnkit::kernels {
@@ -67,16 +68,19 @@ bool forced_by_environment() {
 }
 
 Bf16Path path_from_isa() {
+  // Decided first: it caps oneDNN, whose ISA the query below fixes.
+  const isa::Level level = isa::current();
   // oneDNN's ISA values are nested bit sets: a level includes every bit of
   // the levels below it (avx512_core_amx = 0x3e7 contains avx512_core_bf16 =
   // 0xe7; avx2_vnni = 0x407 does not).
-  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-  const auto has = [isa](dnnl::cpu_isa level) {
-    const auto bits = static_cast<unsigned>(level);
-    return (isa & bits) == bits;
+  const auto onednn = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto has = [onednn](dnnl::cpu_isa bits_of) {
+    const auto bits = static_cast<unsigned>(bits_of);
+    return (onednn & bits) == bits;
   };
-  if (has(dnnl::cpu_isa::avx512_core_amx)) return Bf16Path::amx;
-  if (has(dnnl::cpu_isa::avx512_core_bf16)) return Bf16Path::avx512_bf16;
+  if (level >= isa::Level::amx && has(dnnl::cpu_isa::avx512_core_amx)) return Bf16Path::amx;
+  if (level >= isa::Level::avx512_bf16 && has(dnnl::cpu_isa::avx512_core_bf16))
+    return Bf16Path::avx512_bf16;
   return Bf16Path::float32;
 }
 
@@ -93,6 +97,10 @@ bool bf16_float32_forced() {
 }
 
 bool force_bf16_float32(bool on) { return g_force_float32.exchange(on); }
+
+Bf16Path bf16_gemm_path() { return bf16_float32_forced() ? Bf16Path::float32 : bf16_gemm_isa_path(); }
+
+bool bf16_gemm_native() { return bf16_gemm_path() != Bf16Path::float32; }
 
 const char* to_string(Bf16Path path) {
   switch (path) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/common/isa.h"
+
 namespace attnkit::kernels {
 
 /// bfloat16 storage: the upper 16 bits of an IEEE float32 (layout-compatible
@@ -19,6 +21,10 @@ struct bf16 {
   uint16_t bits;
 };
 static_assert(sizeof(bf16) == 2, "bf16 must be 2 bytes");
+
+}  // namespace attnkit::kernels
+
+ATTNKIT_KERNELS_BEGIN
 
 inline float to_float(bf16 v) {
   const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
@@ -38,6 +44,10 @@ inline bf16 to_bf16(float f) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+ATTNKIT_KERNELS_END
+
+namespace attnkit::kernels {
+
 /// Converts n values (vectorised loops; threaded over the caller's OpenMP
 /// team size, as oneDNN is, when n is large).
 void to_float(const bf16* src, float* dst, int64_t n);
@@ -52,10 +62,9 @@ enum class Bf16Path { amx, avx512_bf16, float32 };
 /// "amx", "avx512_bf16" or "float32 conversion".
 const char* to_string(Bf16Path path);
 
-/// What the CPU offers: decided once per process from oneDNN's effective ISA
-/// (dnnl::get_effective_cpu_isa(), which the environment variable
-/// ONEDNN_MAX_CPU_ISA can lower, e.g. ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on
-/// an AMX machine, or AVX512_CORE to see the float32 path).
+/// What the CPU offers, decided once per process: the lower of the kernels'
+/// ISA level (isa::current(), which ATTNKIT_MAX_ISA caps, oneDNN with it) and
+/// oneDNN's effective ISA (lowered on its own by ONEDNN_MAX_CPU_ISA).
 Bf16Path bf16_gemm_isa_path();
 
 /// True when the float32 path is forced: by the environment variable
@@ -66,12 +75,10 @@ bool bf16_float32_forced();
 bool force_bf16_float32(bool on);
 
 /// The path gemm_bf16 takes: float32 when forced, else the ISA's.
-inline Bf16Path bf16_gemm_path() {
-  return bf16_float32_forced() ? Bf16Path::float32 : bf16_gemm_isa_path();
-}
+Bf16Path bf16_gemm_path();
 /// True when bf16 products run natively (oneDNN's effective ISA is at least
 /// avx512_core_bf16 and float32 is not forced).
-inline bool bf16_gemm_native() { return bf16_gemm_path() != Bf16Path::float32; }
+bool bf16_gemm_native();
 
 /// C[m,n] = alpha * (op(A)[m,k] op(B)[k,n] + 1 bias^T) + beta * C, all row-major,
 /// products accumulated in float32 and C rounded once (to bf16 in the second

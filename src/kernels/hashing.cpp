@@ -9,7 +9,7 @@
 #include "kernels/common/strided.h"
 #include "kernels/random.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -28,6 +28,14 @@ int64_t pack_row(const float* proj, const float* thresholds) {
     const __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(proj + 16 * w),
                                            _mm512_loadu_ps(thresholds + 16 * w), _CMP_GT_OQ);
     h |= static_cast<uint64_t>(m) << (16 * w);
+  }
+  return static_cast<int64_t>(h);
+#elif ATTNKIT_AVX2
+  uint64_t h = 0;
+  for (int w = 0; w < 8; ++w) {
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(proj + 8 * w),
+                                                   _mm256_loadu_ps(thresholds + 8 * w), _CMP_GT_OQ));
+    h |= static_cast<uint64_t>(m) << (8 * w);
   }
   return static_cast<int64_t>(h);
 #else
@@ -74,4 +82,4 @@ void hash_queries(const HashParams& p) {
   });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

@@ -11,17 +11,40 @@
 #include "kernels/threading.h"
 #include "kernels/common/visibility.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
 int hamming(int64_t a, int64_t b) { return __builtin_popcountll(static_cast<uint64_t>(a ^ b)); }
 
+// Bit counts of 64-bit lanes without AVX512_VPOPCNTDQ (which no ISA level
+// assumes, isa.h): each byte's two nibbles looked up in a 16-entry table
+// (vpshufb), the byte counts summed per lane (vpsadbw against zero).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i popcount_lanes(__m512i x) {
+  const __m512i table = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4));
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i low = _mm512_shuffle_epi8(table, _mm512_and_si512(x, nibble));
+  const __m512i high = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble));
+  return _mm512_sad_epu8(_mm512_add_epi8(low, high), _mm512_setzero_si512());
+}
+#elif ATTNKIT_AVX2
+inline __m256i popcount_lanes(__m256i x) {
+  const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
+                                         0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_shuffle_epi8(table, _mm256_and_si256(x, nibble));
+  const __m256i high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble));
+  return _mm256_sad_epu8(_mm256_add_epi8(low, high), _mm256_setzero_si256());
+}
+#endif
+
 /// labels[i] = argmin_c popcount(hashes[i] ^ centroids[c]), ties to the lowest c.
 void assign(const int64_t* hashes, int64_t n, const int64_t* centroids, int64_t C,
             int64_t* labels) {
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512VPOPCNTDQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   // Eight queries per vector; centroids in increasing order with a strict
   // "closer" test keep the lowest index on ties, as the scalar loop does.
   for (; i < n; i += 8) {
@@ -29,12 +52,27 @@ void assign(const int64_t* hashes, int64_t n, const int64_t* centroids, int64_t 
     const __m512i h = _mm512_maskz_loadu_epi64(lanes, hashes + i);
     __m512i best = _mm512_set1_epi64(65), arg = _mm512_setzero_si512();
     for (int64_t c = 0; c < C; ++c) {
-      const __m512i d = _mm512_popcnt_epi64(_mm512_xor_si512(h, _mm512_set1_epi64(centroids[c])));
+      const __m512i d = popcount_lanes(_mm512_xor_si512(h, _mm512_set1_epi64(centroids[c])));
       const __mmask8 closer = _mm512_cmplt_epi64_mask(d, best);
       best = _mm512_mask_mov_epi64(best, closer, d);
       arg = _mm512_mask_mov_epi64(arg, closer, _mm512_set1_epi64(c));
     }
     _mm512_mask_storeu_epi64(labels + i, lanes, arg);
+  }
+#elif ATTNKIT_AVX2
+  // Four queries per vector, likewise.
+  for (; i < n; i += 4) {
+    const __m256i lanes = _mm256_cmpgt_epi64(_mm256_set1_epi64x(std::min<int64_t>(4, n - i)),
+                                             _mm256_setr_epi64x(0, 1, 2, 3));
+    const __m256i h = _mm256_maskload_epi64(reinterpret_cast<const long long*>(hashes + i), lanes);
+    __m256i best = _mm256_set1_epi64x(65), arg = _mm256_setzero_si256();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256i d = popcount_lanes(_mm256_xor_si256(h, _mm256_set1_epi64x(centroids[c])));
+      const __m256i closer = _mm256_cmpgt_epi64(best, d);
+      best = _mm256_blendv_epi8(best, d, closer);
+      arg = _mm256_blendv_epi8(arg, _mm256_set1_epi64x(c), closer);
+    }
+    _mm256_maskstore_epi64(reinterpret_cast<long long*>(labels + i), lanes, arg);
   }
 #endif
   for (; i < n; ++i) {
@@ -63,6 +101,16 @@ void count_bits(const int64_t* hashes, const int64_t* labels, int64_t n, int64_t
       const __m512i acc = _mm512_loadu_si512(o + 16 * w);
       _mm512_storeu_si512(o + 16 * w, _mm512_mask_add_epi32(acc, static_cast<__mmask16>(h >> (16 * w)),
                                                             acc, one));
+    }
+#elif ATTNKIT_AVX2
+    // Eight bits a step: lane l of step w counts bit 8 w + l.
+    const uint64_t h = static_cast<uint64_t>(hashes[i]);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int w = 0; w < 8; ++w) {
+      const __m256i byte = _mm256_set1_epi32(static_cast<int>((h >> (8 * w)) & 0xffu));
+      const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, bit), bit);  // -1 where set
+      __m256i* acc = reinterpret_cast<__m256i*>(o + 8 * w);
+      _mm256_storeu_si256(acc, _mm256_sub_epi32(_mm256_loadu_si256(acc), set));
     }
 #else
     for (int b = 0; b < 64; ++b) o[b] += (static_cast<uint64_t>(hashes[i]) >> b) & 1;
@@ -161,4 +209,4 @@ void hamming_kmeans(const KMeansParams& p) {
   }
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

@@ -9,7 +9,7 @@
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 void linear_forward(const LinearParams& p, float* y, int64_t y_row_stride) {
   if (p.rows == 0 || p.out == 0) return;
@@ -100,4 +100,4 @@ void linear_backward(const LinearParamsBf16& p, const bf16* dy, int64_t dy_row_s
   }
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

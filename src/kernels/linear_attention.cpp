@@ -9,7 +9,7 @@
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -34,6 +34,19 @@ void elu_plus_one(const float* x, int64_t xs, int64_t n, float* out) {
       // exp on every lane keeps NaN (not > 0) as NaN, as the scalar form does.
       const __m512 f = _mm512_mask_add_ps(vec::exp16(v), positive, v, one);
       _mm512_mask_storeu_ps(out + i, lanes, f);
+    }
+    return;
+  }
+#elif ATTNKIT_AVX2
+  if (xs == 1) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i < n; i += 8) {
+      const __m256i lanes = vec::tail_mask8(std::min<int64_t>(8, n - i));
+      const __m256 v = _mm256_maskload_ps(x + i, lanes);
+      const __m256 positive = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ);
+      // exp on every lane keeps NaN (not > 0) as NaN, as the scalar form does.
+      const __m256 f = _mm256_blendv_ps(vec::exp8(v), _mm256_add_ps(v, one), positive);
+      _mm256_maskstore_ps(out + i, lanes, f);
     }
     return;
   }
@@ -399,4 +412,4 @@ void linear_attention_backward(const LinearAttentionBackwardParams& p) {
       [&](int64_t nh, const LinearScratch& w) { linear_backward_head(p, nh / p.H, nh % p.H, w); });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "kernels/common/isa.h"
+
 namespace attnkit::kernels::memory {
 
 void note_alloc(std::size_t bytes);
@@ -19,7 +21,7 @@ void reset_peak();
 
 }  // namespace attnkit::kernels::memory
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 /// A 64-byte aligned, uninitialised, counted scratch array. Kernels allocate
 /// scratch only through this type so that benchmarks see it.
@@ -69,4 +71,4 @@ class Buffer {
   std::size_t count_ = 0;
 };
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

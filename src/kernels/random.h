@@ -7,7 +7,10 @@
 #include <cmath>
 #include <cstdint>
 
-namespace attnkit::kernels::random {
+#include "kernels/common/isa.h"
+
+ATTNKIT_KERNELS_BEGIN
+namespace random {
 
 /// SplitMix64 finaliser (Steele, Lea, Flood 2014): a bijective 64-bit mixer.
 inline uint64_t mix(uint64_t x) {
@@ -44,4 +47,5 @@ constexpr uint64_t kPlanesStream = 1;
 /// K-means initial positions of sequence (n, h) use stream kInitStream + n*H + h.
 constexpr uint64_t kInitStream = 1ULL << 32;
 
-}  // namespace attnkit::kernels::random
+}  // namespace random
+ATTNKIT_KERNELS_END

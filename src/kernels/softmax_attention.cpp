@@ -14,7 +14,7 @@
 #include "kernels/common/visibility.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -625,4 +625,4 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
   });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
 
 #include "kernels/common/amx.h"
 #include "kernels/common/parallel.h"
@@ -14,7 +13,7 @@
 #include "kernels/common/visibility.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -362,10 +361,7 @@ void write_dq(const SoftmaxAttentionBf16BackwardParams& p, int64_t n, int64_t h,
 
 }  // namespace
 
-bool softmax_attention_bf16_available() { return amx::available(); }
-
 void softmax_attention_forward_bf16(const SoftmaxAttentionBf16Params& p) {
-  if (!amx::available()) throw std::logic_error("softmax_attention_forward_bf16: AMX is not available");
   // S == 0 (every row: out 0, lse -inf) and E == 0 (every score 0) need no
   // special case: the packs are empty and products over k = 0 write zeros.
   if (p.N * p.H * p.L == 0) return;
@@ -381,7 +377,6 @@ void softmax_attention_forward_bf16(const SoftmaxAttentionBf16Params& p) {
 }
 
 void softmax_attention_backward_bf16(const SoftmaxAttentionBf16BackwardParams& p) {
-  if (!amx::available()) throw std::logic_error("softmax_attention_backward_bf16: AMX is not available");
   if (p.N * p.H == 0 || (p.L == 0 && p.S == 0)) return;
   BackwardPacks packs(p);
   const int64_t heads = p.N * p.H, L32 = packs.L32, E32 = packs.E32;
@@ -416,4 +411,4 @@ void softmax_attention_backward_bf16(const SoftmaxAttentionBf16BackwardParams& p
   });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

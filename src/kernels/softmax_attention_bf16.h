@@ -17,8 +17,8 @@
 // so results are bitwise the same for any thread count. Nothing of size L x S
 // is allocated.
 //
-// Requires amx::available(); the op layer runs the float32 kernel on
-// converted inputs otherwise (and for a bias).
+// Built at the amx level only (isa.h); below it the op layer runs the float32
+// kernel on converted inputs (and for a bias).
 #pragma once
 
 #include <cstdint>
@@ -55,7 +55,8 @@ struct SoftmaxAttentionBf16BackwardParams : SoftmaxAttentionBf16Params {
   int64_t dv_stride[4] = {};
 };
 
-/// True when this process can run the kernels below (amx::available()).
+/// True when this process runs at the amx level (isa::current()), so the
+/// kernels below exist; calling them otherwise throws std::logic_error.
 bool softmax_attention_bf16_available();
 
 /// Writes out and lse. Threads: num_threads() over (batch, head, block of 64

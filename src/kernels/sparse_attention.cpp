@@ -14,7 +14,7 @@
 #include "kernels/common/vec.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 namespace {
 
@@ -900,4 +900,4 @@ void sparse_attention_backward(const SparseAttentionBackwardParams& p) {
       });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

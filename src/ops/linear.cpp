@@ -200,12 +200,12 @@ Dispatch linear_dispatch(const torch::Tensor& x, const torch::Tensor& weight,
       // The kernel either way; the reason says how its products run.
       const auto path = kernels::bf16_gemm_path();
       if (path != kernels::Bf16Path::float32)
-        return {Backend::kernel, std::string("bf16 via oneDNN matmul (") + kernels::to_string(path) + ")"};
+        return Dispatch::kernel(std::string("bf16 via oneDNN matmul (") + kernels::to_string(path) + ")");
       const auto isa = kernels::bf16_gemm_isa_path();
       if (isa == kernels::Bf16Path::float32)
-        return {Backend::kernel, "bf16 converted to float32 (no AVX512_BF16)"};
-      return {Backend::kernel, std::string("bf16 converted to float32 (forced, though the CPU has ") +
-                                   kernels::to_string(isa) + ")"};
+        return Dispatch::kernel("bf16 converted to float32 (no AVX512_BF16)");
+      return Dispatch::kernel(std::string("bf16 converted to float32 (forced, though the CPU has ") +
+                              kernels::to_string(isa) + ")");
     }
     default:
       return Dispatch::composite("x is " + detail::dtype_name(x.scalar_type()) +

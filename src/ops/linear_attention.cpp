@@ -177,7 +177,7 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const LinearAttentionFuncOptions&) {
   if (q.scalar_type() == torch::kBFloat16)  // k and v too: the op checked they match q
-    return {Backend::kernel, "bf16 converted to float32 (no bf16 kernel for linear attention)"};
+    return Dispatch::kernel("bf16 converted to float32 (no bf16 kernel for linear attention)");
   return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 

@@ -187,8 +187,9 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
 std::string bf16_fallback_reason(const SoftmaxAttentionFuncOptions& options) {
   if (options.bias().defined()) return "a bias";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
-  if (kernels::bf16_gemm_isa_path() != kernels::Bf16Path::amx) return "no AMX";
-  if (!kernels::softmax_attention_bf16_available()) return "AMX tiles not granted by the OS";
+  // The level is below amx when the CPU lacks AMX, when Linux did not grant
+  // the tile state, or when ATTNKIT_MAX_ISA caps it (kernels/common/isa.h).
+  if (!kernels::softmax_attention_bf16_available()) return "no AMX";
   return {};
 }
 
@@ -200,8 +201,8 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
   // check_qkv and check_bias made q, k, v and the bias one floating dtype.
   if (q.scalar_type() == torch::kBFloat16) {
     const std::string why = bf16_fallback_reason(options);
-    if (why.empty()) return {Backend::kernel, "bf16 on AMX tiles"};
-    return {Backend::kernel, "bf16 converted to float32 (" + why + ")"};
+    if (why.empty()) return Dispatch::kernel("bf16 on AMX tiles");
+    return Dispatch::kernel("bf16 converted to float32 (" + why + ")");
   }
   if (q.scalar_type() != torch::kFloat)
     return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +

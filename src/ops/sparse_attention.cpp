@@ -95,7 +95,7 @@ Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& 
   check_arguments(q, k, v, edges, options);
   // check_qkv made q, k and v one floating dtype.
   if (q.scalar_type() == torch::kBFloat16)
-    return {Backend::kernel, "bf16 converted to float32 (no bf16 kernel for sparse attention)"};
+    return Dispatch::kernel("bf16 converted to float32 (no bf16 kernel for sparse attention)");
   if (q.scalar_type() != torch::kFloat)
     return Dispatch::composite("q, k and v are " + detail::dtype_name(q.scalar_type()) +
                                "; the edge-list kernel is float32 and bfloat16 only (the "

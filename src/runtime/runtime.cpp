@@ -1,4 +1,5 @@
 // Runtime settings and the counting CPU allocator (include/attnkit/runtime.h).
+#include <attnkit/dispatch.h>
 #include <attnkit/runtime.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "kernels/common/gemm.h"
+#include "kernels/common/isa.h"
 #include "kernels/memory.h"
 #include "kernels/peak.h"
 #include "kernels/threading.h"
@@ -22,6 +24,28 @@
 namespace attnkit {
 
 std::string version() { return ATTNKIT_VERSION; }
+
+std::string isa() { return kernels::isa::name(kernels::isa::current()); }
+std::string isa_description() { return kernels::isa::describe(); }
+std::string machine_isa() {
+  const auto level = kernels::isa::machine();
+  return level ? kernels::isa::name(*level) : "below baseline";
+}
+std::string cpu_model() { return kernels::isa::cpu_model(); }
+
+Dispatch Dispatch::kernel(std::string how) { return {Backend::kernel, std::move(how), attnkit::isa()}; }
+
+std::string Dispatch::describe() const {
+  std::string details = uses_kernel() ? isa : reason;
+  if (uses_kernel() && !reason.empty()) details += "; " + reason;
+  return std::string(to_string(backend)) + (details.empty() ? "" : " (" + details + ")");
+}
+bool set_max_isa(const std::string& level) {
+  const auto cap = kernels::isa::parse(level);
+  TORCH_CHECK(cap, "set_max_isa: level must be one of baseline, avx2, avx512, avx512_bf16, amx; got '",
+              level, "'");
+  return kernels::isa::set_max(*cap);
+}
 int num_threads() { return kernels::num_threads(); }
 void set_num_threads(int threads) { kernels::set_num_threads(threads); }
 double sgemm_peak_gflops(int64_t size, int repeats) { return kernels::sgemm_peak_gflops(size, repeats); }

@@ -12,19 +12,20 @@
 // Measured here (AMX machine, ratio = our max |error| / torch's max |error|,
 // worst over the cases and 1 and 2 threads): see kMeasured below.
 //
-// ctest also runs these tests with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (the
-// AVX512_BF16 kernels of a CPU without AMX) and ONEDNN_MAX_CPU_ISA=AVX512_CORE
-// (a CPU without AVX512_BF16: the op must find the float32 path by itself);
-// see tests/CMakeLists.txt.
+// ctest also runs these tests with ATTNKIT_MAX_ISA=avx512_bf16 (the
+// AVX512_BF16 kernels of a CPU without AMX) and ATTNKIT_MAX_ISA=avx512 (a CPU
+// without AVX512_BF16: the op must find the float32 path by itself), and
+// scripts/test runs the whole unit suite at every lower level; see
+// tests/CMakeLists.txt.
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
+#include "kernels/common/isa.h"
 #include "kernels/gemm_bf16.h"
 #include "test_util.h"
 
@@ -348,8 +349,8 @@ Worst check_flash_attention_rule(const char* path) {
 // Measured worst ratios (our max |error| / torch's), over every case, output
 // and gradient, on 1 and 2 threads; printed by the tests below:
 //   native (AMX), this machine:                        1.00 (equal errors on most)
-//   native (AVX512_BF16 kernels, ONEDNN_MAX_CPU_ISA):  1.00
-//   float32 conversion (forced, or ONEDNN_MAX_CPU_ISA=AVX512_CORE): 1.00
+//   native (AVX512_BF16 kernels, oneDNN capped):       1.00
+//   float32 conversion (forced, or oneDNN capped to AVX512_CORE): 1.00
 // The bound is 2 (the rule), not these numbers.
 
 TEST(LinearBf16, MeetsTheFlashAttentionRuleOnTheNativePath) {
@@ -371,21 +372,6 @@ TEST(LinearBf16, MeetsTheFlashAttentionRuleOnTheFloat32ConversionPath) {
 // Dispatch, dtypes, refusals
 // ---------------------------------------------------------------------------
 
-/// The CPU's flags from /proc/cpuinfo: a reading independent of oneDNN's.
-bool cpu_has_flag(const std::string& flag) {
-  std::ifstream info("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(info, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    std::istringstream words(line);
-    std::string w;
-    while (words >> w)
-      if (w == flag) return true;
-    return false;
-  }
-  return false;
-}
-
 TEST(LinearBf16, DispatchSaysWhichPathRuns) {
   auto x = torch::randn({3, 5}).to(torch::kBFloat16);
   auto w = torch::randn({4, 5}).to(torch::kBFloat16);
@@ -397,16 +383,17 @@ TEST(LinearBf16, DispatchSaysWhichPathRuns) {
   else
     EXPECT_EQ(d.reason, std::string("bf16 via oneDNN matmul (") + kernels::to_string(path) + ")");
 
-  // The path against the CPU's flags and oneDNN's cap (ctest sets the cap).
-  const char* cap_env = std::getenv("ONEDNN_MAX_CPU_ISA");
-  const std::string cap = cap_env ? cap_env : "";
-  if (!cpu_has_flag("avx512_bf16") || cap == "AVX512_CORE")
-    EXPECT_EQ(path, kernels::Bf16Path::float32);
-  else if (cap == "AVX512_CORE_BF16")
-    EXPECT_EQ(path, kernels::Bf16Path::avx512_bf16);
-  else if (cap.empty())
-    EXPECT_NE(path, kernels::Bf16Path::float32) << "the CPU has avx512_bf16";
-  if (path == kernels::Bf16Path::amx) EXPECT_TRUE(cpu_has_flag("amx_bf16"));
+  // The path against the ISA level (which ctest caps with ATTNKIT_MAX_ISA;
+  // tests/kernels/isa_test.cpp checks the level against the CPU's flags).
+  if (!kernels::bf16_float32_forced() && !std::getenv("ONEDNN_MAX_CPU_ISA")) {
+    const auto level = kernels::isa::current();
+    if (level < kernels::isa::Level::avx512_bf16)
+      EXPECT_EQ(path, kernels::Bf16Path::float32);
+    else if (level == kernels::isa::Level::avx512_bf16)
+      EXPECT_EQ(path, kernels::Bf16Path::avx512_bf16);
+    else
+      EXPECT_EQ(path, kernels::Bf16Path::amx);
+  }
 
   {
     ForceFloat32 forced;

@@ -16,6 +16,7 @@
 
 #include "kernels/softmax_attention.h"
 #include "kernels/threading.h"
+#include "kernels/common/isa.h"
 #include "kernels/common/vec.h"
 
 namespace {
@@ -715,7 +716,7 @@ TEST(SoftmaxKernelExp, AccurateOverTheSoftmaxRange) {
     const double err = exp_error_ulp(x[i], y[i]);
     if (!(err <= worst)) worst = err, worst_x = x[i];
   }
-  EXPECT_LE(worst, kExpMaxUlp) << "at x = " << worst_x << " (" << kernels::vec::isa() << ")";
+  EXPECT_LE(worst, kExpMaxUlp) << "at x = " << worst_x << " (" << kernels::isa::describe() << ")";
 }
 
 // exp(-inf) and everything below exp(-87) is exactly 0 (vec.h flushes there

@@ -1,37 +1,17 @@
 #include "kernels/common/amx.h"
 
 #include <cstring>
-#include <stdexcept>
 
 #include "kernels/common/simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define ATTNKIT_HAS_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define ATTNKIT_HAS_AMX 0
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
+#error "amx.cpp is compiled at the amx level only (CMakeLists.txt)"
 #endif
 
-namespace attnkit::kernels::amx {
+ATTNKIT_KERNELS_BEGIN
+namespace amx {
 
 namespace {
-
-#if ATTNKIT_HAS_AMX
-/// The CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22).
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 24 & 1u) && (d >> 22 & 1u);
-}
-
-/// Linux hands out the 8 KiB of tile state only to processes that ask.
-bool tile_data_permitted() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 /// The LDTILECFG operand (palette 1): every tile 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
@@ -45,7 +25,6 @@ struct alignas(64) TileConfig {
     for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
   }
 };
-#endif
 
 /// The 32-bit word at `from`: two bf16 values, any alignment.
 inline uint32_t word_at(const bf16* from) {
@@ -56,16 +35,6 @@ inline uint32_t word_at(const bf16* from) {
 
 }  // namespace
 
-bool available() {
-#if ATTNKIT_HAS_AMX
-  static const bool ok = cpu_has_amx_bf16() && tile_data_permitted();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-#if ATTNKIT_HAS_AMX
 
 TileScope::TileScope() {
   static const TileConfig config;
@@ -115,17 +84,6 @@ void gemm(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, const bf1
   }
 }
 
-#else
-
-TileScope::TileScope() { throw std::logic_error("amx::TileScope: this build has no AMX code"); }
-TileScope::~TileScope() = default;
-
-void gemm(int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, int64_t, float*, int64_t,
-          bool) {
-  throw std::logic_error("amx::gemm: this build has no AMX code");
-}
-
-#endif
 
 void pack_rows(Source x, int64_t rows, int64_t cols, int64_t rows_pad, int64_t cols_pad, bf16* dst) {
   for (int64_t r = 0; r < rows_pad; ++r) {
@@ -207,4 +165,5 @@ void pack_panels(Source x, int64_t k, int64_t n, int64_t k_pad, int64_t n_pad, b
   }
 }
 
-}  // namespace attnkit::kernels::amx
+}  // namespace amx
+ATTNKIT_KERNELS_END

@@ -22,18 +22,17 @@
 
 #include <cstdint>
 
+#include "kernels/common/isa.h"
 #include "kernels/gemm_bf16.h"
 
-namespace attnkit::kernels::amx {
+ATTNKIT_KERNELS_BEGIN
+namespace amx {
 
-/// True when this build has the AMX code (compiled for a CPU with AMX-TILE,
-/// AMX-BF16 and AVX512_BF16), the CPU running it has AMX-BF16, and Linux lets
-/// this process use the tile registers (asked once, with
-/// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
-bool available();
+// Compiled only at the amx level (isa.h): whoever calls these runs there, so
+// the CPU has AMX-BF16 and Linux has granted this process the tile state.
 
 /// Configures the calling thread's tiles on construction and releases them
-/// on destruction. Products run only inside one; requires available().
+/// on destruction. Products run only inside one.
 class TileScope {
  public:
   TileScope();
@@ -70,4 +69,5 @@ void pack_panels_transposed(Source x, int64_t n, int64_t k, int64_t n_pad, int64
 /// panels of stride k_pad * 16, zero-padded.
 void pack_panels(Source x, int64_t k, int64_t n, int64_t k_pad, int64_t n_pad, bf16* dst);
 
-}  // namespace attnkit::kernels::amx
+}  // namespace amx
+ATTNKIT_KERNELS_END

@@ -12,10 +12,11 @@
 
 #include <cstdint>
 
+#include "kernels/common/isa.h"
 #include "kernels/memory.h"
 #include "kernels/threading.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -89,4 +90,4 @@ void parallel_for_scratch(int64_t items, MakeScratch make_scratch, Body body) {
   });
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

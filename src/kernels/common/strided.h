@@ -10,10 +10,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/common/isa.h"
 #include "kernels/common/vec.h"
 #include "kernels/memory.h"
 
-namespace attnkit::kernels {
+ATTNKIT_KERNELS_BEGIN
 
 /// Element (n, h, 0, 0) of a strided (N, H, ., .) tensor (or (n, h, 0) of a
 /// 3-d one): the first stride is batch, the second head.
@@ -160,4 +161,4 @@ inline void store_zeros(int64_t rows, int64_t cols, float* dst, int64_t row_stri
   for (int64_t r = 0; r < rows; ++r) zero_row(cols, dst + r * row_stride, col_stride);
 }
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END

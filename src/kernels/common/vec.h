@@ -1,16 +1,19 @@
 // Vectorised helpers shared by the kernels: exp, max, sum, dot, scale, add,
-// axpy over contiguous float arrays. AVX-512 when the translation unit is compiled for it (the kernels build
-// with -march=native), a portable scalar loop otherwise. Every function handles
-// any length (masked tails), and none needs aligned pointers.
+// axpy over contiguous float arrays. Each ISA level's translation units get
+// their own build (isa.h): 16 lanes at avx512 and above, 8 lanes at avx2 (the
+// same exp, bit for bit), a portable scalar loop at baseline. Every function
+// handles any length (masked tails), and none needs aligned pointers.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
+#include "kernels/common/isa.h"
 #include "kernels/common/simd.h"
 
-namespace attnkit::kernels::vec {
+ATTNKIT_KERNELS_BEGIN
+namespace vec {
 
 #ifdef __AVX512F__
 
@@ -50,13 +53,68 @@ inline __mmask16 tail_mask(int64_t n) {
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
-#endif  // __AVX512F__
+#elif ATTNKIT_AVX2
 
-/// exp of one float: exp16 on AVX-512 (so scalar and vector results agree),
-/// else std::exp with the same flush to 0 below exp(-87).
+/// exp of 8 floats: exp16's scheme, constants and operations, so the results
+/// are bitwise the same (the tests check both against double exp). AVX2 has
+/// no vscalefps: 2^n is built in the exponent bits, as 2^(n - 1) * 2 when
+/// n = 128 (x near 88.7, where exp overflows to +inf as it should).
+inline __m256 exp8(__m256 x) {
+  // x >= -87 or NaN: the lanes that are not flushed to 0.
+  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_NLT_UQ);
+  // max/min return their second operand when either is NaN: keep x second.
+  x = _mm256_max_ps(_mm256_set1_ps(-88.f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.8f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n is in [-127, 128] (x was clamped to [-88, 88.8]); on the lanes kept it
+  // is >= -126, a normal power of two. NaN lanes give garbage n but p is NaN.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i top = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));  // n = 128
+  const __m256i biased = _mm256_add_epi32(_mm256_add_epi32(ni, top), _mm256_set1_epi32(127));
+  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  e = _mm256_blendv_ps(e, _mm256_add_ps(e, e), _mm256_castsi256_ps(top));
+  return _mm256_and_ps(e, normal);
+}
+
+/// Lanes [0, n) of an 8-lane block (n <= 8), as maskload/maskstore take them.
+inline __m256i tail_mask8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/// The sum of the 8 lanes.
+inline float reduce_add8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/// The largest of the 8 lanes (no NaN among them).
+inline float reduce_max8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+#endif  // __AVX512F__ / ATTNKIT_AVX2
+
+/// exp of one float: exp16 / exp8 where they exist (so scalar and vector
+/// results agree), else std::exp with the same flush to 0 below exp(-87).
 inline float exp(float x) {
 #ifdef __AVX512F__
   return _mm512_cvtss_f32(exp16(_mm512_set1_ps(x)));
+#elif ATTNKIT_AVX2
+  return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)));
 #else
   return x < -87.f ? 0.f : std::exp(x);
 #endif
@@ -80,6 +138,22 @@ inline float max(const float* x, int64_t n) {
     m = _mm512_mask_max_ps(m, k, m, xi);
   }
   return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
+#elif ATTNKIT_AVX2
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m = low, nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(xi, xi, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, xi);
+  }
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 xi = _mm256_blendv_ps(low, _mm256_maskload_ps(x + i, k), _mm256_castsi256_ps(k));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(xi, xi, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, xi);
+  }
+  return _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : reduce_max8(m);
 #else
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) {
@@ -108,6 +182,22 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+#elif ATTNKIT_AVX2
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, k), s));
+    _mm256_maskstore_ps(x + i, k, e);
+    sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+  }
+  return reduce_add8(sum);
 #else
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) sum += (x[i] = exp(x[i] - shift));
@@ -130,6 +220,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
+#elif ATTNKIT_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, k), _mm256_maskload_ps(b + i, k), acc);
+  }
+  return reduce_add8(acc);
 #else
   float acc = 0.f;
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
@@ -171,6 +271,28 @@ inline void dot4(const float* a, const float* const b[4], int64_t n, float out[4
   const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+#elif ATTNKIT_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i);
+    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[0] + i), acc0);
+    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[1] + i), acc1);
+    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[2] + i), acc2);
+    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b[3] + i), acc3);
+  }
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 x = _mm256_maskload_ps(a + i, k);
+    acc0 = _mm256_fmadd_ps(x, _mm256_maskload_ps(b[0] + i, k), acc0);
+    acc1 = _mm256_fmadd_ps(x, _mm256_maskload_ps(b[1] + i, k), acc1);
+    acc2 = _mm256_fmadd_ps(x, _mm256_maskload_ps(b[2] + i, k), acc2);
+    acc3 = _mm256_fmadd_ps(x, _mm256_maskload_ps(b[3] + i, k), acc3);
+  }
+  // hadd pairs within each 128-bit lane: twice gives, per lane, the partial
+  // (A, B, C, D); the two lanes are then added.
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(acc0, acc1), _mm256_hadd_ps(acc2, acc3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 #else
   for (int r = 0; r < 4; ++r) out[r] = dot(a, b[r], n);
 #endif
@@ -185,6 +307,14 @@ inline void scale(float* x, int64_t n, float s) {
   if (i < n) {
     const __mmask16 k = tail_mask(n - i);
     _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), f));
+  }
+#elif ATTNKIT_AVX2
+  const __m256 f = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), f));
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    _mm256_maskstore_ps(x + i, k, _mm256_mul_ps(_mm256_maskload_ps(x + i, k), f));
   }
 #else
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
@@ -202,6 +332,14 @@ inline void add(float* x, const float* y, int64_t n) {
     _mm512_mask_storeu_ps(x + i, k,
                           _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i)));
   }
+#elif ATTNKIT_AVX2
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    _mm256_maskstore_ps(x + i, k, _mm256_add_ps(_mm256_maskload_ps(x + i, k), _mm256_maskload_ps(y + i, k)));
+  }
 #else
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 #endif
@@ -218,6 +356,16 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
     const __mmask16 k = tail_mask(n - i);
     _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(f, _mm512_maskz_loadu_ps(k, x + i),
                                                     _mm512_maskz_loadu_ps(k, y + i)));
+  }
+#elif ATTNKIT_AVX2
+  const __m256 f = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(f, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    _mm256_maskstore_ps(y + i, k,
+                        _mm256_fmadd_ps(f, _mm256_maskload_ps(x + i, k), _mm256_maskload_ps(y + i, k)));
   }
 #else
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -237,17 +385,28 @@ inline void softmax_grad(float* ds, const float* p, int64_t n, float d) {
     _mm512_mask_storeu_ps(ds + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i),
                                                    _mm512_sub_ps(_mm512_maskz_loadu_ps(k, ds + i), dv)));
   }
+#elif ATTNKIT_AVX2
+  const __m256 dv = _mm256_set1_ps(d);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(ds + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), _mm256_sub_ps(_mm256_loadu_ps(ds + i), dv)));
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    _mm256_maskstore_ps(ds + i, k, _mm256_mul_ps(_mm256_maskload_ps(p + i, k),
+                                                 _mm256_sub_ps(_mm256_maskload_ps(ds + i, k), dv)));
+  }
 #else
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - d);
 #endif
 }
 
-/// y[i] = exp(x[i]) computed by the kernels' own code path (compiled with the
-/// kernels' instruction set in vec.cpp), so tests built without -march=native
-/// measure the exp the kernels actually use.
-void exp_array(const float* x, float* y, int64_t n);
+}  // namespace vec
+ATTNKIT_KERNELS_END
 
-/// "avx512" or "scalar": the code path exp_array and the kernels were built with.
-const char* isa();
+namespace attnkit::kernels::vec {
+
+/// y[i] = exp(x[i]) by the current ISA level's code (vec.cpp, compiled once
+/// per level), so tests measure the exp the kernels actually use.
+void exp_array(const float* x, float* y, int64_t n);
 
 }  // namespace attnkit::kernels::vec

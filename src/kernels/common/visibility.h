@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace attnkit::kernels {
+#include "kernels/common/isa.h"
+
+ATTNKIT_KERNELS_BEGIN
 
 /// The causal offset S - L: when causal, query i sees the keys j <= i + offset
 /// (for kernels that walk keys and queries together, as a scan does).
@@ -43,4 +45,4 @@ class Visibility {
   bool causal_;
 };
 
-}  // namespace attnkit::kernels
+ATTNKIT_KERNELS_END
