@@ -11,8 +11,9 @@ Environment:
     ATTNKIT_JOBS              parallel build jobs (default: all cores)
 The library runs on any x86-64-v2 CPU, whatever machine builds it: its kernels
 are compiled once per ISA level (baseline, avx2, avx512, amx) and the best
-level the running CPU has is picked at load (attnkit.isa() names it). On an
-older CPU, `import attnkit` fails saying which level is missing.
+level the running CPU has is picked at the first kernel call (attnkit.isa()
+names it). On an older CPU, `import attnkit` fails saying which level is
+missing.
 """
 import os
 import pathlib

@@ -26,9 +26,13 @@ std::string isa_description();
 std::string machine_isa();
 /// Caps the level, as ATTNKIT_MAX_ISA does (and replacing it), oneDNN's with
 /// it: a machine then runs exactly what a CPU of that level runs. Works only
-/// before the level is decided, like oneDNN's dnnl_set_max_cpu_isa: returns
-/// true when taken, false when the level was already decided. An unknown
-/// name throws. A cap above the machine's level changes nothing.
+/// before the level is decided (by the first kernel call, sgemm, `*_dispatch`
+/// call or isa query), like oneDNN's dnnl_set_max_cpu_isa: returns true when
+/// taken, false when the level was already decided. An unknown name throws. A
+/// cap above the machine's level changes nothing. oneDNN is one library per
+/// process: the cap also lowers libtorch's own oneDNN ops (Debian's libtorch
+/// links the same libdnnl), and is not applied to oneDNN when something used
+/// oneDNN before the decision (isa_description() then says so).
 bool set_max_isa(const std::string& level);
 
 /// The CPU's model name as CPUID reports it (e.g. "AMD EPYC 9R14"), or "unknown".

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/isa.h"
+
 namespace attnkit::kernels {
 
 /// Strides are in elements, one per dimension, in the order the shape is given.
@@ -59,8 +61,14 @@ struct AgglomerativeBackwardParams : AgglomerativeParams {
   int64_t dv_stride[4] = {};
 };
 
+}  // namespace attnkit::kernels
+
+ATTNKIT_KERNELS_BEGIN  // inline code of a header that level TUs include (isa.h)
 /// The row count R of the avg and den arrays: L when causal, 1 when full.
 inline int64_t agglomerative_saved_rows(bool causal, int64_t L) { return causal ? L : 1; }
+ATTNKIT_KERNELS_END
+
+namespace attnkit::kernels {
 
 /// Writes out (and avg, den when given). Threads: num_threads().
 void agglomerative_forward(const AgglomerativeParams& p);

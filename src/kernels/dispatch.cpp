@@ -4,7 +4,8 @@
 // for. Compiled once, for the library's default target.
 //
 // The signatures repeat the kernels' headers; one that differs leaves a level's
-// symbol undefined, which the link reports.
+// symbol undefined, and since the declarations here are hidden (as the level
+// code is, CMakeLists.txt), linking libattnkit.so reports it.
 #include <stdexcept>
 #include <string>
 
@@ -36,17 +37,20 @@ namespace {
 
 #if defined(__x86_64__) || defined(_M_X64)
 
+/// A level's entry point, defined in its own (hidden) objects.
+#define ATTNKIT_LEVEL_DECLARATION __attribute__((visibility("hidden")))
+
 /// Declares NAME in each float32 level's namespace and defines the
 /// attnkit::kernels NAME, which calls the current level's.
 #define ATTNKIT_FLOAT32_KERNEL(RETURN, NAME, PARAMETERS, ARGUMENTS) \
   namespace isa_baseline {                                         \
-  RETURN NAME PARAMETERS;                                          \
+  ATTNKIT_LEVEL_DECLARATION RETURN NAME PARAMETERS;                \
   }                                                                \
   namespace isa_avx2 {                                             \
-  RETURN NAME PARAMETERS;                                          \
+  ATTNKIT_LEVEL_DECLARATION RETURN NAME PARAMETERS;                \
   }                                                                \
   namespace isa_avx512 {                                           \
-  RETURN NAME PARAMETERS;                                          \
+  ATTNKIT_LEVEL_DECLARATION RETURN NAME PARAMETERS;                \
   }                                                                \
   RETURN NAME PARAMETERS {                                         \
     switch (float32_level()) {                                     \
@@ -59,7 +63,7 @@ namespace {
 /// The same for kernels built at the amx level alone; below it they throw.
 #define ATTNKIT_AMX_KERNEL(RETURN, NAME, PARAMETERS, ARGUMENTS)                         \
   namespace isa_amx {                                                                  \
-  RETURN NAME PARAMETERS;                                                              \
+  ATTNKIT_LEVEL_DECLARATION RETURN NAME PARAMETERS;                                    \
   }                                                                                    \
   RETURN NAME PARAMETERS {                                                             \
     if (isa::current() < isa::Level::amx)                                              \
@@ -72,7 +76,7 @@ namespace {
 
 #define ATTNKIT_FLOAT32_KERNEL(RETURN, NAME, PARAMETERS, ARGUMENTS) \
   namespace isa_baseline {                                         \
-  RETURN NAME PARAMETERS;                                          \
+  ATTNKIT_LEVEL_DECLARATION RETURN NAME PARAMETERS;                \
   }                                                                \
   RETURN NAME PARAMETERS {                                         \
     isa::current();                                                \
@@ -146,9 +150,9 @@ ATTNKIT_FLOAT32_KERNEL(void, linear_backward,
 // The vector helpers' exp, for the tests of its accuracy (vec.h): by hand,
 // since it sits in a namespace of its own inside each level's.
 #if defined(__x86_64__) || defined(_M_X64)
-namespace isa_baseline::vec { void exp_array(const float* x, float* y, int64_t n); }
-namespace isa_avx2::vec { void exp_array(const float* x, float* y, int64_t n); }
-namespace isa_avx512::vec { void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_avx2::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_avx512::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
 void vec::exp_array(const float* x, float* y, int64_t n) {
   switch (float32_level()) {
     case isa::Level::baseline: return isa_baseline::vec::exp_array(x, y, n);
@@ -157,7 +161,7 @@ void vec::exp_array(const float* x, float* y, int64_t n) {
   }
 }
 #else
-namespace isa_baseline::vec { void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
 void vec::exp_array(const float* x, float* y, int64_t n) { isa_baseline::vec::exp_array(x, y, n); }
 #endif
 

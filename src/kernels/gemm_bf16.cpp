@@ -98,7 +98,10 @@ bool bf16_float32_forced() {
 
 bool force_bf16_float32(bool on) { return g_force_float32.exchange(on); }
 
-Bf16Path bf16_gemm_path() { return bf16_float32_forced() ? Bf16Path::float32 : bf16_gemm_isa_path(); }
+Bf16Path bf16_gemm_path() {
+  const Bf16Path isa_path = bf16_gemm_isa_path();  // decides the level first, forced or not
+  return bf16_float32_forced() ? Bf16Path::float32 : isa_path;
+}
 
 bool bf16_gemm_native() { return bf16_gemm_path() != Bf16Path::float32; }
 
@@ -196,6 +199,7 @@ std::map<Key, Entry> g_cache;
 uint64_t g_clock = 0;
 
 const dnnl::engine& cpu_engine() {
+  isa::current();  // the level decision caps oneDNN, before oneDNN's first use
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }

@@ -76,8 +76,8 @@ bool force_bf16_float32(bool on);
 
 /// The path gemm_bf16 takes: float32 when forced, else the ISA's.
 Bf16Path bf16_gemm_path();
-/// True when bf16 products run natively (oneDNN's effective ISA is at least
-/// avx512_core_bf16 and float32 is not forced).
+/// True when bf16 products run natively (the ISA level and oneDNN's effective
+/// ISA are both at least avx512_bf16, and float32 is not forced).
 bool bf16_gemm_native();
 
 /// C[m,n] = alpha * (op(A)[m,k] op(B)[k,n] + 1 bias^T) + beta * C, all row-major,

@@ -16,8 +16,9 @@
 //     the lower position, each query used once.
 //   - Padded queries (i >= query_lengths[n]) get label -1.
 //
-// Cost per iteration and sequence: O(n C) popcounts (8 queries per AVX-512
-// instruction) for the assignment and O(n) for the update and the convergence test.
+// Cost per iteration and sequence: O(n C) bit counts (8 queries per vector at
+// avx512, 4 at avx2: a byte-table count, no VPOPCNTDQ) for the assignment and
+// O(n) for the update and the convergence test.
 #pragma once
 
 #include <cstdint>

@@ -186,6 +186,8 @@ def classify(raw, text):
     if not tokens:
         return None
     mnemonic, operands = tokens[0], " ".join(tokens[1:])
+    if mnemonic == "(bad)":  # objdump could not decode it: allowed nowhere
+        return "no_level"
     enc = encoding(raw)
     if AMX_RE.match(mnemonic):
         return "amx"
@@ -325,10 +327,23 @@ def scan(path):
     # inherit, what all their callers may run (the greatest fixed point: start
     # from everything and narrow; none for a function nothing refers to, since
     # then a data reference, which this cannot follow, is what calls it).
+    # Only functions a non-inheriting function reaches inherit anything: local
+    # functions that refer only to one another (a cycle entered through data)
+    # get nothing, rather than the fixed point's starting "everything".
+    callees = {id(f): [] for f in functions}
+    for f in functions:
+        for c in callers[id(f)]:
+            callees[id(c)].append(f)
+    rooted, stack = set(), [f for f in functions if not f.may_inherit()]
+    while stack:
+        for g in callees[id(stack.pop())]:
+            if g.may_inherit() and id(g) not in rooted:
+                rooted.add(id(g))
+                stack.append(g)
     everything = set(CLASS_NAMES) - {"no_level"}
-    allowed = {id(f): (everything if callers[id(f)] else set()) if f.may_inherit()
+    allowed = {id(f): (everything if id(f) in rooted else set()) if f.may_inherit()
                else ALLOWED.get(f.level, set()) for f in functions}
-    inheriting = [f for f in functions if f.may_inherit() and callers[id(f)]]
+    inheriting = [f for f in functions if id(f) in rooted]
     changed = True
     while changed:
         changed = False

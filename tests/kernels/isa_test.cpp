@@ -8,6 +8,7 @@
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 #include <gtest/gtest.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -50,7 +51,8 @@ Level level_from_flags(const std::set<std::string>& f) {
 TEST(Isa, MachineAgreesWithProcCpuinfo) {
   const auto flags = cpuinfo_flags();
   ASSERT_FALSE(flags.empty()) << "no flags line in /proc/cpuinfo";
-  ASSERT_TRUE(flags.count("sse4_2") && flags.count("popcnt")) << "the test machine is below x86-64-v2";
+  for (const char* v2 : {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm"})
+    ASSERT_TRUE(flags.count(v2)) << "the test machine is below x86-64-v2: no " << v2;
   const auto machine = isa::machine();
   ASSERT_TRUE(machine.has_value());
   const Level expected = level_from_flags(flags);
@@ -70,6 +72,15 @@ TEST(Isa, CurrentIsTheMachineCappedByTheEnvironment) {
     EXPECT_EQ(level, std::min(*parsed, *machine()));
   } else {
     EXPECT_EQ(level, *machine());
+  }
+  // Below the machine's level oneDNN is capped the same way (unless the user
+  // set oneDNN's own variable), so its sgemm runs what a smaller CPU runs.
+  if (level < *machine() && !std::getenv("ONEDNN_MAX_CPU_ISA") && !std::getenv("DNNL_MAX_CPU_ISA")) {
+    EXPECT_NE(describe().find(std::string("oneDNN capped to ") + name(level)), std::string::npos)
+        << describe();
+    const dnnl_cpu_isa_t expected[] = {dnnl_cpu_isa_sse41, dnnl_cpu_isa_avx2, dnnl_cpu_isa_avx512_core,
+                                       dnnl_cpu_isa_avx512_core_bf16, dnnl_cpu_isa_avx512_core_amx};
+    EXPECT_EQ(dnnl_get_effective_cpu_isa(), expected[static_cast<int>(level)]);
   }
   // Decided once: a later cap is refused and changes nothing.
   EXPECT_FALSE(set_max(Level::baseline));

@@ -697,7 +697,9 @@ double exp_error_ulp(float x, float got) {
 }
 
 TEST(SoftmaxKernelExp, AccurateOverTheSoftmaxRange) {
-  // Every 37th float in [-87, 0] (3e7 values) plus random samples up to 88.
+  // Every 37th float in [-87, 0] (3e7 values), random samples up to 88, and
+  // every float in [88.37, 88.72], the largest finite results: where n =
+  // round(x / ln 2) reaches 128 and AVX2's exp8 builds 2^n as 2^127 * 2.
   std::vector<float> x;
   for (uint32_t bits = 0x80000000u;; bits += 37) {
     float f;
@@ -708,6 +710,7 @@ TEST(SoftmaxKernelExp, AccurateOverTheSoftmaxRange) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> wide(-87.f, 88.f);
   for (int i = 0; i < 1000000; ++i) x.push_back(wide(rng));
+  for (float f = 88.37f; f <= 88.72f; f = std::nextafter(f, 89.f)) x.push_back(f);
   std::vector<float> y(x.size());
   kernels::vec::exp_array(x.data(), y.data(), static_cast<int64_t>(x.size()));
   double worst = 0.0;

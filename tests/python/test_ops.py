@@ -194,21 +194,23 @@ class LinearTest(unittest.TestCase):
             torch.ops.attnkit.linear(torch.randn(3, 6), torch.randn(4, 5))
 
 
+class TestIsa(unittest.TestCase):
+    def test_isa_names_the_level_the_kernels_run_at(self):
+        """attnkit.isa() is the machine's level lowered by ATTNKIT_MAX_ISA; it is
+        decided once, so a later cap is refused; unknown names are errors."""
+        import os
+        levels = ["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
+        machine = attnkit.machine_isa()
+        self.assertIn(machine, levels)
+        cap = os.environ.get("ATTNKIT_MAX_ISA")
+        expected = machine if not cap else levels[min(levels.index(cap), levels.index(machine))]
+        self.assertEqual(attnkit.isa(), expected)
+        self.assertTrue(attnkit.isa_description().startswith(expected + " ("))
+        self.assertFalse(attnkit.set_max_isa("baseline"))  # decided at the first kernel call
+        with self.assertRaisesRegex(RuntimeError, "level must be one of"):
+            attnkit.set_max_isa("sse2")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
 
-
-def test_isa_names_the_level_the_kernels_run_at():
-    """attnkit.isa() is the machine's level lowered by ATTNKIT_MAX_ISA; it is
-    decided once, so a later cap is refused; unknown names are errors."""
-    import os
-    levels = ["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
-    machine = attnkit.machine_isa()
-    assert machine in levels
-    cap = os.environ.get("ATTNKIT_MAX_ISA")
-    expected = machine if not cap else levels[min(levels.index(cap), levels.index(machine))]
-    assert attnkit.isa() == expected
-    assert attnkit.isa_description().startswith(expected + " (")
-    assert attnkit.set_max_isa("baseline") is False  # decided at the first kernel call
-    with unittest.TestCase().assertRaisesRegex(RuntimeError, "level must be one of"):
-        attnkit.set_max_isa("sse2")

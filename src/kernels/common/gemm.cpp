@@ -2,6 +2,8 @@
 
 #include <dnnl.h>
 
+#include "kernels/common/isa.h"
+
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +12,9 @@ namespace attnkit::kernels {
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
            const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
            int64_t ldc) {
+  // The level decision caps oneDNN (ATTNKIT_MAX_ISA), which only works before
+  // oneDNN's first use: decide it first, whoever calls (once; then a load).
+  isa::current();
   if (m == 0 || n == 0) return;
   // oneDNN rejects K = 0, and with alpha = 0 its SSE4.1 kernels (what a
   // baseline CPU, or ATTNKIT_MAX_ISA=baseline, runs) read C even when beta = 0,

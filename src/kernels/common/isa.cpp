@@ -4,6 +4,7 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -108,13 +109,14 @@ std::optional<Level> detect() { return Level::baseline; }
 
 #endif
 
-/// The state behind current(): the cap asked for, then the decision.
+/// The state behind current(): the cap asked for, then the decision. `level`
+/// is -1 until decided; once set it never changes, so readers need no lock
+/// (every kernel call and sgemm reads it).
 struct Decision {
   std::mutex mutex;
   std::optional<Level> requested_cap;  // set_max()
-  bool decided = false;
-  Level level = Level::baseline;
-  std::string description;
+  std::atomic<int> level{-1};
+  std::string description;             // written once, before `level`
 };
 
 Decision& decision() {
@@ -156,8 +158,10 @@ std::optional<Level> machine() {
 
 Level current() {
   Decision& d = decision();
+  const int decided = d.level.load(std::memory_order_acquire);
+  if (decided >= 0) return static_cast<Level>(decided);
   std::lock_guard<std::mutex> lock(d.mutex);
-  if (d.decided) return d.level;
+  if (d.level.load(std::memory_order_relaxed) >= 0) return static_cast<Level>(d.level.load());
   const std::optional<Level> best = machine();
   if (!best)
     throw std::runtime_error(
@@ -175,22 +179,22 @@ Level current() {
       cap_source = std::string("ATTNKIT_MAX_ISA=") + env;
     }
   }
-  d.level = cap && *cap < *best ? *cap : *best;
-  d.description = name(d.level);
+  const Level level = cap && *cap < *best ? *cap : *best;
+  d.description = name(level);
   d.description += " (";
   if (cap && *cap < *best) d.description += "capped by " + cap_source + "; ";
   d.description += std::string("CPU: ") + name(*best);
   // Capping oneDNN below what the CPU has makes it run what a smaller CPU runs.
-  if (d.level < *best) d.description += "; " + cap_onednn(d.level);
+  if (level < *best) d.description += "; " + cap_onednn(level);
   d.description += ")";
-  d.decided = true;
-  return d.level;
+  d.level.store(static_cast<int>(level), std::memory_order_release);
+  return level;
 }
 
 bool set_max(Level cap) {
   Decision& d = decision();
   std::lock_guard<std::mutex> lock(d.mutex);
-  if (d.decided) return false;
+  if (d.level.load() >= 0) return false;
   d.requested_cap = cap;
   return true;
 }
