@@ -6,12 +6,16 @@
 #pragma once
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's intrinsics headers trip -Wmaybe-uninitialized on their own
 // _mm512_undefined_* (GCC bug 105593); the warning points into the header.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 #endif
 
 /// The AVX2 paths need FMA too; x86-64-v3 (the avx2 level) has both.
