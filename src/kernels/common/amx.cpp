@@ -4,7 +4,9 @@
 
 #include "kernels/common/simd.h"
 
-#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
+// GCC spells the AMX macros __AMX_TILE__ / __AMX_BF16__, clang __AMXTILE__ / __AMXBF16__.
+#if !((defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+      (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__))
 #error "amx.cpp is compiled at the amx level only (CMakeLists.txt)"
 #endif
 
