@@ -153,7 +153,7 @@ ATTNKIT_FLOAT32_KERNEL(void, linear_backward,
 namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
 namespace isa_avx2::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
 namespace isa_avx512::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
-void vec::exp_array(const float* x, float* y, int64_t n) {
+void vec_exp_array(const float* x, float* y, int64_t n) {
   switch (float32_level()) {
     case isa::Level::baseline: return isa_baseline::vec::exp_array(x, y, n);
     case isa::Level::avx2: return isa_avx2::vec::exp_array(x, y, n);
@@ -162,7 +162,7 @@ void vec::exp_array(const float* x, float* y, int64_t n) {
 }
 #else
 namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
-void vec::exp_array(const float* x, float* y, int64_t n) { isa_baseline::vec::exp_array(x, y, n); }
+void vec_exp_array(const float* x, float* y, int64_t n) { isa_baseline::vec::exp_array(x, y, n); }
 #endif
 
 }  // namespace attnkit::kernels

@@ -712,7 +712,7 @@ TEST(SoftmaxKernelExp, AccurateOverTheSoftmaxRange) {
   for (int i = 0; i < 1000000; ++i) x.push_back(wide(rng));
   for (float f = 88.37f; f <= 88.72f; f = std::nextafter(f, 89.f)) x.push_back(f);
   std::vector<float> y(x.size());
-  kernels::vec::exp_array(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  kernels::vec_exp_array(x.data(), y.data(), static_cast<int64_t>(x.size()));
   double worst = 0.0;
   float worst_x = 0.f;
   for (std::size_t i = 0; i < x.size(); ++i) {
@@ -730,16 +730,16 @@ TEST(SoftmaxKernelExp, SpecialValuesAndUnderflow) {
   const float want[] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f, 1.f, inf, inf};
   constexpr int count = sizeof in / sizeof in[0];
   float out[count];
-  kernels::vec::exp_array(in, out, count);
+  kernels::vec_exp_array(in, out, count);
   for (int i = 0; i < count; ++i) EXPECT_EQ(out[i], want[i]) << "exp(" << in[i] << ")";
   const float nan = std::numeric_limits<float>::quiet_NaN();
   float nan_out = 0.f;
-  kernels::vec::exp_array(&nan, &nan_out, 1);
+  kernels::vec_exp_array(&nan, &nan_out, 1);
   EXPECT_TRUE(std::isnan(nan_out));
   // Just above the flush threshold the result is a normal float, and accurate.
   const float edge = -87.f;
   float edge_out = 0.f;
-  kernels::vec::exp_array(&edge, &edge_out, 1);
+  kernels::vec_exp_array(&edge, &edge_out, 1);
   EXPECT_GE(edge_out, std::numeric_limits<float>::min());
   EXPECT_LE(exp_error_ulp(edge, edge_out), kExpMaxUlp);
 }

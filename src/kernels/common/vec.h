@@ -403,10 +403,12 @@ inline void softmax_grad(float* ds, const float* p, int64_t n, float d) {
 }  // namespace vec
 ATTNKIT_KERNELS_END
 
-namespace attnkit::kernels::vec {
+namespace attnkit::kernels {
 
-/// y[i] = exp(x[i]) by the current ISA level's code (vec.cpp, compiled once
-/// per level), so tests measure the exp the kernels actually use.
-void exp_array(const float* x, float* y, int64_t n);
+/// y[i] = exp(x[i]) by the current ISA level's vec::exp_array (vec.cpp,
+/// compiled once per level), so tests measure the exp the kernels actually
+/// use. Named apart from vec::: a second `vec` outside the level namespace
+/// would be read differently by GCC and clang.
+void vec_exp_array(const float* x, float* y, int64_t n);
 
-}  // namespace attnkit::kernels::vec
+}  // namespace attnkit::kernels
