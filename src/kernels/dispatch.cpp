@@ -35,10 +35,10 @@ namespace {
 
 }  // namespace
 
-#if defined(__x86_64__) || defined(_M_X64)
-
 /// A level's entry point, defined in its own (hidden) objects.
 #define ATTNKIT_LEVEL_DECLARATION __attribute__((visibility("hidden")))
+
+#if defined(__x86_64__) || defined(_M_X64)
 
 /// Declares NAME in each float32 level's namespace and defines the
 /// attnkit::kernels NAME, which calls the current level's.
