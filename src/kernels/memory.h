@@ -1,5 +1,5 @@
 // Process-wide accounting of the bytes attnkit holds: tensors allocated through
-// torch (when the counting allocator is installed, see attnkit/memory.h) and the
+// torch (when the counting allocator is installed, see attnkit/runtime.h) and the
 // kernels' own scratch buffers. Benchmarks read the peak to report measured memory.
 #pragma once
 

@@ -2,6 +2,7 @@
 #include <attnkit/dispatch.h>
 #include <attnkit/runtime.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "kernels/common/gemm.h"
@@ -106,28 +108,52 @@ namespace {
 
 /// Wraps torch's default CPU allocator and reports every block to the
 /// process-wide counters in kernels/memory.h.
+///
+/// Each block is one raw allocation of the base allocator with a header in
+/// front: the data pointer is also the DataPtr's context, and the header
+/// (found at a fixed offset before it) holds the size and the base's deleter.
+/// That is what c10::Allocator::raw_allocate requires (context == data and a
+/// raw_deleter), and libtorch uses it: ideep's allocator (to_mkldnn, oneDNN
+/// tensors) allocates through raw_allocate of the current CPU allocator. A
+/// wrapper whose context differed from its data (a heap record holding the
+/// base's DataPtr, as this one once was) failed c10's internal assert there
+/// once installed.
 class CountingAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  explicit CountingAllocator(c10::Allocator* base) : base_(base), base_deleter_(base->raw_deleter()) {
+    TORCH_CHECK(base_deleter_ != nullptr,
+                "install_counting_allocator: torch's CPU allocator does not support raw "
+                "allocation (no raw_deleter), which the counting wrapper needs");
+  }
 
   c10::DataPtr allocate(size_t bytes) const override {
-    auto* block = new Block{base_->allocate(bytes), bytes};
+    auto* start = static_cast<char*>(base_->raw_allocate(bytes + kHeaderBytes));
+    new (start) Header{bytes, base_deleter_};
+    void* data = start + kHeaderBytes;
     kernels::memory::note_alloc(bytes);
-    return {block->inner.get(), block, &release, c10::Device(c10::DeviceType::CPU)};
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
  private:
-  struct Block {
-    c10::DataPtr inner;
+  struct Header {
     size_t bytes;
+    c10::DeleterFnPtr base_deleter;
   };
-  static void release(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
-    kernels::memory::note_free(block->bytes);
-    delete block;  // frees the inner DataPtr through the base allocator
+  // A whole alignment unit, so the data keeps the base allocator's alignment.
+  static constexpr size_t kHeaderBytes = c10::gAlignment;
+  static_assert(sizeof(Header) <= kHeaderBytes, "the header must fit in front of the data");
+
+  static void release(void* data) {
+    if (data == nullptr) return;
+    char* start = static_cast<char*>(data) - kHeaderBytes;
+    const Header header = *reinterpret_cast<Header*>(start);
+    kernels::memory::note_free(header.bytes);
+    header.base_deleter(start);
   }
+
   c10::Allocator* base_;
+  c10::DeleterFnPtr base_deleter_;
 };
 
 std::atomic<bool> g_installed{false};
