@@ -41,6 +41,16 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
                                      const GatedLinearAttentionFuncOptions& o) {
   const int64_t N = f.size(0), H = f.size(1), L = f.size(2), E = f.size(3);
+  if (L == 0) {
+    // No step: C = 0 and an empty output. C is written as the (empty) sum over
+    // t of alpha_t beta_t f_t f_t^T rather than a fresh zeros tensor, so that
+    // the output is still connected to every input in the autograd graph, as
+    // the kernel's output is: without it, an output of inputs that require
+    // grad had no grad_fn (and autograd.grad(..., allow_unused=True) silently
+    // returned no gradients at all).
+    const auto C = torch::einsum("nht,nht,nhte,nhtf->nhef", {alpha, beta, f, f});
+    return torch::matmul(q, C.transpose(-2, -1));
+  }
   auto C = torch::zeros({N, H, E, E}, f.options());
   std::vector<torch::Tensor> outs;
   outs.reserve(o.causal() ? L : 0);
@@ -51,8 +61,7 @@ torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor
     C = at * C + bt * ft.unsqueeze(-1) * ft.unsqueeze(-2);      // C_t
     if (o.causal()) outs.push_back(torch::matmul(C, q.select(2, t).unsqueeze(-1)).squeeze(-1));
   }
-  if (o.causal() && L > 0) return torch::stack(outs, 2);
-  // Non-causal, or L = 0 (no step: the same empty (N,H,0,E) either way).
+  if (o.causal()) return torch::stack(outs, 2);
   return torch::matmul(q, C.transpose(-2, -1));                 // out_t = C_L q_t
 }
 

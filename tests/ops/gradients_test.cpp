@@ -147,6 +147,35 @@ TEST(GradientGated, AllInputsCausalAndNot) {
   }
 }
 
+TEST(GradientGated, EmptySequenceStaysInTheGraphOfEveryInput) {
+  // L = 0: the output is empty, but it must depend on whichever inputs
+  // require grad, on both paths (float64: the composite; float32: the
+  // kernel), so that autograd treats it like any other output. Once the
+  // float64 composite started from a fresh zeros matrix and returned an output
+  // without grad_fn when q did not require grad.
+  for (auto dtype : {torch::kDouble, torch::kFloat})
+    for (bool causal : {false, true})
+      for (int mask = 1; mask < 16; ++mask) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + (causal ? " causal" : "") +
+                     ", inputs requiring grad (bits f q alpha beta): " + std::to_string(mask));
+        const auto o = torch::TensorOptions().dtype(dtype);
+        Inputs x{torch::randn({1, 2, 0, 3}, o), torch::randn({1, 2, 0, 3}, o),
+                 torch::rand({1, 2, 0}, o), torch::rand({1, 2, 0}, o)};
+        Inputs wanted;
+        for (int i = 0; i < 4; ++i)
+          if (mask & (1 << i)) wanted.push_back(x[i].requires_grad_(true));
+        auto out = gated_linear_attention(x[0], x[1], x[2], x[3],
+                                          GatedLinearAttentionFuncOptions().causal(causal));
+        ASSERT_TRUE(out.requires_grad());
+        EXPECT_EQ(out.sizes(), x[1].sizes());
+        auto g = torch::autograd::grad({out.sum()}, wanted, {}, false, false, /*allow_unused=*/true);
+        for (size_t i = 0; i < g.size(); ++i) {
+          // An unused input's gradient may come back undefined; a defined one is empty zeros.
+          if (g[i].defined()) EXPECT_EQ(g[i].sizes(), wanted[i].sizes()) << i;
+        }
+      }
+}
+
 // ---------------------------------------------------------------------------
 // agglomerative_attention
 // ---------------------------------------------------------------------------
