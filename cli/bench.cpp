@@ -86,8 +86,10 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
                int64_t length) {
   const int64_t L = c.queries > 0 ? c.queries : length, S = length;
   const nn::AttentionShape shape{c.batch, c.heads, L, S, c.dim, c.dim};
+  // `causal` records whether what ran was causal: the flag, or a mechanism that
+  // is causal by construction (causal-linear, the causal sparse patterns).
   Result r{spec.str(), run, "", pass, dtype, "", shape.N, shape.H, L, S, shape.E, shape.M,
-           c.causal, num_threads()};
+           c.causal || info.always_causal, num_threads()};
   const bool backward = pass == "forward_backward";
   const nn::AttendArgs args{c.causal, {}};
   if (c.causal && !info.supports.causal) {
@@ -393,7 +395,7 @@ void add_bench_command(CLI::App& app) {
                 "under an emulator); %peak stays empty");
   cmd->callback([=] {
     if (*list) {
-      std::cout << nn::describe_mechanisms();
+      std::cout << describe_mechanisms();
       return;
     }
     BenchConfig c = *config;

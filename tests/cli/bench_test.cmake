@@ -79,3 +79,25 @@ foreach(i RANGE 35)
     message(FATAL_ERROR "${row} has an approx_err but does not approximate exact attention")
   endif()
 endforeach()
+
+# `causal` in a row says whether what ran was causal: the flag, or a mechanism
+# that is causal by construction (causal-linear, the causal sparse patterns),
+# which the flag does not mention.
+set(causal_out ${OUT}.causal.json)
+run_ok(${CLI} bench --attention causal-linear,sparse-local-causal:span=4,linear --impl fast
+       --pass forward --lengths 16 --heads 1 --dim 8 --repeats 1 --threads 1 --check-limit 0
+       --json ${causal_out})
+file(READ ${causal_out} json)
+require_length("${json}" 3 "causal bench results" results)
+foreach(i RANGE 2)
+  read_fields("${json}" "results;${i}" attention causal)
+  if(attention STREQUAL "linear")
+    set(expected OFF)
+  else()
+    set(expected ON)
+  endif()
+  if((causal AND NOT expected) OR (NOT causal AND expected))
+    message(FATAL_ERROR "bench JSON row ${i} (${attention}) records causal=${causal}")
+  endif()
+endforeach()
+file(REMOVE ${causal_out})
