@@ -6,6 +6,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+
 namespace attnkit::cli {
 
 /// `attnkit bench`: times mechanisms over lengths, prints a table, writes JSON.
@@ -13,6 +15,9 @@ void add_bench_command(CLI::App& app);
 
 /// `attnkit mechanisms`: the registry's table.
 void add_mechanisms_command(CLI::App& app);
+/// The registry's table as `attnkit mechanisms` and `attnkit bench --list`
+/// print it: names, what each supports, options with type, range and default.
+std::string describe_mechanisms();
 
 /// `attnkit bench-dense`: the dense layer vs the sgemm peak and libtorch.
 void add_bench_dense_command(CLI::App& app);

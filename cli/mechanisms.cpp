@@ -1,18 +1,41 @@
 // `attnkit mechanisms`: the registry's table (nn/registry.h): every mechanism's
-// name, its options with their defaults, and what it supports. `attnkit bench
-// --list` prints the same table.
+// name, what it supports, and its options with type, range and default.
+// `attnkit bench --list` prints the same table.
 #include <attnkit/nn/registry.h>
 
 #include <iostream>
+#include <sstream>
 
 #include "commands.h"
 
 namespace attnkit::cli {
 
+std::string describe_mechanisms() {
+  std::ostringstream o;
+  o << "Mechanisms (spec: NAME[:key=value,...]).\n"
+    << "supports: c = causal flag, p = key_lengths (padding), x = L != S, m = M != E,\n"
+    << "          d = incremental decoding state\n\n";
+  for (const auto& m : nn::mechanisms()) {
+    const auto& s = m.supports;
+    std::string sup;
+    sup += s.causal ? 'c' : '-';
+    sup += s.key_lengths ? 'p' : '-';
+    sup += s.cross ? 'x' : '-';
+    sup += s.value_dim ? 'm' : '-';
+    sup += s.decoding_state ? 'd' : '-';
+    o << "  " << m.name << std::string(m.name.size() < 24 ? 24 - m.name.size() : 1, ' ') << sup
+      << "  " << m.summary << "\n";
+    for (const auto& opt : m.options)
+      o << "      " << opt.key << "=" << opt.default_value << "  (" << opt.type_name() << ")  "
+        << opt.help << "\n";
+  }
+  return o.str();
+}
+
 void add_mechanisms_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "mechanisms", "List the attention mechanisms: names, options with defaults, what each supports");
-  cmd->callback([] { std::cout << nn::describe_mechanisms(); });
+  cmd->callback([] { std::cout << describe_mechanisms(); });
 }
 
 }  // namespace attnkit::cli

@@ -26,6 +26,7 @@
 #include <attnkit/train/trainer.h>
 #include <torch/custom_class.h>
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -397,13 +398,21 @@ class Memory : public torch::CustomClassHolder {
   DocumentMemory memory_;
 };
 
-/// The registry as JSON: [{"name", "summary", "options": [{"key", "default",
-/// "help"}], "supports": {...}, "inputs", "approximates_exact", "always_causal"}].
+/// The registry as JSON: [{"name", "summary", "options": [{"key", "type",
+/// "default", "help", and "min", "max" (bounded numbers), "choices" (choice
+/// options)}], "supports": {...}, "inputs", "approximates_exact",
+/// "always_causal", "layer_only"}].
 std::string mechanisms_json() {
   json out = json::array();
   for (const auto& m : nn::mechanisms()) {
     json options = json::array();
-    for (const auto& o : m.options) options.push_back({{"key", o.key}, {"default", o.default_value}, {"help", o.help}});
+    for (const auto& o : m.options) {
+      json option{{"key", o.key}, {"type", o.type_name()}, {"default", o.default_value}, {"help", o.help}};
+      if (std::isfinite(o.min)) option["min"] = o.min;
+      if (std::isfinite(o.max)) option["max"] = o.max;
+      if (!o.choices.empty()) option["choices"] = o.choices;
+      options.push_back(option);
+    }
     out.push_back({{"name", m.name},
                    {"summary", m.summary},
                    {"options", options},

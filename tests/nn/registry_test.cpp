@@ -1,7 +1,11 @@
 // The mechanism registry: spec strings, errors that list what is accepted, and
 // every entry's functional form against its own float64 definition.
+#include <attnkit/nn/clustered.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/registry.h>
+#include <attnkit/nn/sac.h>
+
+#include <algorithm>
 
 #include "test_util.h"
 
@@ -45,16 +49,60 @@ TEST(Registry, UnknownNamesAndKeysListWhatIsAccepted) {
   expect_error([] { resolve_mechanism("linear:feature_map=relu"); }, {"relu"});
 }
 
-TEST(Registry, EveryEntryIsCompleteAndListed) {
-  const std::string table = describe_mechanisms();
+TEST(Registry, OptionsAreCheckedByTypeAndRange) {
+  // Integers: a count needs >= 1, a seed or an iteration count may be 0.
+  EXPECT_NO_THROW(resolve_mechanism("clustered:seed=0,iterations=0"));
+  expect_error([] { resolve_mechanism("clustered:bits=64"); }, {"'bits'", "must be in [1, 63]", "64"});
+  expect_error([] { resolve_mechanism("clustered:clusters=2.5"); }, {"'clusters'", "integer", "'2.5'"});
+  expect_error([] { resolve_mechanism("sparse-local:span=0"); }, {"'span'", "must be >= 1"});
+  // Numbers: finite and in range.
+  EXPECT_NO_THROW(resolve_mechanism("linear:eps=0"));
+  expect_error([] { resolve_mechanism("linear:eps=-1e-3"); }, {"'eps'", "must be >= 0"});
+  expect_error([] { resolve_mechanism("agglomerative:clip=nan"); }, {"'clip'", "finite"});
+  // Booleans and choices name what they accept.
+  expect_error([] { resolve_mechanism("clustered:hash_bias=yes"); }, {"'hash_bias'", "true or false"});
+  expect_error([] { resolve_mechanism("sac:variant=tree"); },
+               {"'variant'", "shared, all-connected, head-adaptive", "'tree'"});
+  // Checks across options: the entry's validate.
+  expect_error([] { resolve_mechanism("sac:reward=edge"); }, {"reward=edge", "all-connected"});
+  EXPECT_NO_THROW(resolve_mechanism("sac:reward=edge,variant=all-connected"));
+}
+
+TEST(Registry, DefaultsAreTheOpsAndModulesDefaults) {
+  // One copy of each default: the registry reads the ops' and modules' options.
+  auto default_of = [](const std::string& mechanism, const std::string& key) {
+    for (const auto& o : find_mechanism(mechanism).options)
+      if (o.key == key) return o.default_value;
+    ADD_FAILURE() << mechanism << " has no option " << key;
+    return std::string();
+  };
+  const ClusteredAttentionFuncOptions op;
+  EXPECT_EQ(default_of("clustered", "clusters"), std::to_string(op.clusters()));
+  EXPECT_EQ(default_of("clustered", "bits"), std::to_string(op.bits()));
+  EXPECT_EQ(default_of("improved-clustered", "iterations"), std::to_string(op.iterations()));
+  EXPECT_EQ(default_of("clustered", "advance_seed"),
+            ClusteredAttentionOptions().advance_seed() ? "true" : "false");
+  EXPECT_EQ(default_of("linear", "eps"), "1e-6");
+  EXPECT_EQ(std::stod(default_of("linear", "eps")), LinearAttentionFuncOptions().eps());
+  EXPECT_EQ(std::stod(default_of("agglomerative", "clip")), AgglomerativeAttentionFuncOptions().clip());
+  EXPECT_EQ(default_of("sac", "hidden"), std::to_string(SacOptions().hidden));
+}
+
+// (That `attnkit mechanisms` lists every entry and option with its default:
+// tests/python/test_models.py, test_cli_mechanisms_table_lists_every_option.)
+TEST(Registry, EveryEntryIsComplete) {
   for (const auto& m : mechanisms()) {
     SCOPED_TRACE(m.name);
     EXPECT_TRUE(m.sample && m.run && m.reference);
     EXPECT_FALSE(m.inputs.empty());
     // Edge-list mechanisms say so (bench's ns/edge, eval's edges per node).
     EXPECT_EQ(static_cast<bool>(m.edges), m.name.rfind("sparse-", 0) == 0 || m.name == "sac");
-    EXPECT_NE(table.find(m.name), std::string::npos);
-    for (const auto& o : m.options) EXPECT_NE(table.find(o.key + "=" + o.default_value), std::string::npos);
+    for (const auto& o : m.options) {
+      EXPECT_FALSE(o.type_name().empty()) << o.key;
+      EXPECT_FALSE(o.help.empty()) << o.key;
+      if (o.type == MechanismOption::Type::choice)
+        EXPECT_NE(std::find(o.choices.begin(), o.choices.end(), o.default_value), o.choices.end()) << o.key;
+    }
     // Defaults written in the table are what the entry uses: resolving them is a no-op.
     std::string spec = m.name;
     for (const auto& o : m.options) spec += (spec == m.name ? ":" : ",") + o.key + "=" + o.default_value;

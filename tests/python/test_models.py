@@ -126,3 +126,14 @@ def test_from_kwargs_builds_every_architecture():
         assert all(p.grad is not None for n, p in model.named_parameters()), options
     with pytest.raises(TypeError, match="unknown option"):
         attnkit.models.Transformer(11, wdith=16)
+
+
+def test_cli_mechanisms_table_lists_every_option():
+    """`attnkit mechanisms` (and `bench --list`) print the registry as the
+    library holds it: every entry, every option as key=default with its type."""
+    for args in (["mechanisms"], ["bench", "--list"]):
+        table = cli(*args)
+        for entry in attnkit.mechanisms():
+            assert f"  {entry['name']} " in table, (args, entry["name"])
+            for option in entry["options"]:
+                assert f"{option['key']}={option['default']}  ({option['type']})" in table, (args, option)

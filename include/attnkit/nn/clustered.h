@@ -8,10 +8,11 @@
 // min(topk, S) top keys, so one module serves sequences of any length.
 //
 // Seeds. The hashing planes and the K-means initialisation come from a seed.
-// By default every call uses options.seed(): the same inputs always give the
-// same output. With advance_seed(true), forward calls in training mode use
-// seed, seed + 1, seed + 2, ... (fresh planes per step, as the authors' code
-// draws them); the count of such calls is the buffer `calls`, saved and loaded
+// By default (advance_seed(true)) forward calls in training mode use seed,
+// seed + 1, seed + 2, ... (fresh planes per step, as the authors' code draws
+// them) and calls in eval mode use seed; with advance_seed(false) every call
+// uses options.seed(), so the same inputs always give the same output. The
+// count of training-mode calls is the buffer `calls`, saved and loaded
 // with the module's state, so a resumed run continues the sequence. Calls in
 // eval mode always use options.seed().
 #pragma once
@@ -24,19 +25,23 @@
 namespace attnkit::nn {
 
 /// The settings of attnkit::ClusteredAttentionFuncOptions that do not depend on
-/// the call, plus the seed policy.
+/// the call (their defaults are the op's), plus the seed policy.
 struct ClusteredAttentionOptions {
-  TORCH_ARG(int64_t, clusters) = 100;
-  TORCH_ARG(int64_t, bits) = 63;
-  TORCH_ARG(int64_t, iterations) = 10;
+  TORCH_ARG(int64_t, clusters) = ClusteredAttentionFuncOptions().clusters();
+  TORCH_ARG(int64_t, bits) = ClusteredAttentionFuncOptions().bits();
+  TORCH_ARG(int64_t, iterations) = ClusteredAttentionFuncOptions().iterations();
   /// 0: plain clustered attention; > 0: improved clustered with this many keys.
-  TORCH_ARG(int64_t, topk) = 0;
-  TORCH_ARG(bool, hash_bias) = true;
-  TORCH_ARG(int64_t, seed) = 0;
+  TORCH_ARG(int64_t, topk) = ClusteredAttentionFuncOptions().topk();
+  TORCH_ARG(bool, hash_bias) = ClusteredAttentionFuncOptions().hash_bias();
+  TORCH_ARG(int64_t, seed) = ClusteredAttentionFuncOptions().seed();
   /// Multiplies q k^T; unset means 1 / sqrt(E).
-  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
-  /// Training-mode calls use seed + (number of earlier training-mode calls).
-  TORCH_ARG(bool, advance_seed) = false;
+  TORCH_ARG(c10::optional<double>, scale) = ClusteredAttentionFuncOptions().scale();
+  /// Training-mode calls use seed + (number of earlier training-mode calls):
+  /// fresh hyperplanes at every training step, as the paper's implementation
+  /// draws them, so that no query grouping is fixed for a whole run. On by
+  /// default, here and in the registry's clustered mechanisms alike (one
+  /// default); eval-mode calls always use `seed`, so evaluation is repeatable.
+  TORCH_ARG(bool, advance_seed) = true;
 };
 
 class ClusteredAttentionImpl : public torch::nn::Cloneable<ClusteredAttentionImpl> {

@@ -6,10 +6,12 @@
 //   "NAME[:key=value,...]"   e.g. "improved-clustered:clusters=25,topk=32",
 //                                 "linear:feature_map=elu", "sparse-local:span=64"
 //
-// An entry holds the mechanism's name, its options with their defaults, what it
-// supports, how to run it on per-head tensors, its float64 definition (the
-// composite in src/reference, which the tests and the bench's `err` column
-// compare against), a factory for its module, and its FLOP count.
+// An entry holds the mechanism's name, its typed options with their defaults,
+// what it supports, how to run it on per-head tensors, its float64 definition
+// (the composite in src/reference, which the tests and the bench's `err`
+// column compare against), a factory for its module, and its FLOP count. Each
+// mechanism is written down once, in its own file src/nn/mechanisms/<name>.cpp,
+// which adds its entries to the table when the library loads.
 #pragma once
 
 #include <attnkit/dispatch.h>
@@ -19,6 +21,7 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -46,11 +49,37 @@ struct MechanismSpec {
   bool get_bool(const std::string& key, bool fallback) const;
 };
 
-/// One option of a mechanism, as `attnkit mechanisms` lists it.
+/// One option of a mechanism: its key, type, default, range and help. The
+/// registry checks every value a spec gives against it (resolve_mechanism),
+/// and `attnkit mechanisms` and attnkit.mechanisms() list it. Defaults are
+/// taken from the ops' *FuncOptions (or the module's options) where those
+/// have one, so each default exists once.
 struct MechanismOption {
+  enum class Type { integer, real, boolean, choice };
+
   std::string key;
-  std::string default_value;
+  Type type = Type::integer;
+  std::string default_value;  ///< as a spec writes it, e.g. "100", "1e-6", "true", "elu"
   std::string help;
+  /// integer and real: the accepted closed range (infinite: unbounded).
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  /// choice: the accepted words.
+  std::vector<std::string> choices;
+
+  static MechanismOption integer(std::string key, int64_t fallback, int64_t min, std::string help,
+                                 c10::optional<int64_t> max = c10::nullopt);
+  static MechanismOption real(std::string key, double fallback, double min, std::string help);
+  static MechanismOption boolean(std::string key, bool fallback, std::string help);
+  static MechanismOption choice(std::string key, std::string fallback, std::vector<std::string> choices,
+                                std::string help);
+
+  /// The type and range as `attnkit mechanisms` prints them, e.g.
+  /// "integer >= 1", "number >= 0", "true|false", "identity|elu".
+  std::string type_name() const;
+  /// Throws unless the spec's value for this key (if it gives one) is of this
+  /// option's type and range; the error names the spec, the key and the value.
+  void check(const MechanismSpec& spec) const;
 };
 
 /// What a mechanism can honour. A front end asks before it calls; a call that
@@ -104,6 +133,9 @@ struct MechanismInfo {
   /// True for mechanisms that are causal by construction (causal-linear, the
   /// causal sparse patterns): usable in a decoder without the causal flag.
   bool always_causal = false;
+  /// Checks that involve more than one option (each option's own type and
+  /// range are checked from `options`); null when there are none.
+  std::function<void(const MechanismSpec&)> validate;
   /// Names of the tensors of the functional form, e.g. {"q", "k", "v"}.
   std::vector<std::string> inputs;
 
@@ -145,8 +177,8 @@ const std::vector<MechanismInfo>& mechanisms();
 const MechanismInfo& find_mechanism(const std::string& name);
 
 /// Parses `spec_text`, finds its entry and checks every key against the
-/// entry's options (the error lists the accepted keys) and every value
-/// against the option's type.
+/// entry's options (the error lists the accepted keys), every value against
+/// its option's type and range, and the entry's `validate`.
 std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::string& spec_text);
 
 /// resolve_mechanism, then the entry's module; refuses layer-only mechanisms
@@ -166,10 +198,6 @@ std::vector<std::string> mechanism_names();
 /// and runs its functional form (clustered mechanisms with the spec's seed).
 torch::Tensor attend(const std::string& spec, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v, const AttendArgs& args = {});
-
-/// A human-readable table of the registry: names, options with defaults,
-/// what each supports.
-std::string describe_mechanisms();
 
 /// The edges a "sparse-<pattern>" mechanism uses over a self-attention
 /// sequence of n nodes. bp-tree and star add nodes of their own: bp-tree over
