@@ -1,9 +1,8 @@
-#!/usr/bin/python3
 """Re-runs an experiment of docs/EXPERIMENTS.md with the attnkit CLI.
 
-    scripts/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
-                           [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
-                           [--collect-only] [--copy-runs DIR]
+    python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
+                                       [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
+                                       [--collect-only] [--copy-runs DIR]
 
 NAME:
   agglomerative-lm   section 1: full vs agglomerative attention x sinusoidal
@@ -69,7 +68,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- experiments
@@ -1480,7 +1479,7 @@ def main():
     if not os.access(attnkit, os.X_OK):
         sys.exit(f"reproduce: no attnkit binary at {attnkit} (build it with scripts/build, or pass --attnkit)")
     seeds = [int(s) for s in args.replicas.split(",")] if args.replicas else exp.get("seeds", [])
-    command = "scripts/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python3 experiments/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     exp["copy_runs"] = os.path.abspath(args.copy_runs or os.path.join(ROOT, "build", "runs", "copy-clustered"))
     if "main" in exp:  # measurements rather than training runs
