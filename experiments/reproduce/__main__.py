@@ -58,7 +58,8 @@ import shlex
 import sys
 
 # Run from the source tree: the modules beside this file are imported from
-# it, and nothing (no __pycache__) is written into the repository.
+# it and leave no __pycache__ there. (Python caches this file itself before it
+# runs, unless PYTHONDONTWRITEBYTECODE is set or -B given; .gitignore has it.)
 sys.dont_write_bytecode = True
 
 import driver  # noqa: E402
