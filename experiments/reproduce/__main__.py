@@ -1,0 +1,106 @@
+"""Re-runs an experiment of docs/EXPERIMENTS.md with the attnkit CLI.
+
+    python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
+                                       [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
+                                       [--collect-only] [--copy-runs DIR]
+
+NAME:
+  agglomerative-lm   section 1: full vs agglomerative attention x sinusoidal
+                     vs convolutional positions, a universal-transformer
+                     character model on the KJV corpus; 3 replicas (seeds 1-3).
+  copy-clustered     section 2: the masked copy task at lengths 64-512 for
+                     clustered and improved-clustered attention with 15-90
+                     clusters, and full, causal-linear, agglomerative and
+                     local sparse attention; one replica (seed 1).
+  approx-trained     section 3: a bidirectional character model (masked-char)
+                     trained with full attention on KJV, evaluated with
+                     clustered and improved-clustered attention swapped in
+                     (10-100 clusters), and their distance to full attention
+                     on the model's own queries and keys per layer.
+  speed              section 5: figure-clustered and figure-agglomerative
+                     re-run, and a model's training step (time and memory
+                     per token) for every mechanism at contexts 512-16384;
+                     one command at a time on one thread (an idle machine).
+  node-classify      section 8: node classification on the Debian package
+                     graph (scripts/package-graph, written to --data, default
+                     build/data/package-graph, when missing): attention over
+                     the input edges (GAT), full, input plus random edges, and
+                     SAC from the input graph; 3 replicas (seeds 1-3). Each run
+                     is `attnkit node-classify`, which writes its own
+                     result.json; re-running skips finished runs and resumes
+                     interrupted ones from their checkpoints.
+
+Every run lives in OUT/CONFIG/seed-S (default OUT: build/runs/NAME, outside
+git). A run whose directory holds a checkpoint continues it (`attnkit train
+--resume` with the same flags: a run made with other flags is refused, not
+continued); a run with its test result (test.json) at the full budget is
+skipped. So re-running the command continues where it stopped (Ctrl-C makes
+the trainers checkpoint and exit). Runs go N at a time (--jobs, default 2),
+each on one thread, replica 1 of every configuration first.
+
+At the end the results are collected into RESULTS/NAME.json and a plot
+RESULTS/NAME.png (default RESULTS: docs/experiments); the plot needs
+matplotlib (Debian: python3-matplotlib) and is skipped with a message without it.
+
+--smoke runs every configuration for a few steps of a tiny model on
+tests/data/genesis-1-2.txt (prepared with `attnkit data char-lm`) in a
+temporary directory, runs the script a second time over it (every run must
+then be skipped and the results must not change), and checks the results; it
+writes nothing into the repository.
+
+--data: the corpus directory `scripts/fetch-corpus kjv --out DIR` wrote
+(default build/data/kjv, fetch-corpus's default).
+"""
+
+import argparse
+import os
+import shlex
+import sys
+
+# Run from the source tree: the modules beside this file are imported from
+# it and leave no __pycache__ there. (Python caches this file itself before it
+# runs, unless PYTHONDONTWRITEBYTECODE is set or -B given; .gitignore has it.)
+sys.dont_write_bytecode = True
+
+import driver  # noqa: E402
+import paths  # noqa: E402
+from sections import SECTIONS  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=sorted(SECTIONS))
+    parser.add_argument("--smoke", action="store_true", help="a few steps on tiny data in a temporary directory")
+    parser.add_argument("--out", help="run directories (default build/runs/NAME)")
+    parser.add_argument("--data", help="corpus directory (default build/data/kjv)")
+    parser.add_argument("--results", help="where NAME.json and NAME.png go (default docs/experiments)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (2)")
+    parser.add_argument("--replicas", default=None, help="seeds, comma-separated (default: the experiment's)")
+    parser.add_argument("--attnkit", help="the attnkit binary (default $ATTNKIT_BUILD_DIR/attnkit or build/attnkit)")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="run nothing: collect the finished runs into RESULTS/NAME.json and the plot")
+    parser.add_argument("--copy-runs", help="approx-trained: copy-clustered's run directories, whose full-attention "
+                                            "models it also swaps into (default build/runs/copy-clustered)")
+    args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+
+    section = SECTIONS[args.name]
+    exp = section.EXPERIMENT
+    attnkit = args.attnkit or os.path.join(os.environ.get("ATTNKIT_BUILD_DIR", os.path.join(paths.ROOT, "build")),
+                                           "attnkit")
+    if not os.access(attnkit, os.X_OK):
+        sys.exit(f"reproduce: no attnkit binary at {attnkit} (build it with scripts/build, or pass --attnkit)")
+    seeds = [int(s) for s in args.replicas.split(",")] if args.replicas else exp.get("seeds", [])
+    command = "python3 experiments/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    exp["copy_runs"] = paths.directory(args.copy_runs, "build", "runs", "copy-clustered")
+    if hasattr(section, "main"):  # a course of its own (measurements, runs that write their own results)
+        return section.main(exp, args, attnkit, seeds, command)
+    if args.smoke:
+        return driver.smoke(section, args, attnkit, seeds, command)
+    return driver.run(section, args, attnkit, seeds, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

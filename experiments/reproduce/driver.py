@@ -1,0 +1,119 @@
+"""The course of an experiment. A section whose runs are `attnkit train`
+then measurements of the trained model (sections 1, 2, 3, 6 and 7 of
+docs/EXPERIMENTS.md) goes through run() or smoke() here; a section with a
+course of its own (speed, node-classify) has a main() and uses the parts they
+share: twice() and verdict() of the smoke, publish() of the results.
+
+Such a section is a module of sections/ with EXPERIMENT (its configuration),
+CORPUS (whether it trains on the KJV corpus), jobs(), collect(), table(),
+plot() and smoke_check()."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import paths
+import runner
+
+
+def run(section, args, attnkit, seeds, command):
+    """Runs (or continues) every job, collects the finished ones into
+    RESULTS/NAME.json, prints the table and draws the plot."""
+    exp = section.EXPERIMENT
+    out = paths.runs_directory(args)
+    data = paths.directory(args.data, "build", "data", "kjv") if section.CORPUS else None
+    results_dir = paths.results_directory(args)
+    if data and not os.path.exists(os.path.join(data, "meta.json")):
+        sys.exit(f"reproduce: no corpus at {data} (scripts/fetch-corpus kjv --out {data})")
+    jobs = section.jobs(exp, out, data, attnkit, seeds, smoke=False)
+    print(f"reproduce {args.name}: {len(jobs)} runs (seeds {seeds}), budget {jobs[0]['steps']} steps each, "
+          f"{args.jobs} at a time, runs in {out}", flush=True)
+    print("the first run's command:", shlex.join(jobs[0]["train"]), flush=True)
+    ok = True if args.collect_only else runner.run_all(jobs, args.jobs)
+    publish(section.collect(exp, jobs, data, command), results_dir, args.name, section.table, section.plot)
+    return 0 if ok else 1
+
+
+def smoke(section, args, attnkit, seeds, command):
+    """Every configuration for a few steps of a tiny model on the shipped text
+    in a temporary directory (or an empty --out), twice; then the checks."""
+    exp = section.EXPERIMENT
+    with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
+        data = None
+        if section.CORPUS:
+            data = os.path.join(tmp, "data")
+            text = os.path.join(paths.ROOT, "tests", "data", "genesis-1-2.txt")
+            subprocess.run(runner.attnkit_command(attnkit, "data", ["char-lm", "--input", text, "--out", data]),
+                           check=True, stdout=subprocess.DEVNULL)
+        out = args.out and os.path.abspath(args.out) or os.path.join(tmp, "runs")
+        exp["copy_runs"] = os.path.join(out, "copy-clustered")
+        if os.path.exists(out) and os.listdir(out):
+            sys.exit(f"reproduce --smoke: {out} is not empty (the smoke starts from nothing)")
+        jobs = section.jobs(exp, out, data, attnkit, seeds[:1], smoke=True)
+        print(f"reproduce {args.name} --smoke: {len(jobs)} runs, budget {jobs[0]['steps']} steps, "
+              f"seed {seeds[0]}", flush=True)
+        first, problems = twice(lambda: runner.run_all(jobs, args.jobs),
+                                lambda: section.collect(exp, jobs, data, command),
+                                [(j["label"], os.path.join(j["dir"], "test.json")) for j in jobs],
+                                section.smoke_check)
+        section.table(first)
+        results_dir = args.results and os.path.abspath(args.results)
+        if results_dir:
+            write_results(first, results_dir, args.name)
+        section.plot(first, os.path.join(results_dir or tmp, f"{args.name}.png"))
+        return verdict(problems)
+
+
+# ---------------------------------------------------------------- shared parts
+
+def twice(execute, collect, watched, check):
+    """The smoke's two passes. execute() runs everything (False: a run
+    failed); the second pass must skip every finished run: none of the
+    WATCHED (label, path) files may change, nor the collect()ed results.
+    Returns the first results and the problems: check(first)'s, then the
+    second pass's."""
+    if not execute():
+        sys.exit("reproduce --smoke: a run failed")
+    first = collect()
+    mtimes = {path: os.path.getmtime(path) for _, path in watched}
+    if not execute():
+        sys.exit("reproduce --smoke: the second pass failed")
+    second = collect()
+    problems = check(first)
+    problems += [f"{label}: re-run although finished" for label, path in watched
+                 if os.path.getmtime(path) != mtimes[path]]
+    if json.dumps(first, sort_keys=True) != json.dumps(second, sort_keys=True):
+        problems.append("the results changed on the second pass")
+    return first, problems
+
+
+def verdict(problems):
+    """The smoke's end: exits naming the problems, or says ok (exit code 0)."""
+    if problems:
+        sys.exit("reproduce --smoke: " + "; ".join(problems))
+    print("reproduce --smoke: ok")
+    return 0
+
+
+def write_results(results, results_dir, name):
+    """RESULTS/NAME.json, written atomically; returns its path."""
+    os.makedirs(results_dir, exist_ok=True)
+    json_path = os.path.join(results_dir, f"{name}.json")
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    os.replace(json_path + ".tmp", json_path)
+    return json_path
+
+
+def publish(results, results_dir, name, table, plot):
+    """RESULTS/NAME.json, the table on stdout, the plot RESULTS/NAME.png."""
+    json_path = write_results(results, results_dir, name)
+    table(results)
+    print("wrote", json_path)
+    png = os.path.join(results_dir, f"{name}.png")
+    if plot(results, png):
+        print("wrote", png)

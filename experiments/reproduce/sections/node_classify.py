@@ -1,0 +1,190 @@
+"""node-classify: section 8 of docs/EXPERIMENTS.md, node classification on
+the Debian package graph. Each run is one `attnkit node-classify`, which
+writes its own result.json and may stop early, so the train-then-measure
+course of the other sections does not fit: its own job and main()."""
+
+import os
+import shlex
+import subprocess
+import tempfile
+
+import checkpoints
+import driver
+import paths
+import plots
+import runner
+import stats
+
+# Section 8 of docs/EXPERIMENTS.md (issue 13, part 4.3). The SAC paper, Table
+# 3: node classification on citation graphs (GAT's transductive setting), SAC
+# against GAT. Here: the Debian package graph (scripts/package-graph: the
+# desktop sections' largest component), a GAT-style network with dot-product
+# attention over the input graph's edges, full attention, the input edges plus
+# as many random edges as SAC adds, and SAC initialised from the input graph.
+EXPERIMENT = {
+    "title": "SAC, node classification on the Debian package graph",
+    "paper": {"source": "SAC paper, Table 3 (accuracy %, mean of 3 runs)",
+              "cora": {"GAT": 83.0, "SAC": 84.8}, "citeseer": {"GAT": 72.5, "SAC": 73.8},
+              "pubmed": {"GAT": 79.0, "SAC": 79.7}},
+    # name -> (attention ({seed} is the run's seed), extra flags)
+    "configurations": [
+        ("input", "input", []),
+        ("full", "full", []),
+        ("input+random-2", "input+random:alpha=2,seed={seed}", []),
+        ("sac-2", "sac:alpha=2,variant=all-connected", []),
+        ("sac-2-edge", "sac:alpha=2,variant=all-connected,reward=edge", []),
+        # GAT's layout has no residual connections, which leaves full
+        # attention nothing of a node's own features: the same two with them.
+        ("input-residual", "input", ["--residual"]),
+        ("full-residual", "full", ["--residual"]),
+    ],
+    # GAT's Cora settings for every configuration (2 layers, 8 heads x 8,
+    # dropout 0.6, Adam 0.005 with L2 5e-4), at most 200 epochs with early
+    # stopping after 100 without a better validation accuracy; SAC samples 4
+    # structures per epoch.
+    "flags": ["--epochs", "200", "--patience", "100", "--width", "64", "--heads", "8", "--layers", "2",
+              "--dropout", "0.6", "--lr", "0.005", "--weight-decay", "5e-4", "--samples", "4"],
+    "smoke_flags": ["--epochs", "4", "--patience", "4", "--eval-every", "2", "--width", "16", "--heads", "2",
+                    "--layers", "2", "--samples", "2"],
+    "seeds": [1, 2, 3],
+}
+
+# The smoke's graph: scripts/package-graph on the hand-written package index.
+SMOKE_GRAPH = ["--input", os.path.join(paths.ROOT, "tests", "data", "packages-fixture.txt"),
+               "--sections", "games,graphics,sound", "--train-per-class", "2", "--valid", "6",
+               "--test", "10", "--min-count", "2"]
+
+
+def prepare(data, extra):
+    """The package graph in DATA: scripts/package-graph EXTRA writes it when it is missing."""
+    if not os.path.exists(os.path.join(data, "meta.json")):
+        subprocess.run([os.path.join(paths.ROOT, "scripts", "package-graph"), "--out", data, *extra], check=True)
+
+
+def jobs(exp, out, data, attnkit, seeds, smoke):
+    flags = exp["smoke_flags" if smoke else "flags"]
+    planned = []
+    for seed in seeds:  # replica 1 of every configuration first
+        for name, attention, extra in exp["configurations"]:
+            run_dir = os.path.join(out, name, f"seed-{seed}")
+            argv = runner.attnkit_command(attnkit, "node-classify", [
+                "--data", data, "--attention", attention.format(seed=seed), *flags, *extra,
+                "--seed", str(seed), "--threads", "1", "--out", run_dir])
+            planned.append({"dir": run_dir, "train": argv, "seed": seed, "config": name,
+                            "label": f"{name} seed {seed}"})
+    return planned
+
+
+def run_job(job_runner, job):
+    """One run: skipped when its result.json exists, resumed when it has a checkpoint."""
+    run_dir, label = job["dir"], job["label"]
+    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
+    if result is not None:
+        job_runner.say(f"{label}: finished (test accuracy {result['test_accuracy']:.4f}), skipped")
+        return True
+    if job_runner.stop.is_set():
+        return False
+    os.makedirs(run_dir, exist_ok=True)
+    resumed = bool(checkpoints.checkpoints(run_dir))
+    job_runner.say(f"{label}: {'resuming' if resumed else 'starting'}")
+    rc = runner.session(run_dir, "train", job["train"] + (["--resume"] if resumed else []), "train.log")
+    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
+    if rc != 0 or result is None:
+        job_runner.say(f"{label}: attnkit node-classify exited {rc} without a result; see "
+                    f"{os.path.join(run_dir, 'train.log')} (re-run to continue)")
+        return False
+    job_runner.say(f"{label}: test accuracy {result['test_accuracy']:.4f} (best epoch {result['best']['epoch']})")
+    return True
+
+
+def collect(exp, jobs, data, command):
+    meta = checkpoints.data_meta(data)
+    configs = []
+    for name, attention, extra in exp["configurations"]:
+        runs = []
+        for job in (j for j in jobs if j["config"] == name):
+            r = checkpoints.read_json(os.path.join(job["dir"], "result.json"))
+            if r is None:
+                continue
+            runs.append({"seed": job["seed"], "attention": r["attention"], "test_accuracy": r["test_accuracy"],
+                         "valid_accuracy": r["best"]["valid_accuracy"], "best_epoch": r["best"]["epoch"],
+                         "epochs_run": r["epochs_run"], "edges_per_node": r["best"]["edges_per_node"],
+                         "same_class": r["best"]["same_class"], "train_seconds": r["train_seconds"],
+                         "seconds_per_epoch": r["seconds_per_epoch"], "loadavg": r["session"]["loadavg_end"]})
+        mean, se = stats.mean_se([r["test_accuracy"] for r in runs])
+        configs.append({"name": name, "attention": attention, "flags": extra, "runs": runs, "test_accuracy": mean,
+                        "test_accuracy_se": se,
+                        "same_class": stats.mean_se([r["same_class"] for r in runs])[0],
+                        "edges_per_node": stats.mean_se([r["edges_per_node"] for r in runs])[0],
+                        "seconds_per_epoch": stats.mean_se([r["seconds_per_epoch"] for r in runs])[0]})
+    return {"experiment": exp["title"], "command": command, "paper": exp["paper"],
+            "dataset": {k: meta.get(k) for k in ("nodes", "edges", "features", "classes", "class_counts",
+                                                 "split_counts", "sections", "source")},
+            "flags": exp["flags"], "configurations": configs}
+
+
+def table(results):
+    print("| structure | test accuracy % (mean +- se) | per seed | edges/node | same-class edges | s/epoch |")
+    print("|---|---|---|---|---|---|")
+    for c in results["configurations"]:
+        if not c["runs"]:
+            print(f"| {c['name']} | (no finished run) | | | | |")
+            continue
+        se = f" +- {100 * c['test_accuracy_se']:.1f}" if c["test_accuracy_se"] is not None else ""
+        seeds = ", ".join(f"{100 * r['test_accuracy']:.1f}" for r in c["runs"])
+        print(f"| {c['name']} | {100 * c['test_accuracy']:.1f}{se} | {seeds} | {c['edges_per_node']:.2f} | "
+              f"{c['same_class']:.3f} | {c['seconds_per_epoch']:.2f} |")
+
+
+def plot(results, png):
+    plt = plots.pyplot()
+    if plt is None:
+        return False
+    configs = [c for c in results["configurations"] if c["runs"]]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for i, c in enumerate(configs):
+        ax.bar(i, 100 * c["test_accuracy"], color="#8fb3d9")
+        ax.scatter([i] * len(c["runs"]), [100 * r["test_accuracy"] for r in c["runs"]], color="k", s=10, zorder=3)
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels([c["name"] for c in configs], fontsize=8, rotation=20, ha="right")
+    ax.set_ylabel("test accuracy %")
+    ax.set_title("Debian package graph: structure vs accuracy (bars: mean, dots: seeds)", fontsize=9)
+    return plots.save(plt, fig, png)
+
+
+def smoke_check(first):
+    problems = [f"{c['name']}: {len(c['runs'])} runs" for c in first["configurations"] if len(c["runs"]) != 1]
+    for c in first["configurations"]:
+        for r in c["runs"]:
+            if not 0 <= r["test_accuracy"] <= 1 or r["edges_per_node"] < 1:
+                problems.append(f"{c['name']}: implausible result {r}")
+    return problems
+
+
+def main(exp, args, attnkit, seeds, command):
+    """Every run (skipped when finished, resumed from its checkpoint), then
+    RESULTS/node-classify.json; the package graph is made in --data when
+    missing. --smoke: the fixture's graph, tiny runs, twice."""
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
+            data = os.path.join(tmp, "data")
+            prepare(data, SMOKE_GRAPH)
+            planned = jobs(exp, os.path.join(tmp, "runs"), data, attnkit, seeds[:1], smoke=True)
+            first, problems = driver.twice(lambda: runner.run_all(planned, args.jobs, run_job),
+                                           lambda: collect(exp, planned, data, command),
+                                           [(j["label"], os.path.join(j["dir"], "result.json")) for j in planned],
+                                           smoke_check)
+            table(first)
+            plot(first, os.path.join(tmp, "node-classify.png"))
+            return driver.verdict(problems)
+    out = paths.runs_directory(args)
+    data = paths.directory(args.data, "build", "data", "package-graph")
+    results_dir = paths.results_directory(args)
+    prepare(data, [])
+    planned = jobs(exp, out, data, attnkit, seeds, smoke=False)
+    print(f"reproduce node-classify: {len(planned)} runs (seeds {seeds}), {args.jobs} at a time, runs in {out}",
+          flush=True)
+    print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
+    ok = True if args.collect_only else runner.run_all(planned, args.jobs, run_job)
+    driver.publish(collect(exp, planned, data, command), results_dir, "node-classify", table, plot)
+    return 0 if ok else 1
