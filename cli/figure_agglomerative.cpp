@@ -42,7 +42,7 @@ namespace attnkit::cli {
 
 namespace {
 
-// The length range of the linearity target (docs/performance/agglomerative.md).
+// The length range of the linearity target (docs/PERFORMANCE.md, "Agglomerative attention").
 constexpr int64_t kFitFrom = 512, kFitTo = 4096;
 
 struct FigureConfig {

@@ -1,11 +1,9 @@
 #include "launch.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
+#include <attnkit/train/distributed.h>
+
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -62,31 +61,13 @@ const std::vector<std::string>& command_line() { return g_command_line; }
 
 bool launched_worker() { return std::getenv("ATTNKIT_WORKER") != nullptr; }
 
-int free_port(const std::string& addr) {
-  addrinfo hints{}, *found = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(addr.c_str(), "0", &hints, &found) != 0 || found == nullptr)
-    throw std::runtime_error("train: cannot resolve the master address '" + addr + "'");
-  const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || ::bind(fd, found->ai_addr, found->ai_addrlen) != 0) {
-    const std::string why = std::strerror(errno);
-    if (fd >= 0) ::close(fd);
-    freeaddrinfo(found);
-    throw std::runtime_error("train: cannot bind a port on '" + addr + "': " + why);
-  }
-  sockaddr_storage bound{};
-  socklen_t len = sizeof bound;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  ::close(fd);
-  freeaddrinfo(found);
-  return bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                     : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-}
-
 int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv) {
   if (o.nproc < 1) throw std::invalid_argument("train: --nproc must be >= 1");
-  const int port = o.master_port > 0 ? o.master_port : free_port(o.master_addr);
+  // Without a port from the user the launcher serves the TCPStore itself and
+  // holds its port to the end; rank 0 then connects like the others.
+  std::unique_ptr<train::LauncherStore> store;
+  if (o.master_port == 0) store = std::make_unique<train::LauncherStore>(o.store_timeout);
+  const int port = store ? store->port() : o.master_port;
 
   // Everything the children need, built before fork (only async-signal-safe
   // calls between fork and exec).
@@ -98,7 +79,8 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
     const std::string entry = *e;
     const auto name = entry.substr(0, entry.find('='));
     if (name != "RANK" && name != "WORLD_SIZE" && name != "LOCAL_RANK" && name != "LOCAL_WORLD_SIZE" &&
-        name != "MASTER_ADDR" && name != "MASTER_PORT" && name != "ATTNKIT_WORKER")
+        name != "MASTER_ADDR" && name != "MASTER_PORT" && name != "ATTNKIT_WORKER" &&
+        name != "ATTNKIT_LAUNCHER_STORE")
       base.push_back(entry);
   }
   std::vector<std::vector<std::string>> envs(o.nproc, base);
@@ -110,6 +92,7 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
                            std::string("MASTER_ADDR=") + o.master_addr,
                            std::string("MASTER_PORT=") + std::to_string(port), std::string("ATTNKIT_WORKER=1")})
       envs[r].push_back(kv);
+    if (store) envs[r].push_back("ATTNKIT_LAUNCHER_STORE=1");
     for (auto& e : envs[r]) envps[r].push_back(e.data());
     envps[r].push_back(nullptr);
   }

@@ -27,14 +27,14 @@ const std::vector<std::string>& command_line();
 /// True in a process the launcher started (ATTNKIT_WORKER is set).
 bool launched_worker();
 
-/// A TCP port on `addr` that was free a moment ago (bind to port 0).
-int free_port(const std::string& addr);
-
 struct LaunchOptions {
   int nproc = 1;
   std::string master_addr = "127.0.0.1";
+  /// 0: the launcher serves the job's TCPStore itself on a port the operating
+  /// system picks (train::LauncherStore); > 0: rank 0 serves it on this port.
   int master_port = 0;
   double grace_seconds = 10;  ///< after SIGTERM to the surviving workers, until SIGKILL
+  double store_timeout = 60;  ///< seconds: the launcher's TCPStore's waits
 };
 
 /// Starts the workers and watches them until all have exited; returns the

@@ -249,6 +249,7 @@ void add_train_command(CLI::App& app) {
       launch.master_addr = dist.master_addr();
       launch.master_port = given("--master-port") ? f->master_port : 0;
       launch.grace_seconds = std::min(10.0, f->dist_timeout);
+      launch.store_timeout = f->dist_timeout;
       const int status = launch_workers(launch, command_line());
       if (status != 0) throw CLI::RuntimeError(status);
       return;

@@ -83,8 +83,30 @@ bool distributed_from_environment(DistributedOptions& o) {
   if (const char* v = std::getenv("RANK")) o.rank(static_cast<int>(parse_env_int("RANK", v)));
   if (const char* v = std::getenv("MASTER_ADDR")) o.master_addr(v);
   if (const char* v = std::getenv("MASTER_PORT")) o.master_port(static_cast<int>(parse_env_int("MASTER_PORT", v)));
+  if (const char* v = std::getenv("ATTNKIT_LAUNCHER_STORE")) o.launcher_store(std::string(v) == "1");
   return world;
 }
+
+struct LauncherStore::Impl {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+};
+
+LauncherStore::LauncherStore(double timeout) : impl_(std::make_unique<Impl>()) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;  // the operating system's choice, held from here on
+  so.isServer = true;
+  so.waitWorkers = false;  // the workers do not exist yet
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(timeout * 1000)));
+  try {
+    impl_->store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (const std::exception& e) {
+    throw DistributedError("the launcher could not serve the TCPStore: " + error_text(e));
+  }
+}
+
+LauncherStore::~LauncherStore() = default;
+
+int LauncherStore::port() const { return impl_->store->getPort(); }
 
 uint64_t dropout_seed(uint64_t seed, int64_t step, int rank) {
   return splitmix64(splitmix64(splitmix64(seed) + static_cast<uint64_t>(step)) + static_cast<uint64_t>(rank));
@@ -112,15 +134,16 @@ std::unique_ptr<Communicator> Communicator::connect(const DistributedOptions& o)
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(o.master_port());
-    so.isServer = o.rank() == 0;
+    so.isServer = o.rank() == 0 && !o.launcher_store();
     so.numWorkers = static_cast<std::size_t>(o.world_size());
     so.waitWorkers = true;
     so.timeout = timeout;
     impl->store = c10::make_intrusive<c10d::TCPStore>(o.master_addr(), so);
   } catch (const std::exception& e) {
     throw DistributedError("rank " + std::to_string(o.rank()) + ": the rendezvous at " + where + " failed (" +
-                           (o.rank() == 0 ? "serving the TCPStore; is the port in use?"
-                                          : "connecting to rank 0's TCPStore") +
+                           (o.rank() == 0 && !o.launcher_store() ? "serving the TCPStore; is the port in use?"
+                            : o.launcher_store() ? "connecting to the launcher's TCPStore"
+                                                 : "connecting to rank 0's TCPStore") +
                            ", world size " + std::to_string(o.world_size()) + ", timeout " +
                            seconds_text(o.timeout()) + "): " + error_text(e));
   }

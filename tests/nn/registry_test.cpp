@@ -163,7 +163,8 @@ namespace {
 /// attnkit::linear, attention on each mechanism's kernel) against the same
 /// module in float64 (composites): output and every parameter gradient.
 /// Clustered mechanisms are left out here: float32 and float64 hashing may
-/// put a query on different sides of a plane (tests/clustered_* cover them).
+/// put a query on different sides of a plane (tests/ops/clustered_op_test.cpp and
+/// tests/kernels/clustered_kernels_test.cpp cover them).
 TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
   for (const auto& info : mechanisms()) {
     if (!info.make || info.approximates_exact) continue;

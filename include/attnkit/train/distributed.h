@@ -52,6 +52,10 @@ struct DistributedOptions {
   TORCH_ARG(double, timeout) = 60;                ///< seconds to wait for the others (rendezvous, every collective)
   TORCH_ARG(int64_t, bucket_bytes) = kDefaultBucketBytes;  ///< gradient bytes per all-reduce
   TORCH_ARG(bool, overlap) = true;                ///< all-reduce during the backward pass (false: after it and a barrier)
+  /// The TCPStore at master_addr:master_port is served by the launcher that
+  /// started the workers (LauncherStore), so rank 0 connects to it like the
+  /// others instead of serving it.
+  TORCH_ARG(bool, launcher_store) = false;
 };
 
 /// Throws std::invalid_argument naming the option and its value: world_size
@@ -61,9 +65,30 @@ void validate(const DistributedOptions& options);
 
 /// Fills world_size, rank, master_addr and master_port from the environment
 /// variables WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT (torch.distributed's
-/// names) where they are set; a value that is not an integer is refused with an
-/// error naming the variable. Returns whether WORLD_SIZE was set.
+/// names) where they are set, and launcher_store from ATTNKIT_LAUNCHER_STORE=1;
+/// a value that is not an integer is refused with an error naming the
+/// variable. Returns whether WORLD_SIZE was set.
 bool distributed_from_environment(DistributedOptions& options);
+
+/// A TCPStore served by a launcher for the workers it starts, on a port the
+/// operating system picks when the store binds it. The launcher holds the
+/// port from then to the end of the job. (Finding a free port, closing it and
+/// letting rank 0 bind it later left a window in which another process, such
+/// as another job's Gloo connections, could take it; the job then failed at
+/// its rendezvous.) Workers connect with launcher_store(true).
+class LauncherStore {
+ public:
+  /// Serves on every interface; `timeout` in seconds bounds the store's waits.
+  explicit LauncherStore(double timeout);
+  ~LauncherStore();
+  LauncherStore(const LauncherStore&) = delete;
+  LauncherStore& operator=(const LauncherStore&) = delete;
+  int port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// A failure of the job's communication (see the file comment).
 class DistributedError : public std::runtime_error {
@@ -73,8 +98,9 @@ class DistributedError : public std::runtime_error {
 
 class Communicator {
  public:
-  /// Joins the job: rank 0 serves a TCPStore on master_addr:master_port, the
-  /// others connect to it (retrying until `timeout`), then ProcessGroupGloo
+  /// Joins the job: rank 0 serves a TCPStore on master_addr:master_port (or,
+  /// with launcher_store, the launcher does), the others connect to it
+  /// (retrying until `timeout`), then ProcessGroupGloo
   /// connects every pair. Blocks until all world_size processes have joined.
   /// Gloo's device: the interface in GLOO_SOCKET_IFNAME when set, 127.0.0.1
   /// for a loopback master address, else the address this host's name
