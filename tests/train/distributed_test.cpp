@@ -8,10 +8,8 @@
 #include <attnkit/train/distributed.h>
 #include <attnkit/train/trainer.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,17 +38,11 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+/// A one-process job on a TCPStore this test serves and holds (LauncherStore:
+/// a port the system picks at bind, no window for another process to take it
+/// between finding it free and binding it), as the launcher does.
+std::unique_ptr<Communicator> connect_alone(LauncherStore& store) {
+  return Communicator::connect(DistributedOptions().master_port(store.port()).launcher_store(true).timeout(20));
 }
 
 double now_seconds() {
@@ -84,7 +76,7 @@ struct Child {
     for (char** e = environ; *e; ++e) {
       const std::string entry = *e, name = entry.substr(0, entry.find('='));
       if (name != "RANK" && name != "WORLD_SIZE" && name != "MASTER_ADDR" && name != "MASTER_PORT" &&
-          name != "ATTNKIT_WORKER" && name != "LOCAL_RANK")
+          name != "ATTNKIT_WORKER" && name != "LOCAL_RANK" && name != "ATTNKIT_LAUNCHER_STORE")
         env_s.push_back(entry);
     }
     env_s.insert(env_s.end(), env.begin(), env.end());
@@ -234,7 +226,8 @@ TEST(DistributedTrainer, RefusesABatchNotDivisibleByTheProcesses) {
 // ---------------------------------------------------------------------------
 
 TEST(GradientReducer, OneProcessKeepsTheGradientsAndOverlapsTheBackwardPass) {
-  auto comm = Communicator::connect(DistributedOptions().master_port(free_port()).timeout(20));
+  LauncherStore store(20);
+  auto comm = connect_alone(store);
   EXPECT_EQ(comm->world_size(), 1);
   torch::manual_seed(3);
   auto w1 = torch::randn({64, 32}).requires_grad_();
@@ -269,7 +262,8 @@ TEST(GradientReducer, OneProcessKeepsTheGradientsAndOverlapsTheBackwardPass) {
 }
 
 TEST(GradientReducer, LaunchesBucketsDuringTheBackwardPass) {
-  auto comm = Communicator::connect(DistributedOptions().master_port(free_port()).timeout(20));
+  LauncherStore store(20);
+  auto comm = connect_alone(store);
   torch::manual_seed(4);
   auto w1 = torch::randn({64, 32}).requires_grad_();
   auto w2 = torch::randn({32, 16}).requires_grad_();
@@ -291,7 +285,8 @@ TEST(GradientReducer, LaunchesBucketsDuringTheBackwardPass) {
 // their gradients in float32, the float32 parameters receive the mean (in a
 // one-process group: the copies' gradients, converted exactly).
 TEST(GradientReducer, ReducesTheBf16GradientsOfWorkingCopiesIntoFloat32Parameters) {
-  auto comm = Communicator::connect(DistributedOptions().master_port(free_port()).timeout(20));
+  LauncherStore store(20);
+  auto comm = connect_alone(store);
   torch::manual_seed(5);
   auto w1 = torch::randn({64, 32}).requires_grad_();
   auto w2 = torch::randn({32, 16}).requires_grad_();
@@ -482,13 +477,17 @@ TEST(DataParallelCli, KilledWorkerStopsTheOthersAndTheJobResumes) {
   const std::vector<std::string> schedule{"--batch", "4", "--steps", "300", "--log-every", "10",
                                           "--checkpoint-every", "20", "--eval-every", "0"};
   const double timeout = 20;
-  const std::string port = std::to_string(free_port());
+  // The workers' TCPStore, served here as the launcher serves it: the port
+  // stays held from bind to the end (a port found free, closed and bound by
+  // rank 0 later could be taken in between on a loaded machine).
+  LauncherStore store(60);
+  const std::string port = std::to_string(store.port());
   auto worker = [&](int rank) {
     return std::make_unique<Child>(
         model_args(run) + schedule +
             std::vector<std::string>{"--world-size", "2", "--rank", std::to_string(rank), "--master-port", port,
                                      "--dist-timeout", "20"},
-        (dir.path() / ("rank" + std::to_string(rank))).string());
+        (dir.path() / ("rank" + std::to_string(rank))).string(), {"ATTNKIT_LAUNCHER_STORE=1"});
   };
   auto rank0 = worker(0), rank1 = worker(1);
   // Wait for the first checkpoint, then kill rank 1.
