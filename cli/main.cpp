@@ -19,10 +19,9 @@ namespace {
 /// glibc maps every allocation above its mmap threshold afresh and unmaps it
 /// on free, and an aligned allocation (torch's tensors: 64 bytes) never fits
 /// the threshold glibc raises to a freed block's size. So each large tensor
-/// of every step faulted its pages in again: 2048 page faults per 8 MiB output
-/// of sparse-local:span=64 at L = 4096 (N = 1, H = 8), about a tenth of that
-/// call's time, and as much at L = 16384 with 32 MiB outputs (perf stat,
-/// 2026-11-23). The command line keeps freed memory in the heap for reuse
+/// of every step faulted its pages in again: 2048 page faults per 8 MiB
+/// output, a measurable share of a sparse call's time (docs/PERFORMANCE.md,
+/// "Why the kernels' constants"). The command line keeps freed memory in the heap for reuse
 /// instead, as a caching allocator would: no block is mapped on its own
 /// (M_MMAP_MAX 0), and free memory at the heap's top goes back to the system
 /// only beyond 1 GiB. The process's resident size then stays near its peak.

@@ -20,8 +20,7 @@ namespace {
 /// out[i] = elu(x[i]) + 1 = (x > 0 ? x + 1 : exp(x)) for i < n, x read with
 /// stride xs, in one pass: the feature map is computed as it is packed for the
 /// GEMM that reads it, instead of a copy and then the map in place (the copies
-/// took as long as the exps: 15% of the non-causal forward in memmove, perf,
-/// 2026-11-23).
+/// took as long as the exps; docs/PERFORMANCE.md, "Why the kernels' constants").
 void elu_plus_one(const float* x, int64_t xs, int64_t n, float* out) {
   int64_t i = 0;
 #ifdef __AVX512F__

@@ -20,20 +20,13 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Block sizes, queries x keys. Measured single-threaded at N = 1, H = 8,
-// L = S = 4096, E = M = 64: best of 6 runs in thread CPU time, on the 2-core
-// AVX-512 Xeon dev VM while other builds shared it (the 1024^3 sgemm peak read
-// 120-155 GFLOP/s there, so differences under ~10% are noise):
-//   forward  128x256 0.31 s, 128x128 0.32, 64x256 0.33, 128x512 0.33,
-//            256x256 0.29, 256x128 0.40
-//   backward 128x256 0.68 s, 128x128 0.68, 64x128 0.72, 256x256 0.74,
-//            256x128 0.75, 64x64 0.78
-// 128 x 256 is within the noise of the best in both passes. Smaller blocks
-// pay oneDNN's per-call overhead (dispatch, packing) more often; larger ones
-// gain nothing more and grow the score block (128 KiB here), which with the
-// key and value panels must stay in L2. In a hot loop sgemm runs these block
-// shapes at 130-145 GFLOP/s and a hand-written 12 x 32 register-tiled AVX-512
-// kernel at 149: too close to justify a second code path.
+// Block sizes, queries x keys: 128 x 256 was within the noise of the best of
+// the shapes tried in both passes (docs/PERFORMANCE.md, "Why the kernels'
+// constants", has the measurements). Smaller blocks pay oneDNN's per-call
+// overhead (dispatch, packing) more often; larger ones gain nothing more and
+// grow the score block (128 KiB here), which with the key and value panels
+// must stay in L2. A hand-written register-tiled AVX-512 kernel ran these
+// block shapes barely faster than sgemm: too close to justify a second path.
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 256;
 // A forward work item is a span of up to kForwardGroup query blocks that share

@@ -26,11 +26,11 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // exact kernel's measurements (see softmax_attention.cpp) put sgemm near its
 // best from 128 x 256 blocks; a banded block of b rows covers 2w + b columns
 // for 2w + 1 edges per row (local pattern of span w), so smaller blocks waste
-// less. At w = 64, 32-row blocks (1.24x the edges' work instead of 1.49x with
-// 64) ran the band 1.01-1.11x faster relative to exact attention in the same
-// process (2026-11-23, L = 4096 and 16384, one thread, sgemm tiles), with
+// less. At w = 64, 32-row blocks do 1.24x the edges' work instead of 1.49x
+// with 64, and ran the band slightly faster relative to exact attention, with
 // random patterns unchanged: the smaller GEMMs gave back most of what the
-// smaller tiles saved. The band kernels below hold 32 rows in two vectors.
+// smaller tiles saved (docs/PERFORMANCE.md, "Why the kernels' constants").
+// The band kernels below hold 32 rows in two vectors.
 constexpr int64_t kBlockRows = 32;
 constexpr int64_t kBlockKeys = 32;
 constexpr int64_t kTile = 256;
@@ -121,9 +121,9 @@ inline void prefetch_row(const float* row, int64_t count) {
 /// A band's next block of rows reads the keys of this one shifted by
 /// kBlockRows: asks for its rows of `rows` (queries, output gradients) and for
 /// the rows of `keys` (keys, values) past this block's range [lo, hi), so
-/// that they arrive while this block computes. At L = 16384, where the heads'
-/// keys and values outgrow the caches, this made the forward of a span-64 band
-/// about 1.2x faster (2026-11-23, one thread).
+/// that they arrive while this block computes. Where the heads' keys and
+/// values outgrow the caches (L = 16384), this made the forward of a span-64
+/// band measurably faster (docs/PERFORMANCE.md, "Why the kernels' constants").
 struct Rows {
   const HeadRows* x;
   int64_t width;  // floats per row
@@ -255,10 +255,11 @@ void forward_dense(const SparseAttentionParams& p, const Inputs& in, const Lines
 // ---------------------------------------------------------------------------
 //
 // A band's block is small: 32 rows over 2w + 32 keys (160 at span w = 64),
-// where oneDNN's sgemm ran the two products at about 118 GFLOP/s against 150
-// on the exact kernel's 128 x 256 tiles (2026-11-23, one thread), the rest
-// going to packing both operands on every call. These kernels keep the block
-// in registers instead and pack only the block's queries (transposed, 8 KiB).
+// where oneDNN's sgemm ran the two products about a fifth slower than on the
+// exact kernel's 128 x 256 tiles, the rest going to packing both operands on
+// every call (docs/PERFORMANCE.md, "Why the kernels' constants"). These
+// kernels keep the block in registers instead and pack only the block's
+// queries (transposed, 8 KiB).
 //
 // The scores are computed transposed, one key per row: st[c][r] = scale
 // k_c . q_r with the block's 32 rows in two 16-lane vectors. The softmax then
