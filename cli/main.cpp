@@ -21,8 +21,8 @@ namespace {
 /// the threshold glibc raises to a freed block's size. So each large tensor
 /// of every step faulted its pages in again: 2048 page faults per 8 MiB
 /// output, a measurable share of a sparse call's time (docs/PERFORMANCE.md,
-/// "Why the kernels' constants"). The command line keeps freed memory in the heap for reuse
-/// instead, as a caching allocator would: no block is mapped on its own
+/// "Why the kernels' constants"). The command line keeps freed memory in the
+/// heap for reuse instead, as a caching allocator would: no block is mapped on its own
 /// (M_MMAP_MAX 0), and free memory at the heap's top goes back to the system
 /// only beyond 1 GiB. The process's resident size then stays near its peak.
 /// A user's GLIBC_TUNABLES malloc settings win.
