@@ -91,8 +91,10 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   Result r{spec.str(), run, "", pass, dtype, "", shape.N, shape.H, L, S, shape.E, shape.M,
            c.causal || info.always_causal, num_threads()};
   const bool backward = pass == "forward_backward";
-  const nn::AttendArgs args{c.causal, {}};
-  if (c.causal && !info.supports.causal) {
+  // A mechanism causal by construction runs as it is under --causal (its
+  // call takes no flag).
+  const nn::AttendArgs args{c.causal && !info.always_causal, {}};
+  if (c.causal && !info.supports.causal && !info.always_causal) {
     r.note = info.name.rfind("sparse-", 0) == 0 ? "no causal flag (choose a causal pattern)"
                                                 : "no causal form";
     return r;

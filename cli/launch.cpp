@@ -2,6 +2,7 @@
 
 #include <attnkit/train/distributed.h>
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -65,8 +66,23 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
   if (o.nproc < 1) throw std::invalid_argument("train: --nproc must be >= 1");
   // Without a port from the user the launcher serves the TCPStore itself and
   // holds its port to the end; rank 0 then connects like the others.
+  // The store's threads start with SIGINT and SIGTERM blocked, so that the
+  // launcher's handler (below) runs on this thread, never on one of theirs.
   std::unique_ptr<train::LauncherStore> store;
-  if (o.master_port == 0) store = std::make_unique<train::LauncherStore>(o.store_timeout);
+  if (o.master_port == 0) {
+    sigset_t stop_signals, previous;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+    try {
+      store = std::make_unique<train::LauncherStore>(o.master_addr, o.store_timeout);
+    } catch (...) {
+      pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+      throw;
+    }
+    pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  }
   const int port = store ? store->port() : o.master_port;
 
   // Everything the children need, built before fork (only async-signal-safe

@@ -1,7 +1,8 @@
 // `attnkit train --nproc P`: the launcher. It starts P copies of this
 // executable with the same command line and the environment of a
 // data-parallel job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
-// and ATTNKIT_WORKER=1, which makes a copy a worker instead of a launcher),
+// ATTNKIT_WORKER=1, which makes a copy a worker instead of a launcher, and
+// ATTNKIT_LAUNCHER_STORE=1 when the launcher serves the TCPStore itself),
 // then watches them:
 //
 //   - a worker that fails (non-zero exit, or killed by a signal) makes the

@@ -132,7 +132,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--rank", f->rank, "This process's rank in [0, world size) (default: $RANK); rank 0 serves the rendezvous");
   cmd->add_option("--master-addr", f->master_addr, "Rank 0's address (default: $MASTER_ADDR, else 127.0.0.1)");
   cmd->add_option("--master-port", f->master_port,
-                  "Rank 0's TCPStore port (default: $MASTER_PORT, else 29500; with --nproc a free port)");
+                  "Rank 0's TCPStore port (default: $MASTER_PORT, else 29500; with --nproc the launcher serves the store on a port the system picks)");
   cmd->add_option("--dist-timeout", f->dist_timeout,
                   "Seconds a worker waits for the others (rendezvous, every all-reduce) before it stops with an error")
       ->check(CLI::PositiveNumber)->capture_default_str();

@@ -132,6 +132,8 @@ Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::
 // attention", and docs/API.md for the exact rules.
 // ----------------------------------------------------------------------------
 struct ClusteredAttentionFuncOptions {
+  /// The most K-means iterations a call may ask for.
+  static constexpr int64_t kMaxIterations = 1000;
   TORCH_ARG(int64_t, clusters) = 100;
   TORCH_ARG(int64_t, bits) = 63;
   TORCH_ARG(int64_t, iterations) = 10;

@@ -43,7 +43,9 @@ library_path = _load()
 
 def mechanisms():
     """The registry of mechanisms (`attnkit mechanisms`): a list of dicts with
-    name, summary, options (key, default, help), supports (causal,
+    name, summary, options (key, type: integer | real | boolean | choice,
+    accepts: e.g. "integer >= 1", default, help, and min, min_exclusive, max
+    or choices where they apply), supports (causal,
     key_lengths, cross, value_dim, decoding_state), inputs, approximates_exact,
     always_causal and layer_only (a mechanism that is a whole layer:
     attnkit.nn.AgglomerativeAttention)."""

@@ -398,18 +398,26 @@ class Memory : public torch::CustomClassHolder {
   DocumentMemory memory_;
 };
 
-/// The registry as JSON: [{"name", "summary", "options": [{"key", "type",
-/// "default", "help", and "min", "max" (bounded numbers), "choices" (choice
-/// options)}], "supports": {...}, "inputs", "approximates_exact",
-/// "always_causal", "layer_only"}].
+/// The registry as JSON: [{"name", "summary", "options": [{"key", "type"
+/// (integer | real | boolean | choice), "accepts" (e.g. "integer >= 1"),
+/// "default", "help", and "min", "min_exclusive", "max" (bounded numbers),
+/// "choices" (choice options)}], "supports": {...}, "inputs",
+/// "approximates_exact", "always_causal", "layer_only"}].
 std::string mechanisms_json() {
   json out = json::array();
   for (const auto& m : nn::mechanisms()) {
     json options = json::array();
     for (const auto& o : m.options) {
-      json option{{"key", o.key}, {"type", o.type_name()}, {"default", o.default_value}, {"help", o.help}};
-      if (std::isfinite(o.min)) option["min"] = o.min;
-      if (std::isfinite(o.max)) option["max"] = o.max;
+      using Type = nn::MechanismOption::Type;
+      const bool integer = o.type == Type::integer;
+      const char* type = integer ? "integer" : o.type == Type::real ? "real"
+                                             : o.type == Type::boolean ? "boolean" : "choice";
+      json option{{"key", o.key}, {"type", type}, {"accepts", o.type_name()}, {"default", o.default_value},
+                  {"help", o.help}};
+      auto number = [integer](double x) { return integer ? json(static_cast<int64_t>(x)) : json(x); };
+      if (std::isfinite(o.min)) option["min"] = number(o.min);
+      if (std::isfinite(o.min) && o.min_exclusive) option["min_exclusive"] = true;
+      if (std::isfinite(o.max)) option["max"] = number(o.max);
       if (!o.choices.empty()) option["choices"] = o.choices;
       options.push_back(option);
     }

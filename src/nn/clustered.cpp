@@ -16,8 +16,10 @@ void ClusteredAttentionImpl::reset() {
               options.clusters());
   TORCH_CHECK(options.bits() >= 1 && options.bits() <= 63, module,
               ": option 'bits' must be in [1, 63], got ", options.bits());
-  TORCH_CHECK(options.iterations() >= 0, module, ": option 'iterations' must be >= 0, got ",
-              options.iterations());
+  TORCH_CHECK(options.iterations() >= 0 &&
+                  options.iterations() <= ClusteredAttentionFuncOptions::kMaxIterations,
+              module, ": option 'iterations' must be in [0, ", ClusteredAttentionFuncOptions::kMaxIterations,
+              "], got ", options.iterations());
   TORCH_CHECK(options.topk() >= 0, module, ": option 'topk' must be >= 0, got ", options.topk());
   calls = register_buffer("calls", torch::zeros({}, torch::kLong));
 }

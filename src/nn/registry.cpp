@@ -4,8 +4,10 @@
 #include <attnkit/nn/registry.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <sstream>
@@ -155,13 +157,15 @@ MechanismOption MechanismOption::integer(std::string key, int64_t fallback, int6
   return o;
 }
 
-MechanismOption MechanismOption::real(std::string key, double fallback, double min, std::string help) {
+MechanismOption MechanismOption::real(std::string key, double fallback, double min, std::string help,
+                                      bool min_exclusive) {
   MechanismOption o;
   o.key = std::move(key);
   o.type = Type::real;
   o.default_value = format_number(fallback);
   o.help = std::move(help);
   o.min = min;
+  o.min_exclusive = min_exclusive;
   return o;
 }
 
@@ -193,8 +197,8 @@ std::string range_text(const MechanismOption& o) {
     return o.type == MechanismOption::Type::integer ? std::to_string(int64_t(x)) : format_number(x);
   };
   const bool low = std::isfinite(o.min), high = std::isfinite(o.max);
-  if (low && high) return "in [" + show(o.min) + ", " + show(o.max) + "]";
-  if (low) return ">= " + show(o.min);
+  if (low && high) return (o.min_exclusive ? "in (" : "in [") + show(o.min) + ", " + show(o.max) + "]";
+  if (low) return (o.min_exclusive ? "> " : ">= ") + show(o.min);
   if (high) return "<= " + show(o.max);
   return "";
 }
@@ -221,7 +225,7 @@ void MechanismOption::check(const MechanismSpec& spec) const {
   const std::string value = spec.get(key, "");
   // get_int and get_double refuse what is not an integer or a finite number.
   auto in_range = [&](double x) {
-    TORCH_CHECK(x >= min && x <= max, "mechanism '", spec.str(), "': option '", key, "' must be ",
+    TORCH_CHECK((min_exclusive ? x > min : x >= min) && x <= max, "mechanism '", spec.str(), "': option '", key, "' must be ",
                 range_text(*this), ", got ", value);
   };
   switch (type) {
@@ -236,7 +240,8 @@ void MechanismOption::check(const MechanismSpec& spec) const {
       return;
     case Type::choice:
       TORCH_CHECK(std::find(choices.begin(), choices.end(), value) != choices.end(), "mechanism '",
-                  spec.str(), "': option '", key, "' must be one of ", join(choices, ", "),
+                  spec.str(), "': option '", key, "' must be ",
+                  choices.size() == 2 ? choices[0] + " or " + choices[1] : "one of " + join(choices, ", "),
                   "; got '", value, "'");
       return;
   }
@@ -247,12 +252,14 @@ void MechanismOption::check(const MechanismSpec& spec) const {
 namespace {
 
 /// The entries the mechanism files registered, by position; frozen (sorted
-/// into `entries`) at the first read.
+/// into `entries`, which never changes again) at the first read, after which
+/// reads take no lock.
 struct Table {
-  std::mutex mutex;
+  std::mutex mutex;  // registration, and the freeze
   std::vector<std::pair<int, std::vector<MechanismInfo>>> registered;
   std::vector<MechanismInfo> entries;
-  bool frozen = false;
+  std::atomic<bool> frozen{false};
+  std::once_flag freeze_once;
 };
 
 Table& table() {
@@ -260,37 +267,53 @@ Table& table() {
   return t;
 }
 
+void freeze(Table& t) {
+  std::lock_guard<std::mutex> lock(t.mutex);
+  std::sort(t.registered.begin(), t.registered.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<MechanismInfo> entries;
+  for (auto& group : t.registered)
+    for (auto& entry : group.second) {
+      for (const auto& earlier : entries)
+        TORCH_CHECK(earlier.name != entry.name, "attnkit: two mechanisms are named '", entry.name, "'");
+      entries.push_back(std::move(entry));
+    }
+  t.registered.clear();
+  t.entries = std::move(entries);
+  t.frozen.store(true, std::memory_order_release);
+}
+
 }  // namespace
 
 namespace registration {
 
 Registrar::Registrar(const char* file, int position, std::function<std::vector<MechanismInfo>()> make) {
-  auto entries = make();  // outside the lock: an entry's construction may take a while
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  TORCH_CHECK(!t.frozen, "attnkit: the mechanisms of ", file,
-              " were registered after the registry was first read; registrars must be static "
-              "objects of the library, and nothing may read the registry during static "
-              "initialisation");
-  for (const auto& [other, theirs] : t.registered)
-    TORCH_CHECK(other != position, "attnkit: two mechanism files register at position ", position,
-                " (", file, " and the file of '", theirs.front().name, "')");
-  t.registered.emplace_back(position, std::move(entries));
+  // A registrar runs during static initialisation, where an exception would
+  // end the process in std::terminate, often without its message: print it.
+  try {
+    auto entries = make();  // outside the lock: an entry's construction may take a while
+    TORCH_CHECK(!entries.empty(), "attnkit: ", file, " registers no mechanism");
+    Table& t = table();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    TORCH_CHECK(!t.frozen.load(), "attnkit: the mechanisms of ", file,
+                " were registered after the registry was first read; registrars must be static "
+                "objects of the library, and nothing may read the registry during static "
+                "initialisation");
+    for (const auto& [other, theirs] : t.registered)
+      TORCH_CHECK(other != position, "attnkit: two mechanism files register at position ", position,
+                  " (", file, " and the file of '", theirs.front().name, "')");
+    t.registered.emplace_back(position, std::move(entries));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attnkit: registering the mechanisms of %s failed: %s\n", file, e.what());
+    std::abort();
+  }
 }
 
 }  // namespace registration
 
 const std::vector<MechanismInfo>& mechanisms() {
   Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  if (!t.frozen) {
-    std::sort(t.registered.begin(), t.registered.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (auto& group : t.registered)
-      for (auto& entry : group.second) t.entries.push_back(std::move(entry));
-    t.registered.clear();
-    t.frozen = true;
-  }
+  std::call_once(t.freeze_once, freeze, std::ref(t));
   return t.entries;
 }
 

@@ -135,7 +135,7 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
               ": option 'bits' must be in [1, 63], got ", options.bits());
   // K-means stops at convergence (no label changed); the bound caps the runs
   // that cycle without converging, whose cost is O(iterations L C) per head.
-  constexpr int64_t kMaxIterations = 1000;
+  constexpr int64_t kMaxIterations = ClusteredAttentionFuncOptions::kMaxIterations;
   TORCH_CHECK(options.iterations() >= 0 && options.iterations() <= kMaxIterations, op,
               ": option 'iterations' must be in [0, ", kMaxIterations,
               "] (K-means stops earlier once no label changes), got ", options.iterations());

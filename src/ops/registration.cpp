@@ -6,6 +6,9 @@
 #include <attnkit/ops.h>
 #include <torch/library.h>
 
+#include <cstdio>
+#include <string>
+
 namespace attnkit {
 namespace {
 
@@ -71,24 +74,41 @@ std::tuple<torch::Tensor, torch::Tensor> edge_pattern_op(c10::string_view name, 
   return {e.offsets, e.columns};
 }
 
+/// Default values as a schema writes them.
+std::string schema_bool(bool x) { return x ? "True" : "False"; }
+std::string schema_float(double x) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", x);  // reads back as x
+  return text;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit, m) {
   m.def("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
         "Tensor? key_lengths=None, Tensor? bias=None) -> Tensor",
         &softmax_attention_op);
-  m.def("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='identity', "
-        "bool normalize=False, bool causal=False, float eps=1e-6) -> Tensor",
+  // The schemas' defaults are the *FuncOptions' (ops.h), written once there.
+  const LinearAttentionFuncOptions lin;
+  m.def(("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='" + to_string(lin.feature_map()) +
+         "', bool normalize=" + schema_bool(lin.normalize()) + ", bool causal=" + schema_bool(lin.causal()) +
+         ", float eps=" + schema_float(lin.eps()) + ") -> Tensor")
+            .c_str(),
         &linear_attention_op);
   m.def("gated_linear_attention(Tensor f, Tensor q, Tensor alpha, Tensor beta, *, "
         "bool causal=False) -> Tensor",
         &gated_linear_attention_op);
-  m.def("agglomerative_attention(Tensor cq, Tensor cr, Tensor v, *, bool causal=False, "
-        "float clip=0.001) -> Tensor",
+  m.def(("agglomerative_attention(Tensor cq, Tensor cr, Tensor v, *, bool causal=False, float clip=" +
+         schema_float(AgglomerativeAttentionFuncOptions().clip()) + ") -> Tensor")
+            .c_str(),
         &agglomerative_attention_op);
-  m.def("clustered_attention(Tensor q, Tensor k, Tensor v, *, int clusters=100, int bits=63, "
-        "int iterations=10, int topk=0, bool hash_bias=True, int seed=0, float? scale=None, "
-        "Tensor? key_lengths=None, Tensor? query_lengths=None) -> Tensor",
+  const ClusteredAttentionFuncOptions clu;
+  m.def(("clustered_attention(Tensor q, Tensor k, Tensor v, *, int clusters=" + std::to_string(clu.clusters()) +
+         ", int bits=" + std::to_string(clu.bits()) + ", int iterations=" + std::to_string(clu.iterations()) +
+         ", int topk=" + std::to_string(clu.topk()) + ", bool hash_bias=" + schema_bool(clu.hash_bias()) +
+         ", int seed=" + std::to_string(clu.seed()) +
+         ", float? scale=None, Tensor? key_lengths=None, Tensor? query_lengths=None) -> Tensor")
+            .c_str(),
         &clustered_attention_op);
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, *, "
         "float? scale=None) -> Tensor",

@@ -2,11 +2,11 @@
 #include <attnkit/dispatch.h>
 #include <attnkit/runtime.h>
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/alignment.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <ctime>
 #include <dlfcn.h>
 #include <limits.h>
@@ -14,7 +14,7 @@
 
 #include <fstream>
 #include <mutex>
-#include <new>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/common/gemm.h"
@@ -109,51 +109,69 @@ namespace {
 /// Wraps torch's default CPU allocator and reports every block to the
 /// process-wide counters in kernels/memory.h.
 ///
-/// Each block is one raw allocation of the base allocator with a header in
-/// front: the data pointer is also the DataPtr's context, and the header
-/// (found at a fixed offset before it) holds the size and the base's deleter.
-/// That is what c10::Allocator::raw_allocate requires (context == data and a
-/// raw_deleter), and libtorch uses it: ideep's allocator (to_mkldnn, oneDNN
-/// tensors) allocates through raw_allocate of the current CPU allocator. A
-/// wrapper whose context differed from its data (a heap record holding the
-/// base's DataPtr, as this one once was) failed c10's internal assert there
-/// once installed.
+/// Blocks are the base allocator's raw allocations, handed out with the data
+/// pointer as the DataPtr's context: what c10::Allocator::raw_allocate
+/// requires (context == data, and a raw_deleter), and libtorch uses it:
+/// ideep's allocator (to_mkldnn, oneDNN tensors) allocates and frees through
+/// raw_allocate / raw_deallocate of the *current* CPU allocator. (A wrapper
+/// whose context was a heap record holding the base's DataPtr, as this one
+/// once was, failed c10's internal assert there once installed.) The sizes
+/// live in a table keyed by the data pointer, not in a header in front of the
+/// data: a block the base allocated before this wrapper was installed may
+/// come back through raw_deallocate afterwards, and is then recognised (not
+/// in the table) and handed to the base's deleter untouched. The table is
+/// sharded by address so that concurrent calls rarely share a lock.
 class CountingAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base), base_deleter_(base->raw_deleter()) {
-    TORCH_CHECK(base_deleter_ != nullptr,
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {
+    g_base_deleter = base->raw_deleter();
+    TORCH_CHECK(g_base_deleter != nullptr,
                 "install_counting_allocator: torch's CPU allocator does not support raw "
                 "allocation (no raw_deleter), which the counting wrapper needs");
   }
 
   c10::DataPtr allocate(size_t bytes) const override {
-    auto* start = static_cast<char*>(base_->raw_allocate(bytes + kHeaderBytes));
-    new (start) Header{bytes, base_deleter_};
-    void* data = start + kHeaderBytes;
+    void* data = base_->raw_allocate(bytes);
+    if (data != nullptr) {
+      Shard& shard = shard_of(data);
+      std::lock_guard<std::mutex> lock(shard.mutex);
+      shard.bytes.emplace(data, bytes);
+    }
     kernels::memory::note_alloc(bytes);
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
  private:
-  struct Header {
-    size_t bytes;
-    c10::DeleterFnPtr base_deleter;
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<const void*, size_t> bytes;
   };
-  // A whole alignment unit, so the data keeps the base allocator's alignment.
-  static constexpr size_t kHeaderBytes = c10::gAlignment;
-  static_assert(sizeof(Header) <= kHeaderBytes, "the header must fit in front of the data");
+  static constexpr size_t kShards = 16;
+  static Shard& shard_of(const void* data) {
+    static Shard shards[kShards];
+    // Blocks are at least 16-byte aligned: skip the bits that are always zero.
+    return shards[(reinterpret_cast<std::uintptr_t>(data) >> 6) % kShards];
+  }
 
   static void release(void* data) {
     if (data == nullptr) return;
-    char* start = static_cast<char*>(data) - kHeaderBytes;
-    const Header header = *reinterpret_cast<Header*>(start);
-    kernels::memory::note_free(header.bytes);
-    header.base_deleter(start);
+    {
+      Shard& shard = shard_of(data);
+      std::lock_guard<std::mutex> lock(shard.mutex);
+      const auto it = shard.bytes.find(data);
+      if (it != shard.bytes.end()) {
+        kernels::memory::note_free(it->second);
+        shard.bytes.erase(it);
+      }
+      // Not found: allocated by the base before the wrapper was installed,
+      // never counted; the base frees it all the same.
+    }
+    g_base_deleter(data);
   }
 
+  static inline c10::DeleterFnPtr g_base_deleter = nullptr;  // set once, before any block
   c10::Allocator* base_;
-  c10::DeleterFnPtr base_deleter_;
 };
 
 std::atomic<bool> g_installed{false};

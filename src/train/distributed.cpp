@@ -83,7 +83,12 @@ bool distributed_from_environment(DistributedOptions& o) {
   if (const char* v = std::getenv("RANK")) o.rank(static_cast<int>(parse_env_int("RANK", v)));
   if (const char* v = std::getenv("MASTER_ADDR")) o.master_addr(v);
   if (const char* v = std::getenv("MASTER_PORT")) o.master_port(static_cast<int>(parse_env_int("MASTER_PORT", v)));
-  if (const char* v = std::getenv("ATTNKIT_LAUNCHER_STORE")) o.launcher_store(std::string(v) == "1");
+  if (const char* v = std::getenv("ATTNKIT_LAUNCHER_STORE")) {
+    const std::string value = v;
+    if (value != "0" && value != "1")
+      throw std::invalid_argument("data parallel: ATTNKIT_LAUNCHER_STORE must be 0 or 1, got '" + value + "'");
+    o.launcher_store(value == "1");
+  }
   return world;
 }
 
@@ -91,16 +96,17 @@ struct LauncherStore::Impl {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
 
-LauncherStore::LauncherStore(double timeout) : impl_(std::make_unique<Impl>()) {
+LauncherStore::LauncherStore(const std::string& master_addr, double timeout) : impl_(std::make_unique<Impl>()) {
   c10d::TCPStoreOptions so;
   so.port = 0;  // the operating system's choice, held from here on
   so.isServer = true;
   so.waitWorkers = false;  // the workers do not exist yet
   so.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(timeout * 1000)));
   try {
-    impl_->store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    impl_->store = c10::make_intrusive<c10d::TCPStore>(master_addr, so);
   } catch (const std::exception& e) {
-    throw DistributedError("the launcher could not serve the TCPStore: " + error_text(e));
+    throw DistributedError("the launcher could not serve the TCPStore and reach it at " + master_addr + ": " +
+                           error_text(e));
   }
 }
 

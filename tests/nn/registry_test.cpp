@@ -59,6 +59,9 @@ TEST(Registry, OptionsAreCheckedByTypeAndRange) {
   EXPECT_NO_THROW(resolve_mechanism("linear:eps=0"));
   expect_error([] { resolve_mechanism("linear:eps=-1e-3"); }, {"'eps'", "must be >= 0"});
   expect_error([] { resolve_mechanism("agglomerative:clip=nan"); }, {"'clip'", "finite"});
+  // Ranges are the ops': clip must be positive, K-means iterations are capped.
+  expect_error([] { resolve_mechanism("agglomerative:clip=0"); }, {"'clip'", "must be > 0"});
+  expect_error([] { resolve_mechanism("clustered:iterations=5000"); }, {"'iterations'", "in [0, 1000]"});
   // Booleans and choices name what they accept.
   expect_error([] { resolve_mechanism("clustered:hash_bias=yes"); }, {"'hash_bias'", "true or false"});
   expect_error([] { resolve_mechanism("sac:variant=tree"); },

@@ -35,6 +35,19 @@ TEST(CountingAllocator, RawAllocationIsCountedAndAligned) {
   }
 }
 
+TEST(CountingAllocator, ABlockFromBeforeTheInstallIsFreedByTheBase) {
+  // ideep frees through raw_deallocate of whichever allocator is current: a
+  // block the default allocator made before the install comes back through
+  // the counting one, which must hand it to the base untouched (and uncounted).
+  c10::Allocator* base = c10::GetDefaultCPUAllocator();
+  void* early = base->raw_allocate(256);
+  std::memset(early, 1, 256);
+  memory::install_counting_allocator();
+  const int64_t before = memory::current_bytes();
+  c10::GetCPUAllocator()->raw_deallocate(early);  // AddressSanitizer checks the free
+  EXPECT_EQ(memory::current_bytes(), before);
+}
+
 TEST(CountingAllocator, TensorsAreCountedUntilFreed) {
   memory::install_counting_allocator();
   const int64_t before = memory::current_bytes();

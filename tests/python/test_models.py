@@ -136,4 +136,5 @@ def test_cli_mechanisms_table_lists_every_option():
         for entry in attnkit.mechanisms():
             assert f"  {entry['name']} " in table, (args, entry["name"])
             for option in entry["options"]:
-                assert f"{option['key']}={option['default']}  ({option['type']})" in table, (args, option)
+                assert f"{option['key']}={option['default']}  ({option['accepts']})" in table, (args, option)
+                assert option["type"] in ("integer", "real", "boolean", "choice"), option

@@ -194,6 +194,24 @@ TEST(DistributedOptions, EnvironmentVariables) {
   DistributedOptions none;
   EXPECT_FALSE(distributed_from_environment(none));
   EXPECT_EQ(none.world_size(), 1);
+  EXPECT_FALSE(none.launcher_store());
+  // The launcher's own store: rank 0 connects instead of serving.
+  ::setenv("ATTNKIT_LAUNCHER_STORE", "1", 1);
+  DistributedOptions launched;
+  distributed_from_environment(launched);
+  EXPECT_TRUE(launched.launcher_store());
+  ::setenv("ATTNKIT_LAUNCHER_STORE", "yes", 1);
+  EXPECT_THROW(distributed_from_environment(launched), std::invalid_argument);
+  ::unsetenv("ATTNKIT_LAUNCHER_STORE");
+}
+
+TEST(LauncherStore, AnAddressThatDoesNotReachThisHostFailsAtOnce) {
+  // 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never a host's own address.
+  const double start = now_seconds();
+  EXPECT_THROW(LauncherStore("192.0.2.1", 2), DistributedError);
+  EXPECT_LT(now_seconds() - start, 10.0);
+  LauncherStore here("127.0.0.1", 20);
+  EXPECT_GT(here.port(), 0);
 }
 
 TEST(DistributedOptions, DropoutSeedsDifferPerRankAndStep) {
@@ -226,7 +244,7 @@ TEST(DistributedTrainer, RefusesABatchNotDivisibleByTheProcesses) {
 // ---------------------------------------------------------------------------
 
 TEST(GradientReducer, OneProcessKeepsTheGradientsAndOverlapsTheBackwardPass) {
-  LauncherStore store(20);
+  LauncherStore store("127.0.0.1", 20);
   auto comm = connect_alone(store);
   EXPECT_EQ(comm->world_size(), 1);
   torch::manual_seed(3);
@@ -262,7 +280,7 @@ TEST(GradientReducer, OneProcessKeepsTheGradientsAndOverlapsTheBackwardPass) {
 }
 
 TEST(GradientReducer, LaunchesBucketsDuringTheBackwardPass) {
-  LauncherStore store(20);
+  LauncherStore store("127.0.0.1", 20);
   auto comm = connect_alone(store);
   torch::manual_seed(4);
   auto w1 = torch::randn({64, 32}).requires_grad_();
@@ -285,7 +303,7 @@ TEST(GradientReducer, LaunchesBucketsDuringTheBackwardPass) {
 // their gradients in float32, the float32 parameters receive the mean (in a
 // one-process group: the copies' gradients, converted exactly).
 TEST(GradientReducer, ReducesTheBf16GradientsOfWorkingCopiesIntoFloat32Parameters) {
-  LauncherStore store(20);
+  LauncherStore store("127.0.0.1", 20);
   auto comm = connect_alone(store);
   torch::manual_seed(5);
   auto w1 = torch::randn({64, 32}).requires_grad_();
@@ -480,7 +498,7 @@ TEST(DataParallelCli, KilledWorkerStopsTheOthersAndTheJobResumes) {
   // The workers' TCPStore, served here as the launcher serves it: the port
   // stays held from bind to the end (a port found free, closed and bound by
   // rank 0 later could be taken in between on a loaded machine).
-  LauncherStore store(60);
+  LauncherStore store("127.0.0.1", 60);
   const std::string port = std::to_string(store.port());
   auto worker = [&](int rank) {
     return std::make_unique<Child>(

@@ -13,8 +13,9 @@
 // them) and calls in eval mode use seed; with advance_seed(false) every call
 // uses options.seed(), so the same inputs always give the same output. The
 // count of training-mode calls is the buffer `calls`, saved and loaded
-// with the module's state, so a resumed run continues the sequence. Calls in
-// eval mode always use options.seed().
+// with the module's state, so a resumed run continues the sequence. With
+// advance_seed, concurrent training-mode calls of one module race on `calls`:
+// give each thread its own module (clone()).
 #pragma once
 
 #include <attnkit/ops.h>

@@ -61,21 +61,24 @@ struct MechanismOption {
   Type type = Type::integer;
   std::string default_value;  ///< as a spec writes it, e.g. "100", "1e-6", "true", "elu"
   std::string help;
-  /// integer and real: the accepted closed range (infinite: unbounded).
+  /// integer and real: the accepted range (infinite: unbounded), closed
+  /// unless min_exclusive (a real that must be > min, e.g. a positive bound).
   double min = -std::numeric_limits<double>::infinity();
   double max = std::numeric_limits<double>::infinity();
+  bool min_exclusive = false;
   /// choice: the accepted words.
   std::vector<std::string> choices;
 
   static MechanismOption integer(std::string key, int64_t fallback, int64_t min, std::string help,
                                  c10::optional<int64_t> max = c10::nullopt);
-  static MechanismOption real(std::string key, double fallback, double min, std::string help);
+  static MechanismOption real(std::string key, double fallback, double min, std::string help,
+                              bool min_exclusive = false);
   static MechanismOption boolean(std::string key, bool fallback, std::string help);
   static MechanismOption choice(std::string key, std::string fallback, std::vector<std::string> choices,
                                 std::string help);
 
-  /// The type and range as `attnkit mechanisms` prints them, e.g.
-  /// "integer >= 1", "number >= 0", "true|false", "identity|elu".
+  /// What the option accepts, as `attnkit mechanisms` prints it, e.g.
+  /// "integer >= 1", "number > 0", "true|false", "identity|elu".
   std::string type_name() const;
   /// Throws unless the spec's value for this key (if it gives one) is of this
   /// option's type and range; the error names the spec, the key and the value.

@@ -78,8 +78,11 @@ bool distributed_from_environment(DistributedOptions& options);
 /// its rendezvous.) Workers connect with launcher_store(true).
 class LauncherStore {
  public:
-  /// Serves on every interface; `timeout` in seconds bounds the store's waits.
-  explicit LauncherStore(double timeout);
+  /// Serves on every interface and connects its own client through
+  /// `master_addr` (the address the workers get), so an address that does
+  /// not reach this host fails here, before any worker starts. `timeout` in
+  /// seconds bounds the store's waits.
+  LauncherStore(const std::string& master_addr, double timeout);
   ~LauncherStore();
   LauncherStore(const LauncherStore&) = delete;
   LauncherStore& operator=(const LauncherStore&) = delete;

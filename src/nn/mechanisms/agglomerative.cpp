@@ -14,7 +14,7 @@ MechanismInfo agglomerative_entry() {
   m.summary = "one head per class: class-weighted value means (layer: nn::AgglomerativeAttention)";
   m.options = {
       MechanismOption::real("clip", AgglomerativeAttentionFuncOptions().clip(), 0,
-                            "lower bound of a class's weight sum"),
+                            "lower bound of a class's weight sum", /*min_exclusive=*/true),
       MechanismOption::integer("classes", 0, 0, "layer: class count m (0: the model's head count)")};
   m.supports.causal = true;
   m.supports.cross = true;

@@ -84,7 +84,8 @@ MechanismInfo clustered_entry(const std::string& name) {
       MechanismOption::integer("clusters", d.clusters(), 1, "query clusters (capped at L)"),
       MechanismOption::integer("bits", d.bits(), 1, "LSH hash bits", 63),
       // 0 iterations: the initial assignment alone.
-      MechanismOption::integer("iterations", d.iterations(), 0, "Hamming K-means iterations"),
+      MechanismOption::integer("iterations", d.iterations(), 0, "Hamming K-means iterations",
+                               ClusteredAttentionFuncOptions::kMaxIterations),
       MechanismOption::boolean("hash_bias", d.hash_bias(),
                                "hyperplanes with a threshold (false: through 0)"),
       MechanismOption::integer("seed", d.seed(), 0, "seed of the planes and the K-means start"),

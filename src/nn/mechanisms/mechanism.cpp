@@ -45,7 +45,8 @@ class FunctionalMechanism : public MechanismImpl {
 /// The edge lists a builder made last, by (n, spec). A model calls its
 /// mechanism with the same length in every layer and step, and rebuilding the
 /// pattern each call (a vector per row, sorted, then copied into tensors) took
-/// about a fifth of a sparse-local:span=64 forward call at L = 4096. The
+/// a large share of a sparse call (docs/PERFORMANCE.md, "Why the kernels'
+/// constants"). The
 /// kernels only read the lists, so the cached tensors are shared;
 /// `MechanismInfo::edges` still returns fresh lists, which a caller may
 /// modify. Holds at most kEntries lists (17 MiB each for a span-64 band at
