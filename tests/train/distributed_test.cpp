@@ -505,7 +505,8 @@ TEST(DataParallelCli, KilledWorkerStopsTheOthersAndTheJobResumes) {
         model_args(run) + schedule +
             std::vector<std::string>{"--world-size", "2", "--rank", std::to_string(rank), "--master-port", port,
                                      "--dist-timeout", "20"},
-        (dir.path() / ("rank" + std::to_string(rank))).string(), {"ATTNKIT_LAUNCHER_STORE=1"});
+        (dir.path() / ("rank" + std::to_string(rank))).string(),
+        std::vector<std::string>{"ATTNKIT_LAUNCHER_STORE=1"});
   };
   auto rank0 = worker(0), rank1 = worker(1);
   // Wait for the first checkpoint, then kill rank 1.
