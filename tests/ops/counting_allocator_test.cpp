@@ -26,10 +26,11 @@ TEST(CountingAllocator, RawAllocationIsCountedAndAligned) {
   const int64_t before = memory::current_bytes();
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, size_t{1} << 20}) {
     void* p = allocator->raw_allocate(bytes);  // c10 asserts context == data inside
-    ASSERT_NE(p, nullptr) << bytes;
+    // Zero bytes: torch's allocator may return no block at all, as it does.
+    if (bytes > 0) ASSERT_NE(p, nullptr) << bytes;
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % c10::gAlignment, 0u) << bytes;
     EXPECT_EQ(memory::current_bytes(), before + static_cast<int64_t>(bytes)) << bytes;
-    std::memset(p, 0xab, bytes);  // the whole block is writable
+    if (bytes > 0) std::memset(p, 0xab, bytes);  // the whole block is writable
     allocator->raw_deallocate(p);
     EXPECT_EQ(memory::current_bytes(), before) << bytes;
   }
