@@ -339,7 +339,7 @@ TEST(Transformer, PatternsThatAddNodesTrainInAnEncoder) {
     EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, t, 11}));
     EXPECT_EQ(nodes, (std::vector<int64_t>{t + extra, t + extra}));
     // Values are linear in the (pre-norm: normalised) node inputs, so no
-    // closed form here; the spans' means are checked through add_extra_nodes'
+    // closed form here; the spans' means are checked through append_extra_nodes'
     // effect: a token outside a span does not change that span node's value.
     auto changed = tokens.clone();
     changed[0][t - 1] = (changed[0][t - 1].item<int64_t>() + 1) % 11;

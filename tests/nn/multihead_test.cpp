@@ -302,7 +302,7 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
                    clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(L))));
   EXPECT_TRUE(same(attend("improved-clustered:clusters=50,topk=50", q, k, v),
                    clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(L).topk(L))));
-  // sparse-<pattern>: the pattern over L nodes with pattern_param; bp-tree over (L+1)/2
+  // sparse-<pattern>: the pattern over L nodes with its parameter (span, segment, stride); bp-tree over (L+1)/2
   // tokens and star over L-1 satellites, so that the node count is L.
   for (const std::string p : {"full", "causal", "local", "local-causal", "segments", "segments-causal", "strided"}) {
     SCOPED_TRACE(p);

@@ -3,7 +3,7 @@
 // linear attention"), and the recurrent state that decodes causal linear attention token by token.
 //
 // In MultiheadAttention the same mechanisms are picked by name: "linear" and
-// "causal-linear" (MechanismOptions' feature_map and normalize) are
+// "causal-linear" (their spec options feature_map and normalize) are
 // LinearAttention behind the projections, and "gated-linear" is
 // GatedLinearAttention with the key projection as the gate's pre-activation
 // and the value projection as the gated state: f = sigmoid(k) * v.

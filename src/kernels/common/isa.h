@@ -30,7 +30,7 @@
 // compiles lives in attnkit::kernels::<that namespace>, an inline namespace
 // that the shared headers open too (ATTNKIT_KERNELS_BEGIN / END below), as
 // ATen does with CPU_CAPABILITY. Code compiled once (ops, tests, the
-// dispatchers) gets isa_generic. tests/isa/no_stray_instructions checks the
+// dispatchers) gets isa_generic. tests/isa/no_stray_instructions.py checks the
 // linked library: no AVX2 or AVX-512 instruction outside its level's namespace.
 //
 // A kernel's header declares its entry points in attnkit::kernels; a level TU
