@@ -44,7 +44,7 @@ def build_library():
         return path
     build = pathlib.Path(os.environ.get("ATTNKIT_CMAKE_BUILD_DIR", ROOT / "build-python"))
     configure = ["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DATTNKIT_BUILD_TESTS=OFF", "-DATTNKIT_BUILD_BENCH=OFF",
+                 "-DATTNKIT_BUILD_TESTS=OFF", "-DATTNKIT_BUILD_BENCH=OFF", "-DATTNKIT_BUILD_EXPERIMENTS=OFF",
                  *shlex.split(os.environ.get("ATTNKIT_CMAKE_ARGS", ""))]
     jobs = os.environ.get("ATTNKIT_JOBS", str(os.cpu_count() or 1))
     for command in (configure, ["cmake", "--build", str(build), "--target", "attnkit", "--parallel", jobs]):

@@ -22,18 +22,6 @@ std::string describe_mechanisms();
 /// `attnkit bench-dense`: the dense layer vs the sgemm peak and libtorch.
 void add_bench_dense_command(CLI::App& app);
 
-/// `attnkit figure-agglomerative`: the agglomerative-attention paper, Figure 1
-/// (layer time vs length).
-void add_figure_agglomerative_command(CLI::App& app);
-
-/// `attnkit figure-clustered`: the clustered-attention paper, Figure 4 (time,
-/// memory per element vs L) for any mechanisms of the registry.
-void add_figure_clustered_command(CLI::App& app);
-
-/// `attnkit approx`: how far mechanisms of the registry (clustered and
-/// improved-clustered by default) are from full attention.
-void add_approx_command(CLI::App& app);
-
 /// `attnkit bench-lookup`: softmax lookups over stored states vs DocumentMemory lookups.
 void add_bench_lookup_command(CLI::App& app);
 
@@ -52,13 +40,5 @@ void add_eval_command(CLI::App& app);
 
 /// `attnkit generate`: continues a prompt with a trained language model.
 void add_generate_command(CLI::App& app);
-
-/// `attnkit cloze`: a recurrent reader with one of the cheap-linear-attention
-/// paper's read-outs (none, linear, gated, softmax) trained on cloze questions.
-void add_cloze_command(CLI::App& app);
-
-/// `attnkit node-classify`: a graph attention network (input edges, full,
-/// random extra edges or SAC's learned edges) on a node-classification dataset.
-void add_node_classify_command(CLI::App& app);
 
 }  // namespace attnkit::cli

@@ -1,4 +1,4 @@
-"""Re-runs an experiment of docs/EXPERIMENTS.md with the attnkit CLI.
+"""Re-runs an experiment of docs/EXPERIMENTS.md with the attnkit and attnkit-experiments tools.
 
     python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
                                        [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
@@ -26,7 +26,7 @@ NAME:
                      build/data/package-graph, when missing): attention over
                      the input edges (GAT), full, input plus random edges, and
                      SAC from the input graph; 3 replicas (seeds 1-3). Each run
-                     is `attnkit node-classify`, which writes its own
+                     is `attnkit-experiments node-classify`, which writes its own
                      result.json; re-running skips finished runs and resumes
                      interrupted ones from their checkpoints.
 
@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--results", help="where NAME.json and NAME.png go (default docs/experiments)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (2)")
     parser.add_argument("--replicas", default=None, help="seeds, comma-separated (default: the experiment's)")
-    parser.add_argument("--attnkit", help="the attnkit binary (default $ATTNKIT_BUILD_DIR/attnkit or build/attnkit)")
+    parser.add_argument("--attnkit", help="the attnkit binary (default $ATTNKIT_BUILD_DIR/attnkit or build/attnkit); "
+                        "attnkit-experiments is taken from the same directory")
     parser.add_argument("--collect-only", action="store_true",
                         help="run nothing: collect the finished runs into RESULTS/NAME.json and the plot")
     parser.add_argument("--copy-runs", help="approx-trained: copy-clustered's run directories, whose full-attention "
@@ -89,8 +90,10 @@ def main():
     exp = section.EXPERIMENT
     attnkit = args.attnkit or os.path.join(os.environ.get("ATTNKIT_BUILD_DIR", os.path.join(paths.ROOT, "build")),
                                            "attnkit")
-    if not os.access(attnkit, os.X_OK):
-        sys.exit(f"reproduce: no attnkit binary at {attnkit} (build it with scripts/build, or pass --attnkit)")
+    for binary in (attnkit, os.path.join(os.path.dirname(attnkit), "attnkit-experiments")):
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"reproduce: no {os.path.basename(binary)} binary at {binary} "
+                     "(build both with scripts/build, or pass --attnkit)")
     seeds = [int(s) for s in args.replicas.split(",")] if args.replicas else exp.get("seeds", [])
     command = "python3 experiments/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 

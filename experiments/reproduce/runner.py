@@ -25,9 +25,18 @@ from checkpoints import checkpoints, latest_header, read_json, result_step
 
 # ---------------------------------------------------------------- command lines
 
+# The subcommands of attnkit-experiments (experiments/cli), the tool built
+# beside attnkit; every other subcommand is the product tool's.
+EXPERIMENT_SUBCOMMANDS = frozenset({"approx", "cloze", "figure-agglomerative", "figure-clustered", "node-classify"})
+
+
 def attnkit_command(binary, subcommand, args):
-    """The argv of `attnkit SUBCOMMAND ARGS...`: every command of the package
-    that runs the attnkit CLI is built here."""
+    """The argv of `attnkit SUBCOMMAND ARGS...`, `binary` being the attnkit
+    tool; an experiment's subcommand runs attnkit-experiments from the same
+    build directory instead. Every command of the package that runs one of the
+    two tools is built here."""
+    if subcommand in EXPERIMENT_SUBCOMMANDS:
+        binary = os.path.join(os.path.dirname(binary), "attnkit-experiments")
     return [binary, subcommand, *args]
 
 

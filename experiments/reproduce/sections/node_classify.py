@@ -1,5 +1,5 @@
 """node-classify: section 8 of docs/EXPERIMENTS.md, node classification on
-the Debian package graph. Each run is one `attnkit node-classify`, which
+the Debian package graph. Each run is one `attnkit-experiments node-classify`, which
 writes its own result.json and may stop early, so the train-then-measure
 course of the other sections does not fit: its own job and main()."""
 
@@ -90,7 +90,7 @@ def run_job(job_runner, job):
     rc = runner.session(run_dir, "train", job["train"] + (["--resume"] if resumed else []), "train.log")
     result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
     if rc != 0 or result is None:
-        job_runner.say(f"{label}: attnkit node-classify exited {rc} without a result; see "
+        job_runner.say(f"{label}: attnkit-experiments node-classify exited {rc} without a result; see "
                     f"{os.path.join(run_dir, 'train.log')} (re-run to continue)")
         return False
     job_runner.say(f"{label}: test accuracy {result['test_accuracy']:.4f} (best epoch {result['best']['epoch']})")

@@ -3,7 +3,7 @@
 // candidates are the paragraph's possible answers), determinism in (seed,
 // index), batches as stacks of examples, the baselines on hand-made examples,
 // and the refusals.
-#include <attnkit/tasks/cloze.h>
+#include "tasks/cloze.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,11 +17,11 @@
 
 #include "test_util.h"
 
-using attnkit::tasks::ClozeExample;
-using attnkit::tasks::ClozeOptions;
-using attnkit::tasks::ClozeTask;
+using attnkit::experiments::ClozeExample;
+using attnkit::experiments::ClozeOptions;
+using attnkit::experiments::ClozeTask;
 using attnkit::tasks::Split;
-using attnkit::tasks::WordVocabulary;
+using attnkit::experiments::WordVocabulary;
 using attnkit::testing::expect_error;
 
 namespace {

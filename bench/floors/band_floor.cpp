@@ -6,7 +6,7 @@
 // and O = P V (b x 64 x (b + 2w)), per edge. Against it, the exact kernel's
 // products (128-row blocks over 256-key tiles) per (query, key) pair, and the
 // same shapes' GFLOP/s. One thread, one head of L = 4096 rows, E = M = 64.
-//   g++ -O2 -march=native docs/bench/band_floor.cpp -ldnnl -o /tmp/band_floor && OMP_NUM_THREADS=1 /tmp/band_floor
+//   g++ -O2 -march=native bench/floors/band_floor.cpp -ldnnl -o /tmp/band_floor && OMP_NUM_THREADS=1 /tmp/band_floor
 #include <dnnl.h>
 
 #include <algorithm>

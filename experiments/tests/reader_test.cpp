@@ -4,7 +4,7 @@
 // C = sum f f^T built by hand, none = the final state; the reader's scores and
 // its refusals.
 #include <attnkit/document_memory.h>
-#include <attnkit/models/reader.h>
+#include "models/reader.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,11 +12,11 @@
 
 #include "test_util.h"
 
-using attnkit::models::linear_readout;
-using attnkit::models::Reader;
-using attnkit::models::ReaderOptions;
-using attnkit::models::Readout;
-using attnkit::models::softmax_readout;
+using attnkit::experiments::linear_readout;
+using attnkit::experiments::Reader;
+using attnkit::experiments::ReaderOptions;
+using attnkit::experiments::Readout;
+using attnkit::experiments::softmax_readout;
 using attnkit::testing::expect_error;
 
 namespace {
@@ -92,7 +92,7 @@ TEST(Reader, EachReadoutReadsWhatItShould) {
   const auto doc = torch::randint(0, V, {N, n}, torch::kInt64);
   const auto query = torch::randint(0, V, {N, m}, torch::kInt64);
   for (const auto readout : {Readout::none, Readout::linear, Readout::gated, Readout::softmax}) {
-    SCOPED_TRACE(attnkit::models::to_string(readout));
+    SCOPED_TRACE(attnkit::experiments::to_string(readout));
     Reader reader(ReaderOptions(V).embedding(6).hidden(5).readout(readout));
     EXPECT_EQ(reader->state_size(), 10);
     torch::NoGradGuard no_grad;
@@ -157,7 +157,7 @@ TEST(Reader, GradientsReachEveryParameter) {
   torch::manual_seed(6);
   const int64_t V = 15;
   for (const auto readout : {Readout::none, Readout::linear, Readout::gated, Readout::softmax}) {
-    SCOPED_TRACE(attnkit::models::to_string(readout));
+    SCOPED_TRACE(attnkit::experiments::to_string(readout));
     Reader reader(ReaderOptions(V).embedding(4).hidden(3).readout(readout));
     const auto doc = torch::randint(0, V, {2, 6}, torch::kInt64);
     const auto query = torch::randint(0, V, {2, 3}, torch::kInt64);
@@ -175,7 +175,7 @@ TEST(Reader, GradientsReachEveryParameter) {
 }
 
 TEST(Reader, RefusesBadInput) {
-  expect_error([] { attnkit::models::readout_from_string("attention"); },
+  expect_error([] { attnkit::experiments::readout_from_string("attention"); },
                {"unknown read-out 'attention'", "none, linear, gated or softmax"});
   Reader reader(ReaderOptions(10).embedding(4).hidden(3));
   const auto doc = torch::zeros({2, 5}, torch::kInt64), query = torch::zeros({2, 3}, torch::kInt64);

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-namespace attnkit::models {
+namespace attnkit::experiments {
 
 struct GraphAttentionOptions {
   GraphAttentionOptions(int64_t features = 0, int64_t classes = 0) : features_(features), classes_(classes) {}
@@ -79,9 +79,9 @@ class GraphAttentionNetworkImpl : public torch::nn::Module {
   /// The structure of every row of the last forward() (B lists, each the one
   /// all layers attended over; "full": none, nothing was built).
   const std::vector<EdgeList>& structures() const { return sac_.edges; }
-  /// "sac": the last forward's predictor output (SacStructures, for
+  /// "sac": the last forward's predictor output (models::SacStructures, for
   /// train::sac_reinforce); also holds the structures of the other specs.
-  const SacStructures& sac_structures() const { return sac_; }
+  const models::SacStructures& sac_structures() const { return sac_; }
   /// The predictor of a "sac" model (null otherwise).
   nn::EdgePredictor& edge_predictor() { return edge_predictor_; }
   const nn::SacOptions& sac_options() const { return sac_options_; }
@@ -100,8 +100,8 @@ class GraphAttentionNetworkImpl : public torch::nn::Module {
   std::vector<nn::Linear> qkv_;
   nn::EdgePredictor edge_predictor_{nullptr};
   nn::SacOptions sac_options_;
-  SacStructures sac_;
+  models::SacStructures sac_;
 };
 TORCH_MODULE(GraphAttentionNetwork);
 
-}  // namespace attnkit::models
+}  // namespace attnkit::experiments

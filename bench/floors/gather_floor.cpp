@@ -3,7 +3,7 @@
 // of each edge's key and value rows (64 floats each), summed so the compiler
 // keeps them, without and with software prefetching 8 edges ahead; one head,
 // 129 edges per query, one core.
-//   g++ -O2 -march=native docs/bench/gather_floor.cpp -o /tmp/gather_floor && /tmp/gather_floor
+//   g++ -O2 -march=native bench/floors/gather_floor.cpp -o /tmp/gather_floor && /tmp/gather_floor
 #include <immintrin.h>
 #include <chrono>
 #include <cstdio>

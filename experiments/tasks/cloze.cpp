@@ -1,5 +1,5 @@
-// The cloze reading task over a char-lm corpus (attnkit/tasks/cloze.h).
-#include <attnkit/tasks/cloze.h>
+// The cloze reading task over a char-lm corpus (experiments/tasks/cloze.h).
+#include "tasks/cloze.h"
 
 #include <torch/torch.h>
 
@@ -11,7 +11,7 @@
 
 #include "kernels/random.h"
 
-namespace attnkit::tasks {
+namespace attnkit::experiments {
 
 namespace {
 
@@ -124,7 +124,7 @@ void ClozeTask::build(const std::string& train, const std::string& valid, const 
   }
 }
 
-const std::vector<int64_t>& ClozeTask::words(Split split) const {
+const std::vector<int64_t>& ClozeTask::words(tasks::Split split) const {
   return words_[static_cast<int>(split)];
 }
 
@@ -133,11 +133,11 @@ bool ClozeTask::answerable(int64_t id) const {
   return id >= 2 + options_.stop_words();
 }
 
-uint64_t ClozeTask::eval_seed(Split split) {
+uint64_t ClozeTask::eval_seed(tasks::Split split) {
   return kClozeEvalSeed + static_cast<uint64_t>(split);
 }
 
-ClozeExample ClozeTask::example(Split split, uint64_t seed, int64_t index) const {
+ClozeExample ClozeTask::example(tasks::Split split, uint64_t seed, int64_t index) const {
   TORCH_CHECK(index >= 0, "task cloze: example index must be >= 0, got ", index);
   namespace rnd = kernels::random;
   const auto& w = words(split);
@@ -207,11 +207,11 @@ ClozeBatch ClozeTask::train_batch(uint64_t seed, int64_t step, int64_t batch) co
   TORCH_CHECK(batch >= 1, "task cloze: train_batch: batch must be >= 1, got ", batch);
   std::vector<ClozeExample> examples;
   examples.reserve(static_cast<size_t>(batch));
-  for (int64_t i = 0; i < batch; ++i) examples.push_back(example(Split::train, seed, step * batch + i));
+  for (int64_t i = 0; i < batch; ++i) examples.push_back(example(tasks::Split::train, seed, step * batch + i));
   return collate(examples);
 }
 
-std::vector<ClozeExample> ClozeTask::eval_examples(Split split, int64_t count) const {
+std::vector<ClozeExample> ClozeTask::eval_examples(tasks::Split split, int64_t count) const {
   TORCH_CHECK(count >= 1, "task cloze: evaluation examples: count must be >= 1, got ", count);
   std::vector<ClozeExample> examples;
   examples.reserve(static_cast<size_t>(count));
@@ -219,7 +219,7 @@ std::vector<ClozeExample> ClozeTask::eval_examples(Split split, int64_t count) c
   return examples;
 }
 
-std::vector<ClozeBatch> ClozeTask::eval_batches(Split split, int64_t count, int64_t batch) const {
+std::vector<ClozeBatch> ClozeTask::eval_batches(tasks::Split split, int64_t count, int64_t batch) const {
   TORCH_CHECK(batch >= 1, "task cloze: eval_batches: batch must be >= 1, got ", batch);
   const auto examples = eval_examples(split, count);
   std::vector<ClozeBatch> out;
@@ -256,4 +256,4 @@ ClozeBaselines ClozeTask::baselines(const std::vector<ClozeExample>& examples) {
   return b;
 }
 
-}  // namespace attnkit::tasks
+}  // namespace attnkit::experiments

@@ -49,7 +49,7 @@
 #include <cstdint>
 #include <string>
 
-namespace attnkit::models {
+namespace attnkit::experiments {
 
 enum class Readout { none, linear, gated, softmax };
 /// "none" | "linear" | "gated" | "softmax"; anything else throws, listing them.
@@ -110,4 +110,4 @@ class ReaderImpl : public torch::nn::Cloneable<ReaderImpl> {
 };
 TORCH_MODULE(Reader);
 
-}  // namespace attnkit::models
+}  // namespace attnkit::experiments

@@ -1,4 +1,4 @@
-// `attnkit figure-clustered`: Figure 4 of the clustered-attention paper on the
+// `attnkit-experiments figure-clustered`: Figure 4 of the clustered-attention paper on the
 // CPU: forward+backward time and memory per sequence element vs length, for
 // mechanisms of the registry named by spec strings (default: full, clustered
 // and improved-clustered with the registry's defaults, which are the paper's

@@ -1,5 +1,5 @@
-// The recurrent cloze reader and its four read-outs (attnkit/models/reader.h).
-#include <attnkit/models/reader.h>
+// The recurrent cloze reader and its four read-outs (experiments/models/reader.h).
+#include "models/reader.h"
 #include <attnkit/ops.h>
 
 #include <torch/torch.h>
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-namespace attnkit::models {
+namespace attnkit::experiments {
 
 Readout readout_from_string(const std::string& name) {
   if (name == "none") return Readout::none;
@@ -158,4 +158,4 @@ torch::Tensor ReaderImpl::forward(const torch::Tensor& document, const torch::Te
   return scores.masked_fill(candidate.logical_not(), -std::numeric_limits<float>::infinity());
 }
 
-}  // namespace attnkit::models
+}  // namespace attnkit::experiments

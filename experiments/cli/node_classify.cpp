@@ -1,4 +1,4 @@
-// `attnkit node-classify`: trains a graph attention network
+// `attnkit-experiments node-classify`: trains a graph attention network
 // (models/graph_attention.h) on a node-classification dataset
 // (tasks/node_graph.h; scripts/package-graph writes one) into a run directory:
 //   OUT/checkpoint-<epoch>.ckpt  the newest two (train/checkpoint.h's container;
@@ -19,9 +19,9 @@
 // --resume continues from the newest checkpoint: flags not given are taken from
 // it, flags given must match it (except --epochs, --patience, --threads and
 // --eval-every).
-#include <attnkit/models/graph_attention.h>
+#include "models/graph_attention.h"
 #include <attnkit/runtime.h>
-#include <attnkit/tasks/node_graph.h>
+#include "tasks/node_graph.h"
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/signals.h>
@@ -120,7 +120,7 @@ struct Evaluation {
   StructureSummary structure;
 };
 
-Evaluation evaluate(models::GraphAttentionNetwork& model, const tasks::NodeGraph& graph,
+Evaluation evaluate(experiments::GraphAttentionNetwork& model, const experiments::NodeGraph& graph,
                     const torch::Tensor& distances) {
   torch::NoGradGuard no_grad;
   model->eval();
@@ -189,7 +189,7 @@ void run(NodeFlags f, CLI::App* cmd) {
     file = train::read_checkpoint_file(resumed_from);
     header = json::parse(file.header);
     TORCH_CHECK(header.value("kind", "") == "attnkit-node-classify", kCommand, ": --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit node-classify` (kind '", header.value("kind", ""), "')");
+                " is not a checkpoint of `attnkit-experiments node-classify` (kind '", header.value("kind", ""), "')");
     const json stored = header.at("settings");
     check_resume_flags(kCommand, stored, settings(f), *cmd, "--epochs, --patience, --threads and --eval-every");
     apply_settings(stored, f);
@@ -202,8 +202,8 @@ void run(NodeFlags f, CLI::App* cmd) {
   const std::string load_start = loadavg_line();
   const double wall_start = steady_seconds();
 
-  const auto graph = tasks::load_node_graph(f.data);
-  const auto options = models::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
+  const auto graph = experiments::load_node_graph(f.data);
+  const auto options = experiments::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
                            .width(f.width)
                            .heads(f.heads)
                            .layers(f.layers)
@@ -212,7 +212,7 @@ void run(NodeFlags f, CLI::App* cmd) {
                            .samples(f.samples)
                            .residual(f.residual);
   torch::manual_seed(f.seed);
-  models::GraphAttentionNetwork model(options);
+  experiments::GraphAttentionNetwork model(options);
   auto& predictor = model->edge_predictor();
   const bool sac = static_cast<bool>(predictor);
   const auto distances = sac && model->sac_options().max_distance > 0

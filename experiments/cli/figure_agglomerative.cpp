@@ -1,4 +1,4 @@
-// `attnkit figure-agglomerative`: Figure 1 of the agglomerative-attention paper
+// `attnkit-experiments figure-agglomerative`: Figure 1 of the agglomerative-attention paper
 // with our layers. Times
 // the forward pass of one whole self-attention layer, projections included,
 // for nn::AgglomerativeAttention and nn::MultiheadAttention (mechanism "full",
@@ -17,7 +17,7 @@
 //
 // Each (mask, length) row is printed as soon as both layers are timed, and the
 // JSON and CSV files are rewritten atomically after every row, so an
-// interrupted run keeps everything it measured. scripts/plot-figure turns the
+// interrupted run keeps everything it measured. experiments/plot-figure turns the
 // CSV into the log-log plot.
 #include <attnkit/nn/agglomerative.h>
 #include <attnkit/nn/multihead.h>
@@ -172,7 +172,7 @@ std::string joined(const std::vector<std::string>& items) {
 /// The command line that reproduces this run.
 std::string command_line(const FigureConfig& c) {
   std::ostringstream o;
-  o << "attnkit figure-agglomerative --lengths ";
+  o << "attnkit-experiments figure-agglomerative --lengths ";
   for (size_t k = 0; k < c.lengths.size(); ++k) o << (k ? "," : "") << c.lengths[k];
   o << " --masks " << joined(c.masks) << " --layers " << joined(c.layers) << " --part " << c.part
     << " --clock " << c.clock << " --batch " << c.batch

@@ -11,7 +11,7 @@
 // It prints each part's time, their sum, and what the sum would be as a
 // fraction of the sgemm peak (1024^3, same process) under the bench's FLOP
 // count, 2 (S E M + L E M) per head: the best the kernel could reach.
-//   g++ -O2 -march=native -Isrc docs/bench/linear_floor.cpp -ldnnl -o /tmp/linear_floor && OMP_NUM_THREADS=1 /tmp/linear_floor
+//   g++ -O2 -march=native -Isrc bench/floors/linear_floor.cpp -ldnnl -o /tmp/linear_floor && OMP_NUM_THREADS=1 /tmp/linear_floor
 #include <dnnl.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// `attnkit cloze`: trains the recurrent cloze reader (models/reader.h) with one
+// `attnkit-experiments cloze`: trains the recurrent cloze reader (models/reader.h) with one
 // of the cheap-linear-attention paper's read-outs on the cloze task built from
 // a char-lm corpus (tasks/cloze.h), into a run directory:
 //   OUT/checkpoint-<step>.ckpt  the newest two (train/checkpoint.h's container;
@@ -12,9 +12,9 @@
 // it, flags given must match it (except --steps, --threads, --eval-every).
 // Batches are pure functions of (seed, step), so a resumed run sees the data the
 // uninterrupted one would have seen.
-#include <attnkit/models/reader.h>
+#include "models/reader.h"
 #include <attnkit/runtime.h>
-#include <attnkit/tasks/cloze.h>
+#include "tasks/cloze.h"
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/signals.h>
@@ -91,7 +91,7 @@ struct EvalResult {
   int64_t examples = 0;
 };
 
-EvalResult evaluate(models::Reader& model, const std::vector<tasks::ClozeBatch>& batches) {
+EvalResult evaluate(experiments::Reader& model, const std::vector<experiments::ClozeBatch>& batches) {
   torch::NoGradGuard no_grad;
   model->eval();
   double loss = 0, correct = 0;
@@ -108,7 +108,7 @@ EvalResult evaluate(models::Reader& model, const std::vector<tasks::ClozeBatch>&
   return {n ? loss / n : 0, n ? correct / n : 0, n};
 }
 
-json baselines_json(const tasks::ClozeBaselines& b) {
+json baselines_json(const experiments::ClozeBaselines& b) {
   return json{{"examples", b.examples},
               {"mean_candidates", b.mean_candidates},
               {"random", b.random},
@@ -133,7 +133,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
     file = train::read_checkpoint_file(resumed_from);
     header = json::parse(file.header);
     TORCH_CHECK(header.value("kind", "") == "attnkit-cloze", "cloze: --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit cloze` (kind '", header.value("kind", ""), "')");
+                " is not a checkpoint of `attnkit-experiments cloze` (kind '", header.value("kind", ""), "')");
     // Flags given must match the run's settings; the others are taken from it.
     const json stored = header.at("settings");
     check_resume_flags("cloze", stored, settings(f), *cmd, "--steps, --threads and --eval-every");
@@ -147,19 +147,19 @@ void run(ClozeFlags f, CLI::App* cmd) {
   const std::string load_start = loadavg_line();
   const double wall_start = steady_seconds();
 
-  tasks::ClozeTask task(f.data, tasks::ClozeOptions()
+  experiments::ClozeTask task(f.data, experiments::ClozeOptions()
                                     .paragraph(f.paragraph)
                                     .query(f.query)
                                     .min_count(f.min_count)
                                     .stop_words(f.stop_words));
-  const auto models_readout = models::readout_from_string(f.readout);
+  const auto models_readout = experiments::readout_from_string(f.readout);
   torch::manual_seed(f.seed);
-  models::Reader model(models::ReaderOptions(task.vocabulary().size())
+  experiments::Reader model(experiments::ReaderOptions(task.vocabulary().size())
                            .embedding(f.embedding)
                            .hidden(f.hidden)
                            .bidirectional(!f.unidirectional)
                            .readout(models_readout)
-                           .placeholder(tasks::WordVocabulary::kBlank)
+                           .placeholder(experiments::WordVocabulary::kBlank)
                            .shared_encoder(f.shared_encoder));
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(f.lr).weight_decay(f.weight_decay));
@@ -268,8 +268,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
               {"test_examples", test.examples},
               {"valid_accuracy", last_valid.accuracy},
               {"valid_loss", last_valid.loss},
-              {"baselines", {{"valid", baselines_json(tasks::ClozeTask::baselines(valid_examples))},
-                             {"test", baselines_json(tasks::ClozeTask::baselines(test_examples))}}},
+              {"baselines", {{"valid", baselines_json(experiments::ClozeTask::baselines(valid_examples))},
+                             {"test", baselines_json(experiments::ClozeTask::baselines(test_examples))}}},
               {"train_seconds", elapsed},
               {"session", session_record(resumed_from, "start_step", start_step, wall_start, load_start)}};
   const auto result_path = (out / "result.json").string();
@@ -278,7 +278,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
               "%.4f); %s\n",
               static_cast<long long>(step), static_cast<long long>(f.steps), test.accuracy,
               static_cast<long long>(test.examples),
-              tasks::ClozeTask::baselines(test_examples).frequency, result_path.c_str());
+              experiments::ClozeTask::baselines(test_examples).frequency, result_path.c_str());
 }
 
 }  // namespace

@@ -4,7 +4,7 @@ checkpoints.py's reader of our checkpoint format with runner.py's skip rule
 on a run that `attnkit train` and `attnkit eval` write in a temporary
 directory (a copy task of a few steps: no data needed).
 
-    ATTNKIT_CLI=build/attnkit python3 tests/experiments/reproduce_test.py
+    ATTNKIT_CLI=build/attnkit python3 experiments/tests/reproduce_test.py
 
 The expected numbers are worked out by hand (stats), or are the flags the
 run was made with (checkpoints), not computed by a second implementation.

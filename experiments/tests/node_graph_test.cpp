@@ -1,9 +1,9 @@
-// tasks::load_node_graph (include/attnkit/tasks/node_graph.h): a small dataset
+// experiments::load_node_graph (experiments/tasks/node_graph.h): a small dataset
 // written by hand into a temporary directory is read back field by field
 // (features, labels, split, the attention edges with both directions and
 // self-edges), NodeGraph::mask and batch, and every malformed input is refused
 // with an error naming the file, the line and the problem.
-#include <attnkit/tasks/node_graph.h>
+#include "tasks/node_graph.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -18,8 +18,8 @@
 #include "test_util.h"
 
 namespace fs = std::filesystem;
-using attnkit::tasks::load_node_graph;
-using attnkit::tasks::NodeGraph;
+using attnkit::experiments::load_node_graph;
+using attnkit::experiments::NodeGraph;
 using attnkit::tasks::Split;
 using attnkit::testing::expect_error;
 

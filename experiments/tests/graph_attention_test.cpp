@@ -1,4 +1,4 @@
-// models::GraphAttentionNetwork (include/attnkit/models/graph_attention.h):
+// experiments::GraphAttentionNetwork (experiments/models/graph_attention.h):
 // "input" over a complete graph equals "full"; "input" sees only the graph
 // (a node's logits ignore nodes more than `layers` hops away); output shapes
 // per spec and mode; SAC's sampled structures keep every input edge;
@@ -6,7 +6,7 @@
 // against a std::set union); gradients reach every network parameter, and
 // sac_reinforce reaches the predictor's; validate() and forward() refusals;
 // a one-node graph.
-#include <attnkit/models/graph_attention.h>
+#include "models/graph_attention.h"
 #include <attnkit/nn/sac.h>
 #include <attnkit/tasks/task.h>
 #include <attnkit/train/trainer.h>
@@ -18,7 +18,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::models {
+namespace attnkit::experiments {
 namespace {
 
 using testing::expect_error;
@@ -330,4 +330,4 @@ TEST(GraphAttention, OneNode) {
 }
 
 }  // namespace
-}  // namespace attnkit::models
+}  // namespace attnkit::experiments

@@ -1,9 +1,10 @@
-# `attnkit cloze` as a user runs it, with a tiny reader on the shipped text: a
+# `attnkit-experiments cloze` as a user runs it, with a tiny reader on the shipped text: a
 # run's files, --resume (which must end where an uninterrupted run ends, to the
 # bit), refusals that change nothing.
-# Variables: CLI (the attnkit binary), TEXT (a small text file), OUT_DIR (scratch).
+# Variables: CLI (the attnkit-experiments binary), ATTNKIT (the attnkit binary, which
+# prepares the text), TEXT (a small text file), OUT_DIR (scratch).
 cmake_policy(VERSION 3.25)
-include(${CMAKE_CURRENT_LIST_DIR}/common.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/../../tests/cli/common.cmake)
 
 file(REMOVE_RECURSE ${OUT_DIR})
 file(MAKE_DIRECTORY ${OUT_DIR})
@@ -11,17 +12,17 @@ set(data ${OUT_DIR}/data)
 
 run_ok(${CLI} --help)
 if(NOT out MATCHES "\n  cloze ")
-  message(FATAL_ERROR "'attnkit --help' does not list cloze:\n${out}")
+  message(FATAL_ERROR "'attnkit-experiments --help' does not list cloze:\n${out}")
 endif()
 run_ok(${CLI} cloze --help)
 foreach(flag --data --readout --steps --batch --seed --threads --out --resume --embedding --hidden
              --paragraph --query --eval-every)
   if(NOT out MATCHES "${flag}")
-    message(FATAL_ERROR "'attnkit cloze --help' lacks ${flag}:\n${out}")
+    message(FATAL_ERROR "'attnkit-experiments cloze --help' lacks ${flag}:\n${out}")
   endif()
 endforeach()
 
-run_ok(${CLI} data char-lm --input ${TEXT} --out ${data})
+run_ok(${ATTNKIT} data char-lm --input ${TEXT} --out ${data})
 
 set(model --data ${data} --paragraph 30 --query 8 --min-count 2 --stop-words 20 --embedding 8
           --hidden 8 --batch 4 --seed 1 --threads 1 --valid-examples 16 --test-examples 16)

@@ -1,5 +1,5 @@
-// The graph attention network of include/attnkit/models/graph_attention.h.
-#include <attnkit/models/graph_attention.h>
+// The graph attention network of experiments/models/graph_attention.h.
+#include "models/graph_attention.h"
 
 #include <attnkit/nn/registry.h>
 
@@ -8,7 +8,7 @@
 
 #include <utility>
 
-namespace attnkit::models {
+namespace attnkit::experiments {
 
 namespace {
 
@@ -150,4 +150,4 @@ int64_t GraphAttentionNetworkImpl::parameter_count() const {
   return count;
 }
 
-}  // namespace attnkit::models
+}  // namespace attnkit::experiments

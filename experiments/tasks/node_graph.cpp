@@ -1,6 +1,6 @@
-// Node-classification datasets (include/attnkit/tasks/node_graph.h): reading
+// Node-classification datasets (experiments/tasks/node_graph.h): reading
 // and checking the four files of a dataset directory.
-#include <attnkit/tasks/node_graph.h>
+#include "tasks/node_graph.h"
 
 #include <algorithm>
 #include <charconv>
@@ -12,7 +12,7 @@
 #include <string_view>
 #include <utility>
 
-namespace attnkit::tasks {
+namespace attnkit::experiments {
 
 namespace {
 
@@ -63,13 +63,13 @@ std::string place(const fs::path& path, size_t line) {
 
 }  // namespace
 
-torch::Tensor NodeGraph::mask(Split which) const {
+torch::Tensor NodeGraph::mask(tasks::Split which) const {
   return split.eq(static_cast<int64_t>(which)).to(torch::kFloat32);
 }
 
-Batch NodeGraph::batch(Split which, int64_t copies) const {
+tasks::Batch NodeGraph::batch(tasks::Split which, int64_t copies) const {
   TORCH_CHECK(copies >= 1, kWhat, ": batch needs copies >= 1, got ", copies);
-  Batch b;
+  tasks::Batch b;
   b.target = labels.unsqueeze(0).expand({copies, nodes()}).contiguous();
   b.weight = mask(which).unsqueeze(0).expand({copies, nodes()}).contiguous();
   return b;
@@ -138,7 +138,7 @@ NodeGraph load_node_graph(const std::string& directory) {
     } else {
       TORCH_CHECK(split_name == "train" || split_name == "valid" || split_name == "test", kWhat, ": ",
                   where, ": split '", split_name, "' is not one of train, valid, test, none");
-      splits[i] = static_cast<int64_t>(split_from_string(split_name));
+      splits[i] = static_cast<int64_t>(tasks::split_from_string(split_name));
     }
     if (fields[3].empty()) continue;
     int64_t previous = -1;
@@ -186,4 +186,4 @@ NodeGraph load_node_graph(const std::string& directory) {
   return graph;
 }
 
-}  // namespace attnkit::tasks
+}  // namespace attnkit::experiments

@@ -39,7 +39,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace attnkit::tasks {
+namespace attnkit::experiments {
 
 struct ClozeOptions {
   /// Words per paragraph, P.
@@ -115,21 +115,21 @@ class ClozeTask {
   const ClozeOptions& options() const { return options_; }
   const WordVocabulary& vocabulary() const { return vocabulary_; }
   /// Word ids of a split.
-  const std::vector<int64_t>& words(Split split) const;
+  const std::vector<int64_t>& words(tasks::Split split) const;
   /// True for the ids that may be answers: not kUnk, kBlank or a stop word.
   bool answerable(int64_t id) const;
 
   /// Example `index` of `split` under `seed` (see the top of this file).
-  ClozeExample example(Split split, uint64_t seed, int64_t index) const;
+  ClozeExample example(tasks::Split split, uint64_t seed, int64_t index) const;
   /// Examples step * batch ... of the train split under `seed`, stacked.
   ClozeBatch train_batch(uint64_t seed, int64_t step, int64_t batch) const;
   /// Examples 0 .. count - 1 of `split` under its fixed evaluation seed, in
   /// batches of `batch` (the last may be smaller).
-  std::vector<ClozeBatch> eval_batches(Split split, int64_t count, int64_t batch) const;
+  std::vector<ClozeBatch> eval_batches(tasks::Split split, int64_t count, int64_t batch) const;
   /// The same examples as eval_batches(split, count, ...), unstacked.
-  std::vector<ClozeExample> eval_examples(Split split, int64_t count) const;
+  std::vector<ClozeExample> eval_examples(tasks::Split split, int64_t count) const;
   /// The fixed seed of a split's evaluation examples.
-  static uint64_t eval_seed(Split split);
+  static uint64_t eval_seed(tasks::Split split);
 
   /// Stacks examples into a batch with candidate masks over vocabulary().size() words.
   ClozeBatch collate(const std::vector<ClozeExample>& examples) const;
@@ -142,4 +142,4 @@ class ClozeTask {
   std::vector<int64_t> words_[3];
 };
 
-}  // namespace attnkit::tasks
+}  // namespace attnkit::experiments

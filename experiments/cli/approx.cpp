@@ -1,4 +1,4 @@
-// `attnkit approx`: how far mechanisms of the registry are from full (exact
+// `attnkit-experiments approx`: how far mechanisms of the registry are from full (exact
 // softmax) attention, on random queries and on queries with cluster
 // structure. By default the clustered-attention paper's question: clustered
 // and improved-clustered attention as the clusters C and top keys k vary.

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-namespace attnkit::tasks {
+namespace attnkit::experiments {
 
 struct NodeGraph {
   std::string directory;
@@ -42,12 +42,12 @@ struct NodeGraph {
 
   int64_t nodes() const { return labels.numel(); }
   /// The nodes of `split`: float32 (n), 1 for the split's nodes, 0 elsewhere.
-  torch::Tensor mask(Split split) const;
+  torch::Tensor mask(tasks::Split split) const;
   /// Targets and weights for scoring logits (copies, n, classes) with
   /// tasks::loss / tasks::score / tasks::target_log_probs: target the labels
   /// and weight the mask of `split`, repeated `copies` times (input is left
   /// undefined: the model reads `features`).
-  Batch batch(Split split, int64_t copies = 1) const;
+  tasks::Batch batch(tasks::Split split, int64_t copies = 1) const;
 };
 
 /// Loads and checks a dataset directory: every line of every file is checked
@@ -56,4 +56,4 @@ struct NodeGraph {
 /// what is wrong.
 NodeGraph load_node_graph(const std::string& directory);
 
-}  // namespace attnkit::tasks
+}  // namespace attnkit::experiments

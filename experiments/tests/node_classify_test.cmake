@@ -1,12 +1,12 @@
-# `attnkit node-classify` as a user runs it, on the package graph that
+# `attnkit-experiments node-classify` as a user runs it, on the package graph that
 # scripts/package-graph makes from tests/data/packages-fixture.txt, with a tiny
 # model: a run's files for every attention kind, --resume (which must end where
 # an uninterrupted run ends, to the bit: the same best/test values and the same
 # tensors in the last checkpoint), refusals that exit non-zero and change nothing.
-# Variables: CLI (the attnkit binary), PYTHON, PACKAGE_GRAPH (scripts/package-graph),
+# Variables: CLI (the attnkit-experiments binary), PYTHON, PACKAGE_GRAPH (scripts/package-graph),
 # FIXTURE (tests/data/packages-fixture.txt), OUT_DIR (scratch).
 cmake_policy(VERSION 3.25)
-include(${CMAKE_CURRENT_LIST_DIR}/common.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/../../tests/cli/common.cmake)
 
 file(REMOVE_RECURSE ${OUT_DIR})
 file(MAKE_DIRECTORY ${OUT_DIR})
@@ -66,7 +66,7 @@ function(read_checkpoint path)
     message(FATAL_ERROR "${path}: ${size} bytes, the container says ${expected}")
   endif()
   file(READ ${path} header OFFSET 28 LIMIT ${H})
-  run_ok(${PYTHON} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/checkpoint_digest.py ${path})
+  run_ok(${PYTHON} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/../../tests/cli/checkpoint_digest.py ${path})
   if(NOT out MATCHES "^[1-9][0-9]* [0-9a-f]+\n$")
     message(FATAL_ERROR "checkpoint_digest.py ${path}: '${out}'")
   endif()
@@ -106,13 +106,13 @@ math(EXPR input_slots "${nodes} + 2 * ${edges}")
 # --- Help ---------------------------------------------------------------------------------
 run_ok(${CLI} --help)
 if(NOT out MATCHES "\n  node-classify ")
-  message(FATAL_ERROR "'attnkit --help' does not list node-classify:\n${out}")
+  message(FATAL_ERROR "'attnkit-experiments --help' does not list node-classify:\n${out}")
 endif()
 run_ok(${CLI} node-classify --help)
 foreach(flag --data --attention --epochs --patience --eval-every --seed --threads --out --resume --width --heads
              --layers --residual --samples --dropout --lr --weight-decay --clip)
   if(NOT out MATCHES "${flag}")
-    message(FATAL_ERROR "'attnkit node-classify --help' lacks ${flag}:\n${out}")
+    message(FATAL_ERROR "'attnkit-experiments node-classify --help' lacks ${flag}:\n${out}")
   endif()
 endforeach()
 

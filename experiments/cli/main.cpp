@@ -1,0 +1,22 @@
+// attnkit-experiments: the papers' experiments on top of the library (figures,
+// approximation reports, the cloze reader, node classification). The product's
+// commands are in `attnkit`; experiments/reproduce runs whole experiments with
+// both tools.
+#include <CLI/CLI.hpp>
+
+#include "app.h"
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  attnkit::cli::prepare_process();
+  CLI::App app{"attnkit-experiments: the experiments of the papers attnkit implements (figures, "
+               "approximation error, a cloze reader, node classification)"};
+  attnkit::cli::add_version_flag(app, "attnkit-experiments");
+  app.require_subcommand(1);
+  attnkit::cli::add_figure_agglomerative_command(app);
+  attnkit::cli::add_figure_clustered_command(app);
+  attnkit::cli::add_approx_command(app);
+  attnkit::cli::add_cloze_command(app);
+  attnkit::cli::add_node_classify_command(app);
+  return attnkit::cli::run(app, "attnkit-experiments", argc, argv);
+}
