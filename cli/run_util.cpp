@@ -4,30 +4,9 @@
 #include <attnkit/train/checkpoint.h>
 #include <c10/util/Exception.h>
 
-#include <chrono>
-#include <ctime>
 #include <filesystem>
-#include <fstream>
 
 namespace attnkit::cli {
-
-std::string loadavg_line() {
-  std::ifstream in("/proc/loadavg");
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-double steady_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string utc_now() {
-  const auto t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
 
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change) {

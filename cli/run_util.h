@@ -5,6 +5,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <attnkit/train/clock.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -15,14 +16,10 @@
 
 namespace attnkit::cli {
 
-/// /proc/loadavg's line ("" if unreadable): the load a run's result records.
-std::string loadavg_line();
-
-/// Seconds on the steady clock since an arbitrary origin.
-double steady_seconds();
-
-/// The current UTC time as "YYYY-MM-DDTHH:MM:SSZ".
-std::string utc_now();
+/// The clocks and the load a run records: train/clock.h's.
+using train::loadavg_line;
+using train::steady_seconds;
+using train::utc_now;
 
 /// --resume's rule for a run's settings (keys: flag names without "--", '_'
 /// for '-'): every flag given on `cmd` must equal the checkpoint's value of

@@ -1,6 +1,7 @@
 // The training loop, checkpoints of a run, resume, loading a run for eval.
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/clock.h>
 #include <attnkit/train/distributed.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/signals.h>
@@ -14,7 +15,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <cstring>
@@ -33,11 +33,6 @@ using nlohmann::json;
 namespace {
 
 constexpr std::size_t kKeepCheckpoints = 2;
-
-double now_seconds() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
 
 void apply_threads(int threads) {
   if (threads <= 0) return;
@@ -517,7 +512,7 @@ TrainResult Trainer::run() {
   clear_stop();
   TrainResult result;
   result.step = start_step_;
-  const double start = now_seconds();
+  const double start = steady_seconds();
   double interval_start = start;
   int64_t interval_steps = 0;
   tasks::Metrics interval;
@@ -663,7 +658,7 @@ TrainResult Trainer::run() {
     const bool log_now = done % options_.log_every() == 0 || last || evaluate_now || stopping;
     if (distributed && log_now) interval = allreduce_metrics(*comm, interval, "metrics all-reduce");
 
-    const double now = now_seconds();
+    const double now = steady_seconds();
     const double interval_seconds = std::max(now - interval_start, 1e-9);
     const double tokens_per_s = static_cast<double>(interval_steps * tokens_per_step) / interval_seconds;
     ProgressLine line;
@@ -719,11 +714,11 @@ TrainResult Trainer::run() {
       result.train = interval;
       interval = tasks::Metrics{};
       interval_steps = 0;
-      interval_start = now_seconds();
+      interval_start = steady_seconds();
     }
 
     if (last || stopping || done % options_.checkpoint_every() == 0) {
-      if (leader) write_checkpoint(done, elapsed_before_ + (now_seconds() - start), result);
+      if (leader) write_checkpoint(done, elapsed_before_ + (steady_seconds() - start), result);
       result.checkpoint = (fs::path(options_.out()) / checkpoint_name(done)).string();
     }
     if (stopping && !last) {
