@@ -2,6 +2,7 @@
 
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/run_directory.h>
 #include <c10/util/Exception.h>
 
 #include <filesystem>
@@ -35,16 +36,10 @@ std::string save_run_checkpoint(const std::string& out, const std::string& kind,
                                 torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep) {
   nlohmann::json header = extra;
   header["kind"] = kind;
-  header["step"] = step;
   header["elapsed"] = elapsed;
   header["settings"] = settings;
-  std::string tensors;
-  train::CheckpointFile file;
-  file.payload = train::save_training_state(model, &optimizer, &tensors);
-  header["tensors"] = nlohmann::json::parse(tensors);
-  file.header = header.dump();
   const auto path = (std::filesystem::path(out) / train::checkpoint_name(step)).string();
-  train::write_checkpoint_file(path, file);
+  train::write_checkpoint_file(path, train::make_checkpoint(step, header.dump(), model, &optimizer));
   train::prune_checkpoints(out, keep);
   return path;
 }
