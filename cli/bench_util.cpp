@@ -1,11 +1,11 @@
 #include "bench_util.h"
 
 #include <attnkit/runtime.h>
+#include <attnkit/train/clock.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -16,18 +16,7 @@
 
 namespace attnkit::cli {
 
-double load_average() {
-  std::ifstream in("/proc/loadavg");
-  double load = -1;
-  in >> load;
-  return in ? load : -1;
-}
-
-double wall_now_ms() {
-  return std::chrono::duration<double, std::milli>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+double wall_now_ms() { return 1e3 * train::steady_seconds(); }
 
 namespace {
 

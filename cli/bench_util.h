@@ -5,6 +5,7 @@
 #pragma once
 
 #include <attnkit/nn/registry.h>
+#include <attnkit/train/clock.h>
 
 #include <cstdint>
 #include <functional>
@@ -14,9 +15,8 @@
 
 namespace attnkit::cli {
 
-/// The 1-minute load average of /proc/loadavg (-1 if unknown), to record how
-/// busy a shared machine was (2 cores: load 2 = both busy).
-double load_average();
+/// The 1-minute load average (-1 if unknown): train/clock.h's.
+using train::load_average;
 
 /// Milliseconds since an arbitrary origin on three clocks: steady wall time;
 /// the CPU time of all the process's threads (waiting for a core that other

@@ -1,5 +1,6 @@
 #include "launch.h"
 
+#include <attnkit/train/clock.h>
 #include <attnkit/train/distributed.h>
 
 #include <pthread.h>
@@ -36,10 +37,6 @@ static_assert(std::atomic<int>::is_always_lock_free, "signal counters must be lo
 extern "C" void on_launcher_signal(int sig) {
   g_last_signal = sig;
   g_signals.fetch_add(1);
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string describe(int status) {
@@ -186,15 +183,15 @@ int launch_workers(const LaunchOptions& o, const std::vector<std::string>& argv)
                    static_cast<int>(std::count(alive.begin(), alive.end(), true)),
                    received > 0 ? "" : "; restart the job with --resume");
       stopping_others = true;
-      kill_at = now_seconds() + o.grace_seconds;
+      kill_at = train::steady_seconds() + o.grace_seconds;
       for (int k = 0; k < o.nproc; ++k)
         if (alive[k]) ::kill(pids[k], SIGTERM);
     }
     if (!exited.empty()) continue;
-    if (stopping_others && now_seconds() > kill_at) {
+    if (stopping_others && train::steady_seconds() > kill_at) {
       for (int k = 0; k < o.nproc; ++k)
         if (alive[k]) ::kill(pids[k], SIGKILL);
-      kill_at = now_seconds() + 3600;
+      kill_at = train::steady_seconds() + 3600;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

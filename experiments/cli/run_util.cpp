@@ -2,32 +2,12 @@
 
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/run_directory.h>
 #include <c10/util/Exception.h>
 
-#include <chrono>
-#include <ctime>
 #include <filesystem>
-#include <fstream>
 
 namespace attnkit::cli {
-
-std::string loadavg_line() {
-  std::ifstream in("/proc/loadavg");
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-double steady_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string utc_now() {
-  const auto t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
 
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change) {
@@ -56,16 +36,10 @@ std::string save_run_checkpoint(const std::string& out, const std::string& kind,
                                 torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep) {
   nlohmann::json header = extra;
   header["kind"] = kind;
-  header["step"] = step;
   header["elapsed"] = elapsed;
   header["settings"] = settings;
-  std::string tensors;
-  train::CheckpointFile file;
-  file.payload = train::save_training_state(model, &optimizer, &tensors);
-  header["tensors"] = nlohmann::json::parse(tensors);
-  file.header = header.dump();
   const auto path = (std::filesystem::path(out) / train::checkpoint_name(step)).string();
-  train::write_checkpoint_file(path, file);
+  train::write_checkpoint_file(path, train::make_checkpoint(step, header.dump(), model, &optimizer));
   train::prune_checkpoints(out, keep);
   return path;
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <attnkit/train/clock.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -15,14 +16,10 @@
 
 namespace attnkit::cli {
 
-/// /proc/loadavg's line ("" if unreadable): the load a run's result records.
-std::string loadavg_line();
-
-/// Seconds on the steady clock since an arbitrary origin.
-double steady_seconds();
-
-/// The current UTC time as "YYYY-MM-DDTHH:MM:SSZ".
-std::string utc_now();
+/// The clocks and the load a run records: train/clock.h's.
+using train::loadavg_line;
+using train::steady_seconds;
+using train::utc_now;
 
 /// --resume's rule for a run's settings (keys: flag names without "--", '_'
 /// for '-'): every flag given on `cmd` must equal the checkpoint's value of
@@ -38,12 +35,12 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
 nlohmann::json session_record(const std::string& resumed_from, const char* start_key, int64_t start,
                               double wall_start, const std::string& load_start);
 
-/// Writes RUN/checkpoint-<step>.ckpt (train/checkpoint.h's container) for a
-/// run in directory `out`: the header holds `kind` (what wrote it), `step`,
-/// `elapsed` (training seconds so far), `settings`, the description of the
-/// stored tensors and every member of `extra`; the payload the model's and the
-/// optimiser's state and the generator's. Keeps the newest `keep` checkpoints;
-/// returns the path written.
+/// Writes RUN/checkpoint-<step>.ckpt (train/run_directory.h's make_checkpoint)
+/// for a run in directory `out`: the header holds `kind` (what wrote it),
+/// `step`, `elapsed` (training seconds so far), `settings`, the description of
+/// the stored tensors and every member of `extra`; the payload the model's and
+/// the optimiser's state and the generator's. Keeps the newest `keep`
+/// checkpoints; returns the path written.
 std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,
                                 const nlohmann::json& settings, const nlohmann::json& extra,
                                 torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep);

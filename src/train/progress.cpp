@@ -1,8 +1,8 @@
 // Progress line, metrics.jsonl.
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/clock.h>
 #include <attnkit/train/progress.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -40,11 +40,6 @@ std::string format_rate(double tokens_per_s) {
   return text;
 }
 
-double now_seconds() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 std::string format_progress(const ProgressLine& line, bool bar) {
@@ -77,7 +72,7 @@ void ProgressPrinter::show(const ProgressLine& line, bool force) {
     }
     return;
   }
-  const double now = now_seconds();
+  const double now = steady_seconds();
   if (!force && drawn_ && now - last_draw_ < 0.1) return;
   last_line_ = format_progress(line, true);
   std::fprintf(out_, "\r%s\x1b[K", last_line_.c_str());

@@ -1,7 +1,8 @@
 // Training a models::Transformer on a tasks::Task: AdamW, linear warm-up then
 // cosine decay, global-norm gradient clipping, seeded everything, progress and
 // RUN/metrics.jsonl, atomic checkpoints (the last two kept), bitwise resume,
-// and a graceful stop on SIGINT / SIGTERM. The user-facing description is
+// and a graceful stop on SIGINT / SIGTERM. The run directory's rules are
+// RunDirectory's (run_directory.h). The user-facing description is
 // docs/TRAINING.md.
 //
 //   attnkit::train::Trainer trainer(
@@ -47,6 +48,9 @@
 #include <vector>
 
 namespace attnkit::train {
+
+struct RunHeader;        // what a checkpoint says built the run (src/train/stored_run.h)
+class WorkingCopy;       // mixed precision's bf16 copy (src/train/mixed_precision.h)
 
 /// How a run shows its progress: `automatic` is `live` when stderr is a
 /// terminal and `plain` otherwise.
@@ -154,7 +158,7 @@ class Trainer {
   /// with DType::bf16 its bfloat16 working copy (parameters refreshed from
   /// model() before every step and every validation; buffers copied both
   /// ways, so that state such as a SAC baseline lives in model()).
-  models::Transformer& compute_model() { return work_ ? work_ : model_; }
+  models::Transformer& compute_model();
   const tasks::Task& task() const { return *task_; }
   torch::optim::Optimizer& optimizer();
 
@@ -163,16 +167,18 @@ class Trainer {
   void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
 
  private:
-  void write_checkpoint(int64_t step, double elapsed, const TrainResult& result);
-  /// bf16: the working copy's parameters := model()'s rounded to bfloat16,
-  /// its buffers := model()'s. No-op in float32.
-  void refresh_work();
-  /// bf16: model()'s buffers := the working copy's (after a forward pass or a
-  /// REINFORCE update changed them). No-op in float32.
-  void keep_work_buffers();
-  /// bf16: each float32 parameter's grad := its working copy's gradient in
-  /// float32 (undefined where the copy got none). No-op in float32.
-  void take_work_grads();
+  struct Session;  // one run(): the job, the claimed run directory, the display, the log interval
+  void check_resumable(const RunHeader& stored, const std::string& path) const;
+  void join_job(Session& s);
+  void split_clipped_parameters(Session& s);
+  bool train_step(int64_t step, Session& s);
+  double take_shard(tasks::Batch& batch, int64_t step, const Session& s) const;
+  torch::Tensor with_reinforce(const torch::Tensor& loss, const torch::Tensor& logits, const tasks::Batch& batch,
+                               Session& s);
+  bool backward_in_job(torch::Tensor objective, double loss_scale, int64_t step, double loss_value, Session& s);
+  void report(int64_t done, bool log_now, bool evaluate_now, Session& s);
+  tasks::Metrics validation(int64_t done, Session& s);
+  void checkpoint(int64_t done, Session& s);
 
   TrainerOptions options_;
   DistributedOptions distributed_;
@@ -180,10 +186,7 @@ class Trainer {
   tasks::TaskOptions task_options_;
   std::unique_ptr<tasks::Task> task_;
   models::Transformer model_{nullptr};
-  // bf16: the bfloat16 working copy, and (float32 parameter, its copy) and
-  // (buffer, its copy) pairs, each parameter once.
-  models::Transformer work_{nullptr};
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> work_params_, work_buffers_;
+  std::unique_ptr<WorkingCopy> work_;  // bf16 only: the bfloat16 copy the passes run on
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   int64_t start_step_ = 0;
   double elapsed_before_ = 0;  // seconds trained before this process (resumed runs)
