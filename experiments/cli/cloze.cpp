@@ -12,11 +12,10 @@
 // it, flags given must match it (except --steps, --threads, --eval-every).
 // Batches are pure functions of (seed, step), so a resumed run sees the data the
 // uninterrupted one would have seen.
-#include "models/reader.h"
 #include <attnkit/runtime.h>
-#include "tasks/cloze.h"
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
+#include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
 
 #include <ATen/Parallel.h>
@@ -30,7 +29,9 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "models/reader.h"
 #include "run_util.h"
+#include "tasks/cloze.h"
 
 namespace attnkit::cli {
 
@@ -39,7 +40,9 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr std::size_t kKeepCheckpoints = 2;
+/// What the checkpoints' header says wrote them, so that --resume refuses
+/// another program's run.
+constexpr const char* kKind = "attnkit-cloze";
 constexpr int64_t kEvalBatch = 256;
 
 struct ClozeFlags {
@@ -117,23 +120,14 @@ json baselines_json(const experiments::ClozeBaselines& b) {
 
 void run(ClozeFlags f, CLI::App* cmd) {
   TORCH_CHECK(!f.out.empty(), "cloze: --out (the run directory) is required");
-  const fs::path out(f.out);
-  const auto checkpoints = train::list_checkpoints(f.out);
+  const auto resumed = train::open_or_resume(f.out, f.resume);
+  TORCH_CHECK(!f.resume || resumed, "cloze: --resume: '", f.out, "' holds no checkpoint to resume");
+  const std::string resumed_from = resumed ? resumed->path() : "";
   json header;
-  std::string resumed_from;
-  if (f.resume) {
-    TORCH_CHECK(!checkpoints.empty(), "cloze: --resume: '", f.out, "' holds no checkpoint to resume");
-    resumed_from = checkpoints[0].path;
-  } else {
-    TORCH_CHECK(checkpoints.empty(), "cloze: '", f.out, "' already holds checkpoints (newest ",
-                checkpoints[0].path, "); pass --resume to continue that run or choose another --out");
-  }
-  train::CheckpointFile file;
-  if (!resumed_from.empty()) {
-    file = train::read_checkpoint_file(resumed_from);
-    header = json::parse(file.header);
-    TORCH_CHECK(header.value("kind", "") == "attnkit-cloze", "cloze: --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit-experiments cloze` (kind '", header.value("kind", ""), "')");
+  if (resumed) {
+    TORCH_CHECK(resumed->kind() == kKind, "cloze: --resume: ", resumed_from,
+                " is not a checkpoint of `attnkit-experiments cloze` (kind '", resumed->kind(), "')");
+    header = json::parse(resumed->header());
     // Flags given must match the run's settings; the others are taken from it.
     const json stored = header.at("settings");
     check_resume_flags("cloze", stored, settings(f), *cmd, "--steps, --threads and --eval-every");
@@ -168,19 +162,13 @@ void run(ClozeFlags f, CLI::App* cmd) {
 
   int64_t start_step = 0;
   double elapsed_before = 0;
-  if (!resumed_from.empty()) {
-    train::load_training_state(file.payload, header.at("tensors").dump(), *model, &optimizer,
-                               /*restore_generator=*/true, resumed_from);
-    start_step = header.at("step").get<int64_t>();
+  if (resumed) {
+    resumed->restore(*model, &optimizer, /*restore_generator=*/true);
+    start_step = resumed->step();
     elapsed_before = header.at("elapsed").get<double>();
   }
-  fs::create_directories(out);
-  const std::string metrics_path = (out / "metrics.jsonl").string();
-  if (!resumed_from.empty())
-    train::trim_metrics(metrics_path, start_step);
-  else
-    fs::remove(metrics_path);
-  train::MetricsLog metrics(metrics_path);
+  train::RunDirectory dir(f.out, resumed_from, start_step);
+  const auto metrics = dir.open_log("metrics.jsonl");
 
   std::printf("cloze: readout %s, seed %llu, vocabulary %lld words, %lld parameters, paragraph %lld "
               "query %lld, batch %lld, steps %lld, threads %d%s\n",
@@ -196,8 +184,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
   const auto valid_batches = task.eval_batches(tasks::Split::valid, f.valid_examples, kEvalBatch);
 
   auto save = [&](int64_t step, double elapsed) {
-    return save_run_checkpoint(f.out, "attnkit-cloze", step, elapsed, settings(f), json::object(), *model,
-                               optimizer, kKeepCheckpoints);
+    const json stored{{"kind", kKind}, {"elapsed", elapsed}, {"settings", settings(f)}};
+    return dir.write_checkpoint(step, stored.dump(), *model, &optimizer);
   };
 
   train::StopSignalGuard signals;
@@ -229,7 +217,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
                {"valid_loss", last_valid.loss},
                {"valid_accuracy", last_valid.accuracy},
                {"elapsed", elapsed}};
-      metrics.append(rec.dump());
+      metrics->append(rec.dump());
       const auto path = save(step, elapsed);
       // ETA from this session's speed (a resumed run's earlier sessions may have run elsewhere).
       const double session_seconds = steady_seconds() - session_start;
@@ -272,7 +260,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
                              {"test", baselines_json(experiments::ClozeTask::baselines(test_examples))}}},
               {"train_seconds", elapsed},
               {"session", session_record(resumed_from, "start_step", start_step, wall_start, load_start)}};
-  const auto result_path = (out / "result.json").string();
+  const auto result_path = (fs::path(f.out) / "result.json").string();
   train::write_file_atomically(result_path, result.dump(2) + "\n");
   std::printf("trained to step %lld of %lld; test accuracy %.4f (%lld examples; frequency baseline "
               "%.4f); %s\n",

@@ -19,11 +19,10 @@
 // --resume continues from the newest checkpoint: flags not given are taken from
 // it, flags given must match it (except --epochs, --patience, --threads and
 // --eval-every).
-#include "models/graph_attention.h"
 #include <attnkit/runtime.h>
-#include "tasks/node_graph.h"
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/progress.h>
+#include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
 #include <attnkit/train/trainer.h>
 
@@ -38,7 +37,9 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "models/graph_attention.h"
 #include "run_util.h"
+#include "tasks/node_graph.h"
 
 namespace attnkit::cli {
 
@@ -47,8 +48,10 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr std::size_t kKeepCheckpoints = 2;
 constexpr const char* kCommand = "node-classify";
+/// What the checkpoints' header says wrote them, so that --resume refuses
+/// another program's run.
+constexpr const char* kKind = "attnkit-node-classify";
 
 struct NodeFlags {
   std::string data, attention = "input", out;
@@ -173,23 +176,14 @@ struct Best {
 };
 
 void run(NodeFlags f, CLI::App* cmd) {
-  const fs::path out(f.out);
-  const auto checkpoints = train::list_checkpoints(f.out);
+  const auto resumed = train::open_or_resume(f.out, f.resume);
+  TORCH_CHECK(!f.resume || resumed, kCommand, ": --resume: '", f.out, "' holds no checkpoint to resume");
+  const std::string resumed_from = resumed ? resumed->path() : "";
   json header;
-  std::string resumed_from;
-  if (f.resume) {
-    TORCH_CHECK(!checkpoints.empty(), kCommand, ": --resume: '", f.out, "' holds no checkpoint to resume");
-    resumed_from = checkpoints[0].path;
-  } else {
-    TORCH_CHECK(checkpoints.empty(), kCommand, ": '", f.out, "' already holds checkpoints (newest ",
-                checkpoints[0].path, "); pass --resume to continue that run or choose another --out");
-  }
-  train::CheckpointFile file;
-  if (!resumed_from.empty()) {
-    file = train::read_checkpoint_file(resumed_from);
-    header = json::parse(file.header);
-    TORCH_CHECK(header.value("kind", "") == "attnkit-node-classify", kCommand, ": --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit-experiments node-classify` (kind '", header.value("kind", ""), "')");
+  if (resumed) {
+    TORCH_CHECK(resumed->kind() == kKind, kCommand, ": --resume: ", resumed_from,
+                " is not a checkpoint of `attnkit-experiments node-classify` (kind '", resumed->kind(), "')");
+    header = json::parse(resumed->header());
     const json stored = header.at("settings");
     check_resume_flags(kCommand, stored, settings(f), *cmd, "--epochs, --patience, --threads and --eval-every");
     apply_settings(stored, f);
@@ -227,20 +221,14 @@ void run(NodeFlags f, CLI::App* cmd) {
   int64_t start_epoch = 0;
   double elapsed_before = 0;
   Best best;
-  if (!resumed_from.empty()) {
-    train::load_training_state(file.payload, header.at("tensors").dump(), *model, &optimizer,
-                               /*restore_generator=*/true, resumed_from);
-    start_epoch = header.at("step").get<int64_t>();
+  if (resumed) {
+    resumed->restore(*model, &optimizer, /*restore_generator=*/true);
+    start_epoch = resumed->step();
     elapsed_before = header.at("elapsed").get<double>();
     best = Best::from_json(header.at("best"));
   }
-  fs::create_directories(out);
-  const std::string metrics_path = (out / "metrics.jsonl").string();
-  if (!resumed_from.empty())
-    train::trim_metrics(metrics_path, start_epoch);
-  else
-    fs::remove(metrics_path);
-  train::MetricsLog metrics(metrics_path);
+  train::RunDirectory dir(f.out, resumed_from, start_epoch);
+  const auto metrics = dir.open_log("metrics.jsonl");
 
   const auto counts = [&](tasks::Split s) { return static_cast<int64_t>(graph.mask(s).sum().item<double>()); };
   std::printf("node-classify: %s, attention %s, seed %llu; %lld nodes, %lld edges, %lld features, %zu classes; "
@@ -256,8 +244,8 @@ void run(NodeFlags f, CLI::App* cmd) {
   std::fflush(stdout);
 
   auto save = [&](int64_t epoch, double elapsed) {
-    return save_run_checkpoint(f.out, "attnkit-node-classify", epoch, elapsed, settings(f),
-                               json{{"best", best.to_json()}}, *model, optimizer, kKeepCheckpoints);
+    const json stored{{"kind", kKind}, {"elapsed", elapsed}, {"settings", settings(f)}, {"best", best.to_json()}};
+    return dir.write_checkpoint(epoch, stored.dump(), *model, &optimizer);
   };
 
   const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);
@@ -316,7 +304,7 @@ void run(NodeFlags f, CLI::App* cmd) {
         rec["sac_reward"] = interval_reward / static_cast<double>(interval_steps);
         rec["sac_baseline"] = interval_baseline / static_cast<double>(interval_steps);
       }
-      metrics.append(rec.dump());
+      metrics->append(rec.dump());
       const auto path = save(epoch, elapsed);
       const double session_seconds = steady_seconds() - session_start;
       const double eta = session_seconds / static_cast<double>(epoch - start_epoch) *
@@ -355,7 +343,7 @@ void run(NodeFlags f, CLI::App* cmd) {
               {"train_seconds", elapsed},
               {"seconds_per_epoch", epoch > 0 ? elapsed / static_cast<double>(epoch) : 0.0},
               {"session", session_record(resumed_from, "start_epoch", start_epoch, wall_start, load_start)}};
-  const auto result_path = (out / "result.json").string();
+  const auto result_path = (fs::path(f.out) / "result.json").string();
   train::write_file_atomically(result_path, result.dump(2) + "\n");
   std::printf("%s after %lld epochs%s: best valid accuracy %.4f at epoch %lld, test accuracy there %.4f; %s\n",
               kCommand, static_cast<long long>(epoch), early_stop ? " (early stop)" : "", best.valid_accuracy,

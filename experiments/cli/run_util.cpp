@@ -1,11 +1,7 @@
 #include "run_util.h"
 
 #include <attnkit/runtime.h>
-#include <attnkit/train/checkpoint.h>
-#include <attnkit/train/run_directory.h>
 #include <c10/util/Exception.h>
-
-#include <filesystem>
 
 namespace attnkit::cli {
 
@@ -29,19 +25,6 @@ nlohmann::json session_record(const std::string& resumed_from, const char* start
           {"loadavg_end", loadavg_line()},
           {"finished_utc", utc_now()},
           {"threads", attnkit::num_threads()}};
-}
-
-std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,
-                                const nlohmann::json& settings, const nlohmann::json& extra,
-                                torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep) {
-  nlohmann::json header = extra;
-  header["kind"] = kind;
-  header["elapsed"] = elapsed;
-  header["settings"] = settings;
-  const auto path = (std::filesystem::path(out) / train::checkpoint_name(step)).string();
-  train::write_checkpoint_file(path, train::make_checkpoint(step, header.dump(), model, &optimizer));
-  train::prune_checkpoints(out, keep);
-  return path;
 }
 
 }  // namespace attnkit::cli

@@ -1,16 +1,13 @@
 // What the training subcommands with run directories of their own (`cloze`,
-// `node-classify`) share: the clocks and machine load they record, and the
-// rule for --resume (flags not given come from the checkpoint, flags given
-// must match it).
+// `node-classify`) share besides train::RunDirectory: the clocks and machine
+// load they record, and the rule for --resume (flags not given come from the
+// checkpoint, flags given must match it).
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <attnkit/train/clock.h>
 #include <nlohmann/json.hpp>
-#include <torch/nn/module.h>
-#include <torch/optim/optimizer.h>
 
-#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -34,15 +31,5 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
 /// at its start and now, the UTC time and the thread count.
 nlohmann::json session_record(const std::string& resumed_from, const char* start_key, int64_t start,
                               double wall_start, const std::string& load_start);
-
-/// Writes RUN/checkpoint-<step>.ckpt (train/run_directory.h's make_checkpoint)
-/// for a run in directory `out`: the header holds `kind` (what wrote it),
-/// `step`, `elapsed` (training seconds so far), `settings`, the description of
-/// the stored tensors and every member of `extra`; the payload the model's and
-/// the optimiser's state and the generator's. Keeps the newest `keep`
-/// checkpoints; returns the path written.
-std::string save_run_checkpoint(const std::string& out, const std::string& kind, int64_t step, double elapsed,
-                                const nlohmann::json& settings, const nlohmann::json& extra,
-                                torch::nn::Module& model, torch::optim::Optimizer& optimizer, std::size_t keep);
 
 }  // namespace attnkit::cli

@@ -3,7 +3,6 @@
 // candidates are the paragraph's possible answers), determinism in (seed,
 // index), batches as stacks of examples, the baselines on hand-made examples,
 // and the refusals.
-#include "tasks/cloze.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "tasks/cloze.h"
 #include "test_util.h"
 
 using attnkit::experiments::ClozeExample;

@@ -6,7 +6,6 @@
 // against a std::set union); gradients reach every network parameter, and
 // sac_reinforce reaches the predictor's; validate() and forward() refusals;
 // a one-node graph.
-#include "models/graph_attention.h"
 #include <attnkit/nn/sac.h>
 #include <attnkit/tasks/task.h>
 #include <attnkit/train/trainer.h>
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "models/graph_attention.h"
 #include "test_util.h"
 
 namespace attnkit::experiments {

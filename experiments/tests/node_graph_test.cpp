@@ -3,7 +3,6 @@
 // (features, labels, split, the attention edges with both directions and
 // self-edges), NodeGraph::mask and batch, and every malformed input is refused
 // with an error naming the file, the line and the problem.
-#include "tasks/node_graph.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +14,7 @@
 
 #include <unistd.h>
 
+#include "tasks/node_graph.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;

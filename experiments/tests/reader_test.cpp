@@ -4,12 +4,12 @@
 // C = sum f f^T built by hand, none = the final state; the reader's scores and
 // its refusals.
 #include <attnkit/document_memory.h>
-#include "models/reader.h"
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 
+#include "models/reader.h"
 #include "test_util.h"
 
 using attnkit::experiments::linear_readout;

@@ -1,3 +1,5 @@
+// One file, long on purpose: the forward (whole rows, or keys split for few queries)
+// and the backward share the tile, masking and bias helpers, which no other file uses.
 #include "kernels/softmax_attention.h"
 
 #include <omp.h>

@@ -1,3 +1,5 @@
+// One file, long on purpose: the forward and backward share the block scheduling,
+// the band register kernels and the per-edge gather paths, which no other file uses.
 #include "kernels/sparse_attention.h"
 
 #include <algorithm>

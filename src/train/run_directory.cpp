@@ -119,8 +119,8 @@ RunDirectory::RunDirectory(std::string path, std::string resumed_from, int64_t s
   const auto checkpoints = list_checkpoints(path_);
   const std::string newest = checkpoints.empty() ? "" : checkpoints[0].path;
   if (newest != resumed_from_)
-    throw std::runtime_error("the checkpoints of '" + path_ + "' changed since this Trainer was built (newest now: '" +
-                             newest + "'); build the Trainer again");
+    throw std::runtime_error("the checkpoints of '" + path_ + "' changed since the run was opened (newest now: '" +
+                             newest + "'); open it again (a Trainer: build it again)");
   // write_file_atomically's temporary files of checkpoint writes a crash interrupted.
   static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
   for (const auto& entry : fs::directory_iterator(path_))

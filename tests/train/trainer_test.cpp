@@ -444,6 +444,6 @@ TEST(TrainTrainer, RunDirectoryIsLockedAndRechecked) {
 
   Trainer late(tiny_run(dir).steps(2), tiny_decoder(), char_lm());
   Trainer(tiny_run(dir).steps(2), tiny_decoder(), char_lm()).run();  // another run got there first
-  EXPECT_NE(error_of([&] { late.run(); }).find("changed since this Trainer was built"), std::string::npos);
+  EXPECT_NE(error_of([&] { late.run(); }).find("changed since the run was opened"), std::string::npos);
   EXPECT_EQ(list_checkpoints(dir).size(), 1u);
 }

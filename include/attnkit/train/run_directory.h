@@ -6,7 +6,7 @@
 // (train/checkpoint.h's container, a JSON header with at least "step" and
 // "tensors"); what else a header holds belongs to the program that wrote it
 // (`attnkit train`'s: src/train/stored_run.h; the "kind"-tagged ones of
-// `attnkit cloze` and `node-classify`: theirs).
+// `attnkit-experiments cloze` and `node-classify`: theirs).
 //
 //   auto resumed = open_or_resume(out, resume);  // reads, writes nothing
 //   if (resumed) resumed->restore(*model, &optimizer, /*restore_generator=*/true);
