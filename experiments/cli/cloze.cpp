@@ -14,6 +14,7 @@
 // uninterrupted one would have seen.
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/clock.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
@@ -138,8 +139,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
     attnkit::set_num_threads(f.threads);
     at::set_num_threads(f.threads);
   }
-  const std::string load_start = loadavg_line();
-  const double wall_start = steady_seconds();
+  const std::string load_start = train::loadavg_line();
+  const double wall_start = train::steady_seconds();
 
   experiments::ClozeTask task(f.data, experiments::ClozeOptions()
                                     .paragraph(f.paragraph)
@@ -190,7 +191,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
 
   train::StopSignalGuard signals;
   train::clear_stop();
-  double session_start = steady_seconds();
+  double session_start = train::steady_seconds();
   double interval_loss = 0, interval_correct = 0;
   int64_t interval_examples = 0;
   int64_t step = start_step;
@@ -209,7 +210,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
     interval_examples += f.batch;
     const bool stop = train::stop_requested();
     if (step % f.eval_every == 0 || step == f.steps || stop) {
-      const double elapsed = elapsed_before + (steady_seconds() - session_start);
+      const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
       last_valid = evaluate(model, valid_batches);
       json rec{{"step", step},
                {"loss", interval_loss / static_cast<double>(interval_examples)},
@@ -220,7 +221,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
       metrics->append(rec.dump());
       const auto path = save(step, elapsed);
       // ETA from this session's speed (a resumed run's earlier sessions may have run elsewhere).
-      const double session_seconds = steady_seconds() - session_start;
+      const double session_seconds = train::steady_seconds() - session_start;
       const double eta = session_seconds / static_cast<double>(step - start_step) *
                          static_cast<double>(f.steps - step);
       std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s  ETA %s\n",
@@ -240,7 +241,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
       }
     }
   }
-  const double elapsed = elapsed_before + (steady_seconds() - session_start);
+  const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
 
   // The end: test accuracy and the baselines on the same examples.
   const auto test_examples = task.eval_examples(tasks::Split::test, f.test_examples);

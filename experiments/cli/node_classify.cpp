@@ -21,6 +21,7 @@
 // --eval-every).
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
+#include <attnkit/train/clock.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
@@ -193,8 +194,8 @@ void run(NodeFlags f, CLI::App* cmd) {
     attnkit::set_num_threads(f.threads);
     at::set_num_threads(f.threads);
   }
-  const std::string load_start = loadavg_line();
-  const double wall_start = steady_seconds();
+  const std::string load_start = train::loadavg_line();
+  const double wall_start = train::steady_seconds();
 
   const auto graph = experiments::load_node_graph(f.data);
   const auto options = experiments::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
@@ -251,7 +252,7 @@ void run(NodeFlags f, CLI::App* cmd) {
   const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);
   train::StopSignalGuard signals;
   train::clear_stop();
-  const double session_start = steady_seconds();
+  const double session_start = train::steady_seconds();
   int64_t epoch = start_epoch;
   bool early_stop = epoch - best.epoch >= f.patience && best.valid_accuracy >= 0;
   tasks::Metrics interval;
@@ -289,7 +290,7 @@ void run(NodeFlags f, CLI::App* cmd) {
         best.structure = e.structure;
       }
       early_stop = epoch - best.epoch >= f.patience;
-      const double elapsed = elapsed_before + (steady_seconds() - session_start);
+      const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
       json rec{{"step", epoch},
                {"loss", interval.loss()},
                {"accuracy", interval.accuracy()},
@@ -306,7 +307,7 @@ void run(NodeFlags f, CLI::App* cmd) {
       }
       metrics->append(rec.dump());
       const auto path = save(epoch, elapsed);
-      const double session_seconds = steady_seconds() - session_start;
+      const double session_seconds = train::steady_seconds() - session_start;
       const double eta = session_seconds / static_cast<double>(epoch - start_epoch) *
                          static_cast<double>(f.epochs - epoch);
       std::printf("epoch %lld/%lld  loss %.4f  train acc %.4f  valid loss %.4f  valid acc %.4f  edges/node %.2f  "
@@ -327,7 +328,7 @@ void run(NodeFlags f, CLI::App* cmd) {
       }
     }
   }
-  const double elapsed = elapsed_before + (steady_seconds() - session_start);
+  const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
   const auto input = summarize(graph.edges, graph.labels);
   json result{{"attention", f.attention},
               {"seed", f.seed},

@@ -1,6 +1,7 @@
 #include "run_util.h"
 
 #include <attnkit/runtime.h>
+#include <attnkit/train/clock.h>
 #include <c10/util/Exception.h>
 
 namespace attnkit::cli {
@@ -20,10 +21,10 @@ nlohmann::json session_record(const std::string& resumed_from, const char* start
                               double wall_start, const std::string& load_start) {
   return {{"resumed_from", resumed_from.empty() ? nlohmann::json(nullptr) : nlohmann::json(resumed_from)},
           {start_key, start},
-          {"wall_seconds", steady_seconds() - wall_start},
+          {"wall_seconds", train::steady_seconds() - wall_start},
           {"loadavg_start", load_start},
-          {"loadavg_end", loadavg_line()},
-          {"finished_utc", utc_now()},
+          {"loadavg_end", train::loadavg_line()},
+          {"finished_utc", train::utc_now()},
           {"threads", attnkit::num_threads()}};
 }
 

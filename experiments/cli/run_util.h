@@ -1,22 +1,16 @@
 // What the training subcommands with run directories of their own (`cloze`,
-// `node-classify`) share besides train::RunDirectory: the clocks and machine
-// load they record, and the rule for --resume (flags not given come from the
-// checkpoint, flags given must match it).
+// `node-classify`) share besides train::RunDirectory and train/clock.h: the
+// session record of their result.json and the rule for --resume (flags not
+// given come from the checkpoint, flags given must match it).
 #pragma once
 
 #include <CLI/CLI.hpp>
-#include <attnkit/train/clock.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <string>
 
 namespace attnkit::cli {
-
-/// The clocks and the load a run records: train/clock.h's.
-using train::loadavg_line;
-using train::steady_seconds;
-using train::utc_now;
 
 /// --resume's rule for a run's settings (keys: flag names without "--", '_'
 /// for '-'): every flag given on `cmd` must equal the checkpoint's value of
