@@ -155,6 +155,27 @@ Bridged score_attention(Holder m, const char* kind) {
 
 using Factory = std::function<Bridged(Settings&)>;
 
+/// Module settings written before the naming pass (attnkit 0.1.0: pickled
+/// modules, saved settings) name the width `embed_dim` or `d_model` and the
+/// heads `num_heads`: the one place that reads those names, as the current ones.
+json with_current_names(const std::string& kind, json settings) {
+  static const std::map<std::string, std::vector<std::pair<const char*, const char*>>> renamed = {
+      {"MultiheadAttention", {{"embed_dim", "width"}, {"num_heads", "heads"}}},
+      {"RelativePositionAttention", {{"embed_dim", "width"}, {"num_heads", "heads"}}},
+      {"SinusoidalPositionalEncoding", {{"d_model", "width"}}},
+      {"AgglomerativeAttention", {{"embed_dim", "width"}}},
+  };
+  const auto it = renamed.find(kind);
+  if (it == renamed.end()) return settings;
+  for (const auto& [old_name, name] : it->second) {
+    if (!settings.contains(old_name)) continue;
+    TORCH_CHECK(!settings.contains(name), kind, ": give '", name, "' or its old name '", old_name, "', not both");
+    settings[name] = settings[old_name];
+    settings.erase(old_name);
+  }
+  return settings;
+}
+
 const std::map<std::string, Factory>& factories() {
   static const std::map<std::string, Factory> table = {
       {"Linear",
@@ -169,7 +190,7 @@ const std::map<std::string, Factory>& factories() {
       {"MultiheadAttention",
        [](Settings& s) {
          nn::MultiheadAttention m(
-             nn::MultiheadAttentionOptions(s.require<int64_t>("embed_dim"), s.require<int64_t>("num_heads"))
+             nn::MultiheadAttentionOptions(s.require<int64_t>("width"), s.require<int64_t>("heads"))
                  .bias(s.get<bool>("bias", true))
                  .attention(s.get<std::string>("attention", "full")));
          Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
@@ -183,8 +204,8 @@ const std::map<std::string, Factory>& factories() {
                                required(in, 2, what, "value"), input(in, 3), a.get<bool>("causal", false))};
                    }, nullptr};
          b.settings = [m] {
-           return json{{"embed_dim", m->options.embed_dim()},
-                       {"num_heads", m->options.heads()},
+           return json{{"width", m->options.width()},
+                       {"heads", m->options.heads()},
                        {"bias", m->options.bias()},
                        {"attention", m->options.attention()}}
                .dump();
@@ -232,7 +253,7 @@ const std::map<std::string, Factory>& factories() {
       {"RelativePositionAttention",
        [](Settings& s) {
          nn::RelativePositionAttention m(nn::RelativePositionAttentionOptions(
-             s.require<int64_t>("embed_dim"), s.require<int64_t>("num_heads"), s.require<int64_t>("max_relative")));
+             s.require<int64_t>("width"), s.require<int64_t>("heads"), s.require<int64_t>("max_relative")));
          return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
                           expect_method("RelativePositionAttention", method, {"forward"});
                           return {m(required(in, 0, "RelativePositionAttention", "x"), input(in, 1),
@@ -242,7 +263,7 @@ const std::map<std::string, Factory>& factories() {
       {"SinusoidalPositionalEncoding",
        [](Settings& s) {
          nn::SinusoidalPositionalEncoding m(nn::SinusoidalPositionalEncodingOptions(
-             s.require<int64_t>("d_model"), s.get<int64_t>("max_length", 8192)));
+             s.require<int64_t>("width"), s.get<int64_t>("max_length", 8192)));
          return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
                           expect_method("SinusoidalPositionalEncoding", method, {"forward"});
                           return {m(required(in, 0, "SinusoidalPositionalEncoding", "x"), a.get<int64_t>("offset", 0))};
@@ -251,7 +272,7 @@ const std::map<std::string, Factory>& factories() {
       {"AgglomerativeAttention",
        [](Settings& s) {
          nn::AgglomerativeAttention m(
-             nn::AgglomerativeAttentionOptions(s.require<int64_t>("embed_dim"), s.require<int64_t>("classes"))
+             nn::AgglomerativeAttentionOptions(s.require<int64_t>("width"), s.require<int64_t>("classes"))
                  .dropout(s.get<double>("dropout", 0.0)));
          return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
                           expect_method("AgglomerativeAttention", method, {"forward"});
@@ -313,7 +334,7 @@ class Module : public torch::CustomClassHolder {
       for (const auto& k : kinds()) list += (list.empty() ? "" : ", ") + k;
       TORCH_CHECK(false, "attnkit.Module: unknown kind '", kind, "' (known: ", list, ")");
     }
-    Settings s(parse_object(settings, kind + " settings"), kind);
+    Settings s(with_current_names(kind, parse_object(settings, kind + " settings")), kind);
     bridged_ = it->second(s);
     s.done();
     if (!bridged_.settings) {

@@ -35,8 +35,8 @@ AgglomerativeAttentionImpl::AgglomerativeAttentionImpl(const AgglomerativeAttent
 }
 
 void AgglomerativeAttentionImpl::reset() {
-  const int64_t d = options.d_model(), m = options.classes();
-  TORCH_CHECK(d > 0 && m > 0 && d % m == 0, kModule, ": d_model (", d,
+  const int64_t d = options.width(), m = options.classes();
+  TORCH_CHECK(d > 0 && m > 0 && d % m == 0, kModule, ": width (", d,
               ") must be a positive multiple of classes (", m, ")");
   TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, kModule,
               ": option 'dropout' must be in [0, 1), got ", options.dropout());
@@ -57,10 +57,10 @@ torch::Tensor AgglomerativeAttentionImpl::dropout(const torch::Tensor& p) {
 
 torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
                                                   const torch::Tensor& x_ref, bool causal) {
-  const int64_t d = options.d_model(), m = options.classes();
+  const int64_t d = options.width(), m = options.classes();
   auto check_input = [&](const char* name, const torch::Tensor& x) {
     detail::check_float_tensor(kModule, name, x, 3);
-    detail::check_dim(kModule, name, x, 2, d, "feature size d_model");
+    detail::check_dim(kModule, name, x, 2, d, "feature size (the width)");
     TORCH_CHECK(x.scalar_type() == P.scalar_type(), kModule, ": argument '", name, "' has dtype ",
                 x.scalar_type(), " but the parameters have dtype ", P.scalar_type());
   };
@@ -84,9 +84,9 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
 }
 
 torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, AgglomerativeState& state) {
-  const int64_t d = options.d_model(), m = options.classes();
+  const int64_t d = options.width(), m = options.classes();
   detail::check_float_tensor(kModule, "x_t", x_t, 2);
-  detail::check_dim(kModule, "x_t", x_t, 1, d, "feature size d_model");
+  detail::check_dim(kModule, "x_t", x_t, 1, d, "feature size (the width)");
   TORCH_CHECK(x_t.scalar_type() == P.scalar_type(), kModule, ": argument 'x_t' has dtype ",
               x_t.scalar_type(), " but the parameters have dtype ", P.scalar_type());
   const int64_t N = x_t.size(0);

@@ -37,7 +37,7 @@ std::string to_string(EdgePredictorVariant variant) {
 // Everything a decoding pass needs about G graphs of n nodes (G = 1 except in
 // sample_batch).
 struct EdgePredictorImpl::Context {
-  torch::Tensor nodes;            // (G n, node_dim): graph g's nodes are rows g n .. g n + n - 1
+  torch::Tensor nodes;            // (G n, width): graph g's nodes are rows g n .. g n + n - 1
   torch::Tensor w;                // (G, n, hidden): pointer vectors W x_i
   std::vector<int64_t> distance;  // n x n clipped distances (empty: no encoding)
   int64_t n = 0, graphs = 1;
@@ -53,7 +53,7 @@ int64_t EdgePredictorImpl::sequences() const {
 
 void EdgePredictorImpl::reset() {
   const auto& o = options;
-  TORCH_CHECK(o.node_dim() > 0, kModule, ": node_dim must be positive, got ", o.node_dim());
+  TORCH_CHECK(o.width() > 0, kModule, ": width must be positive, got ", o.width());
   TORCH_CHECK(o.hidden_size() > 0, kModule, ": hidden_size must be positive, got ", o.hidden_size());
   TORCH_CHECK(o.alpha() >= 1, kModule, ": alpha (edges per node) must be >= 1, got ", o.alpha());
   TORCH_CHECK(o.max_distance() >= 0, kModule, ": max_distance must be >= 0 (0 disables it), got ",
@@ -64,13 +64,13 @@ void EdgePredictorImpl::reset() {
     TORCH_CHECK(o.head_embedding_dim() >= 1, kModule,
                 ": head_embedding_dim must be >= 1 for head-adaptive, got ", o.head_embedding_dim());
   }
-  const int64_t input = o.node_dim() + (adaptive ? o.head_embedding_dim() : 0);
+  const int64_t input = o.width() + (adaptive ? o.head_embedding_dim() : 0);
   lstm = register_module("lstm", torch::nn::LSTMCell(input, o.hidden_size()));
   start = register_parameter("start",
-                             torch::randn({o.node_dim()}) / std::sqrt(double(o.node_dim())));
-  const double bound = 1.0 / std::sqrt(double(o.node_dim()));
+                             torch::randn({o.width()}) / std::sqrt(double(o.width())));
+  const double bound = 1.0 / std::sqrt(double(o.width()));
   pointer = register_parameter(
-      "pointer", torch::empty({o.hidden_size(), o.node_dim()}).uniform_(-bound, bound));
+      "pointer", torch::empty({o.hidden_size(), o.width()}).uniform_(-bound, bound));
   if (adaptive) {
     head_embedding = register_parameter(
         "head_embedding",
@@ -88,15 +88,15 @@ EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes
                                                       const torch::Tensor& distances,
                                                       const char* op, bool batched) const {
   const int64_t dims = batched ? 3 : 2;
-  const char* layout = batched ? "(B, n, node_dim)" : "(n, node_dim)";
+  const char* layout = batched ? "(B, n, width)" : "(n, width)";
   TORCH_CHECK(nodes.defined() && nodes.dim() == dims, kModule, ".", op, ": argument 'nodes' must be ",
               dims, "-D ", layout, ", got ",
               nodes.defined() ? std::to_string(nodes.dim()) + "-D" : std::string("undefined"));
   const auto x = batched ? nodes : nodes.unsqueeze(0);
   TORCH_CHECK(x.size(0) >= 1, kModule, ".", op, ": argument 'nodes' must hold at least one graph");
   TORCH_CHECK(x.size(1) >= 1, kModule, ".", op, ": argument 'nodes' must have at least one node");
-  TORCH_CHECK(x.size(2) == options.node_dim(), kModule, ".", op,
-              ": argument 'nodes' must have node_dim = ", options.node_dim(), " columns, got ",
+  TORCH_CHECK(x.size(2) == options.width(), kModule, ".", op,
+              ": argument 'nodes' must have width = ", options.width(), " columns, got ",
               x.size(2));
   TORCH_CHECK(nodes.scalar_type() == pointer.scalar_type(), kModule, ".", op,
               ": argument 'nodes' has dtype ", nodes.scalar_type(), ", the parameters ",
@@ -104,7 +104,7 @@ EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes
   Context ctx;
   ctx.graphs = x.size(0);
   ctx.n = x.size(1);
-  ctx.nodes = x.reshape({ctx.graphs * ctx.n, options.node_dim()});
+  ctx.nodes = x.reshape({ctx.graphs * ctx.n, options.width()});
   ctx.w = attnkit::linear(x, pointer);
   if (options.max_distance() > 0) {
     const int64_t n = ctx.n;
@@ -137,7 +137,7 @@ torch::Tensor EdgePredictorImpl::step_input(const Context& ctx, int64_t head, in
   const int64_t B = static_cast<int64_t>(previous.size());
   torch::Tensor x;
   if (t == 0) {
-    x = start.unsqueeze(0).expand({B, options.node_dim()});
+    x = start.unsqueeze(0).expand({B, options.width()});
   } else {
     // Row b reads graph b's chosen node, or the one graph's (beam search).
     std::vector<int64_t> rows(previous);
@@ -308,9 +308,9 @@ torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torc
   return torch::stack(picks).sum();
 }
 
-EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t width,
+EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t beam,
                                           const torch::Tensor& distances) {
-  TORCH_CHECK(width >= 1, kModule, ".beam_search: argument 'width' must be >= 1, got ", width);
+  TORCH_CHECK(beam >= 1, kModule, ".beam_search: argument 'beam' (the beam width) must be >= 1, got ", beam);
   torch::NoGradGuard no_grad;
   const auto ctx = context(nodes, distances, "beam_search");
   const int64_t S = sequences(), T = steps(ctx.n), n = ctx.n;
@@ -341,7 +341,7 @@ EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t wi
       std::vector<int64_t> order(B * n);
       for (int64_t i = 0; i < B * n; ++i) order[i] = i;
       auto score = [&](int64_t i) { return beams[i / n].score + lp[i]; };
-      const int64_t keep = std::min<int64_t>(width, B * n);
+      const int64_t keep = std::min<int64_t>(beam, B * n);
       std::partial_sort(order.begin(), order.begin() + keep, order.end(),
                         [&](int64_t a, int64_t b) {
                           const double sa = score(a), sb = score(b);

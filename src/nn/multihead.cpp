@@ -11,8 +11,8 @@ MultiheadAttentionImpl::MultiheadAttentionImpl(const MultiheadAttentionOptions& 
 }
 
 void MultiheadAttentionImpl::reset() {
-  const int64_t d = options.embed_dim(), h = options.heads();
-  TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "MultiheadAttention: embed_dim (", d,
+  const int64_t d = options.width(), h = options.heads();
+  TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "MultiheadAttention: width (", d,
               ") must be a positive multiple of heads (", h, ")");
   auto linear = [&] { return Linear(torch::nn::LinearOptions(d, d).bias(options.bias())); };
   q_proj = register_module("q_proj", linear());
@@ -40,7 +40,7 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
                                               const torch::Tensor& value,
                                               const torch::Tensor& key_lengths, bool causal) {
   constexpr const char* module = "MultiheadAttention";
-  const int64_t d = options.embed_dim(), H = options.heads(), dh = d / H;
+  const int64_t d = options.width(), H = options.heads(), dh = d / H;
   detail::check_float_tensor(module, "query", query, 3);
   detail::check_float_tensor(module, "key", key, 3);
   detail::check_float_tensor(module, "value", value, 3);

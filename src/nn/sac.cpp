@@ -32,8 +32,8 @@ SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
   return o;
 }
 
-EdgePredictorOptions SacOptions::predictor(int64_t node_dim, int64_t heads) const {
-  return EdgePredictorOptions(node_dim, hidden)
+EdgePredictorOptions SacOptions::predictor(int64_t width, int64_t heads) const {
+  return EdgePredictorOptions(width, hidden)
       .alpha(alpha)
       .variant(variant)
       .heads(heads)

@@ -147,8 +147,8 @@ SinusoidalPositionalEncodingImpl::SinusoidalPositionalEncodingImpl(
 }
 
 void SinusoidalPositionalEncodingImpl::reset() {
-  const int64_t d = options.d_model(), T = options.max_length();
-  TORCH_CHECK(d > 0 && T > 0, "SinusoidalPositionalEncoding: d_model and max_length must be positive");
+  const int64_t d = options.width(), T = options.max_length();
+  TORCH_CHECK(d > 0 && T > 0, "SinusoidalPositionalEncoding: width and max_length must be positive");
   auto position = torch::arange(T, torch::kDouble).unsqueeze(1);           // (T, 1)
   auto two_i = torch::arange(0, d, 2, torch::kDouble);                     // 2i
   auto angle = position / torch::pow(10000.0, two_i / double(d));         // (T, ceil(d/2))
@@ -168,7 +168,7 @@ torch::Tensor SinusoidalPositionalEncodingImpl::encoding(int64_t L, int64_t offs
 
 torch::Tensor SinusoidalPositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset) {
   detail::check_float_tensor("SinusoidalPositionalEncoding", "x", x, 3);
-  detail::check_dim("SinusoidalPositionalEncoding", "x", x, 2, options.d_model(), "feature size");
+  detail::check_dim("SinusoidalPositionalEncoding", "x", x, 2, options.width(), "feature size");
   return x + encoding(x.size(1), offset).to(x.scalar_type());
 }
 
@@ -180,8 +180,8 @@ RelativePositionAttentionImpl::RelativePositionAttentionImpl(
 }
 
 void RelativePositionAttentionImpl::reset() {
-  const int64_t d = options.d_model(), h = options.heads(), K = options.max_relative();
-  TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "RelativePositionAttention: d_model (", d,
+  const int64_t d = options.width(), h = options.heads(), K = options.max_relative();
+  TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "RelativePositionAttention: width (", d,
               ") must be a positive multiple of heads (", h, ")");
   TORCH_CHECK(K >= 0, "RelativePositionAttention: max_relative must be >= 0, got ", K);
   q_proj = register_module("q_proj", Linear(d, d));
@@ -199,9 +199,9 @@ torch::Tensor RelativePositionAttentionImpl::forward(const torch::Tensor& x,
   constexpr const char* module = "RelativePositionAttention";
   detail::check_float_tensor(module, "x", x, 3);
   detail::check_parameter_dtype(module, "x", x, wK);
-  detail::check_dim(module, "x", x, 2, options.d_model(), "feature size");
+  detail::check_dim(module, "x", x, 2, options.width(), "feature size");
   const int64_t N = x.size(0), L = x.size(1), H = options.heads(), K = options.max_relative();
-  const int64_t dz = options.d_model() / H;
+  const int64_t dz = options.width() / H;
   detail::check_lengths(module, "key_lengths", key_lengths, N, L);
   auto split = [&](const torch::Tensor& t) { return t.view({N, L, H, dz}).transpose(1, 2); };
   auto q = split(q_proj(x)), k = split(k_proj(x)), v = split(v_proj(x));  // (N,H,L,dz)
@@ -216,7 +216,7 @@ torch::Tensor RelativePositionAttentionImpl::forward(const torch::Tensor& x,
   // sum_j alpha_ij wV[bucket_ij] = (alpha summed per bucket) @ wV.
   auto per_bucket = torch::zeros({N, H, L, 2 * K + 1}, alpha.options()).scatter_add(3, bucket4, alpha);
   auto z = torch::matmul(alpha, v) + torch::matmul(per_bucket, wV);  // (N,H,L,dz)
-  return out_proj(z.transpose(1, 2).reshape({N, L, options.d_model()}));
+  return out_proj(z.transpose(1, 2).reshape({N, L, options.width()}));
 }
 
 }  // namespace attnkit::nn

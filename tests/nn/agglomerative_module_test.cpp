@@ -47,7 +47,7 @@ AgglomerativeAttention make_layer(int64_t d, int64_t m, torch::Dtype dtype, uint
 /// independent of the op and its reference.
 torch::Tensor spec_layer(AgglomerativeAttention& layer, const torch::Tensor& xq,
                          const torch::Tensor& xr, bool causal) {
-  const int64_t d = layer->options.d_model(), m = layer->options.classes(), w = d / m;
+  const int64_t d = layer->options.width(), m = layer->options.classes(), w = d / m;
   const int64_t N = xq.size(0), L = xq.size(1), S = xr.size(1);
   auto cq = torch::softmax(xq.matmul(layer->W_q) + layer->b_q, -1);  // (N, L, m)
   auto cr = torch::softmax(xr.matmul(layer->W_r) + layer->b_r, -1);  // (N, S, m)
@@ -224,7 +224,7 @@ TEST(AgglomerativeModule, RejectsBadInputs) {
   expect_error([&] { layer->forward(x.to(torch::kDouble)); },
                {"AgglomerativeAttention", "x_query", "Double", "Float"});
   expect_error([] { AgglomerativeAttention(AgglomerativeAttentionOptions(10, 3)); },
-               {"AgglomerativeAttention", "d_model (10)", "classes (3)"});
+               {"AgglomerativeAttention", "width (10)", "classes (3)"});
   expect_error([] { AgglomerativeAttention(AgglomerativeAttentionOptions(8, 2).dropout(1.0)); },
                {"AgglomerativeAttention", "dropout", "[0, 1)"});
   AgglomerativeState state;

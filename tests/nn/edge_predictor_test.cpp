@@ -410,15 +410,15 @@ TEST(EdgePredictor, ReinforceGradientOfThePredictorMatchesFiniteDifferences) {
 
 TEST(EdgePredictor, Errors) {
   expect_error([] { EdgePredictor(EdgePredictorOptions(3, 5).alpha(0)); }, {"EdgePredictor", "alpha", "got 0"});
-  expect_error([] { EdgePredictor(EdgePredictorOptions(0, 5)); }, {"EdgePredictor", "node_dim"});
+  expect_error([] { EdgePredictor(EdgePredictorOptions(0, 5)); }, {"EdgePredictor", "width"});
   expect_error([] { EdgePredictor(EdgePredictorOptions(3, 5).max_distance(-1)); }, {"max_distance", "-1"});
   expect_error([] { edge_predictor_variant_from_string("dense"); }, {"shared", "head-adaptive", "'dense'"});
   EXPECT_EQ(edge_predictor_variant_from_string("all-connected"), EdgePredictorVariant::all_connected);
   auto p = make(EdgePredictorOptions(3, 5).max_distance(2));
-  expect_error([&] { p->sample(torch::randn({4, 2}, f64())); }, {"EdgePredictor.sample", "nodes", "node_dim = 3", "got 2"});
+  expect_error([&] { p->sample(torch::randn({4, 2}, f64())); }, {"EdgePredictor.sample", "nodes", "width = 3", "got 2"});
   expect_error([&] { p->sample(torch::randn({4, 3})); }, {"EdgePredictor.sample", "dtype", "Float"});
   expect_error([&] { p->sample(torch::randn({3}, f64())); }, {"nodes", "2-D", "1-D"});
-  expect_error([&] { p->beam_search(torch::randn({4, 3}, f64()), 0); }, {"beam_search", "width", "got 0"});
+  expect_error([&] { p->beam_search(torch::randn({4, 3}, f64()), 0); }, {"beam_search", "beam", "got 0"});
   expect_error([&] { p->sample(torch::randn({4, 3}, f64()), c10::nullopt, torch::zeros({4, 3}, torch::kInt64)); },
                {"distances", "(4, 4)"});
   expect_error([&] { p->sample(torch::randn({4, 3}, f64()), c10::nullopt, -torch::ones({4, 4}, torch::kInt64)); },

@@ -43,7 +43,7 @@ torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, c
                             const torch::Tensor& value, const std::vector<int64_t>& lengths, bool causal) {
   torch::NoGradGuard no_grad;
   const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
-  const int64_t D = m->options.embed_dim(), H = m->options.heads(), dh = D / H;
+  const int64_t D = m->options.width(), H = m->options.heads(), dh = D / H;
   auto proj = [](Linear& lin, const torch::Tensor& x) {
     auto y = torch::matmul(x, lin->weight.t());
     return lin->bias.defined() ? y + lin->bias : y;
@@ -380,7 +380,7 @@ TEST(MultiheadTest, AttendRejectsWrongRankForEveryMechanism) {
 
 TEST(MultiheadTest, RejectsBadInput) {
   expect_error([] { MultiheadAttention(MultiheadAttentionOptions(6, 4)); },
-               {"MultiheadAttention", "embed_dim (6)", "heads (4)"});
+               {"MultiheadAttention", "width (6)", "heads (4)"});
   expect_error([] { MultiheadAttention(MultiheadAttentionOptions(4, 0)); }, {"MultiheadAttention", "heads (0)"});
   MultiheadAttention m(MultiheadAttentionOptions(4, 2));
   auto x = torch::zeros({2, 3, 4});

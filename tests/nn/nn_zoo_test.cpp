@@ -335,7 +335,7 @@ double pe_formula(int64_t p, int64_t c, int64_t d) {
 
 TEST(NnZooTest, SinusoidalTableValues) {
   for (int64_t d : {4, 5, 1}) {
-    SCOPED_TRACE("d_model " + std::to_string(d));
+    SCOPED_TRACE("width " + std::to_string(d));
     SinusoidalPositionalEncoding pe(SinusoidalPositionalEncodingOptions(d, 64));
     EXPECT_EQ(pe->table.sizes(), (std::vector<int64_t>{64, d}));
     for (int64_t p : {0, 1, 2, 7, 33, 63})
@@ -383,7 +383,7 @@ TEST(NnZooTest, SinusoidalErrors) {
   expect_error([&] { pe->forward(torch::zeros({1, 3, 5})); }, {"SinusoidalPositionalEncoding", "'x'", "feature size"});
   expect_error([&] { pe->forward(torch::zeros({3, 4})); }, {"SinusoidalPositionalEncoding", "'x'", "3 dimensions"});
   expect_error([] { SinusoidalPositionalEncoding(SinusoidalPositionalEncodingOptions(0)); },
-               {"SinusoidalPositionalEncoding", "d_model"});
+               {"SinusoidalPositionalEncoding", "width"});
 }
 
 // --- Relative positions (Shaw) ------------------------------------------------------------------
@@ -393,7 +393,7 @@ TEST(NnZooTest, SinusoidalErrors) {
 torch::Tensor shaw_loop(RelativePositionAttention& m, const torch::Tensor& x,
                         const std::vector<int64_t>& lengths, bool causal) {
   torch::NoGradGuard no_grad;
-  const int64_t N = x.size(0), L = x.size(1), d = m->options.d_model(), H = m->options.heads();
+  const int64_t N = x.size(0), L = x.size(1), d = m->options.width(), H = m->options.heads();
   const int64_t K = m->options.max_relative(), dz = d / H;
   auto proj = [&](Linear& lin) { return torch::matmul(x, lin->weight.t()) + lin->bias; };
   auto q = proj(m->q_proj), k = proj(m->k_proj), v = proj(m->v_proj);
@@ -619,7 +619,7 @@ TEST(NnZooTest, DotRejectsWrongQueryRank) {
 
 TEST(NnZooTest, RelativePositionRejectsBadInput) {
   expect_error([] { RelativePositionAttention(RelativePositionAttentionOptions(6, 4, 2)); },
-               {"RelativePositionAttention", "d_model (6)", "heads (4)"});
+               {"RelativePositionAttention", "width (6)", "heads (4)"});
   expect_error([] { RelativePositionAttention(RelativePositionAttentionOptions(4, 2, -1)); },
                {"RelativePositionAttention", "max_relative"});
   RelativePositionAttention m(RelativePositionAttentionOptions(4, 2, 1));

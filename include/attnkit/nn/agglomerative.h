@@ -21,10 +21,10 @@
 namespace attnkit::nn {
 
 struct AgglomerativeAttentionOptions {
-  AgglomerativeAttentionOptions(int64_t d_model, int64_t classes)
-      : d_model_(d_model), classes_(classes) {}
+  AgglomerativeAttentionOptions(int64_t width, int64_t classes)
+      : width_(width), classes_(classes) {}
   /// Model width d; a multiple of `classes`.
-  TORCH_ARG(int64_t, d_model);
+  TORCH_ARG(int64_t, width);
   /// Class count m (the paper uses 8).
   TORCH_ARG(int64_t, classes);
   /// Attention dropout: in training, each element of p is zeroed with this

@@ -4,8 +4,8 @@
 // (origin, destination) pair is an edge: the origin (a query row) attends to the
 // destination (a key column).
 //
-// For nodes x_1..x_n (rows of `nodes`, (n, node_dim)) the pointer vectors are
-// w_i = W x_i (W: hidden x node_dim, no bias). At step t the LSTM reads the
+// For nodes x_1..x_n (rows of `nodes`, (n, width)) the pointer vectors are
+// w_i = W x_i (W: hidden x width, no bias). At step t the LSTM reads the
 // representation of the node chosen at step t-1 (a learned start vector at
 // t = 0) and its output g_t scores the nodes:
 //   origin steps:       p(y_t = i) = softmax_i(g_t . w_i)
@@ -62,10 +62,10 @@ EdgePredictorVariant edge_predictor_variant_from_string(const std::string& name)
 std::string to_string(EdgePredictorVariant variant);
 
 struct EdgePredictorOptions {
-  EdgePredictorOptions(int64_t node_dim, int64_t hidden_size)
-      : node_dim_(node_dim), hidden_size_(hidden_size) {}
+  EdgePredictorOptions(int64_t width, int64_t hidden_size)
+      : width_(width), hidden_size_(hidden_size) {}
   /// Width of a node representation (the LSTM input, with the head embedding).
-  TORCH_ARG(int64_t, node_dim);
+  TORCH_ARG(int64_t, width);
   /// LSTM hidden size, also the width of the pointer vectors w_i.
   TORCH_ARG(int64_t, hidden_size);
   /// Edges per node on average (alpha >= 1): 2 alpha n steps per sequence.
@@ -122,10 +122,10 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
   explicit EdgePredictorImpl(const EdgePredictorOptions& options);
   /// Start vector, head embeddings and distance vectors normal with standard
   /// deviation 1/sqrt(their width),
-  /// W uniform(+-1/sqrt(node_dim)), the LSTM torch's default.
+  /// W uniform(+-1/sqrt(width)), the LSTM torch's default.
   void reset() override;
 
-  /// Samples a structure for `nodes` (n, node_dim), floating point of the
+  /// Samples a structure for `nodes` (n, width), floating point of the
   /// parameters' dtype. `distances` (optional, int64 (n, n), non-negative)
   /// replaces |i - j| in the distance encoding. Deterministic for a given
   /// generator state (unset: torch's default generator).
@@ -133,7 +133,7 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
                     c10::optional<at::Generator> generator = c10::nullopt,
                     const torch::Tensor& distances = {});
 
-  /// sample() for B graphs of n nodes at once, `nodes` (B, n, node_dim), one
+  /// sample() for B graphs of n nodes at once, `nodes` (B, n, width), one
   /// `distances` matrix for all: the B sequences advance together (one LSTM
   /// step of the whole batch per step), which is what makes the predictor
   /// affordable inside a model's training step. Deterministic for a given
@@ -142,7 +142,7 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
                                c10::optional<at::Generator> generator = c10::nullopt,
                                const torch::Tensor& distances = {});
 
-  /// `samples` independent structures for one graph `nodes` (n, node_dim):
+  /// `samples` independent structures for one graph `nodes` (n, width):
   /// sample_batch of `samples` copies of it, without the copies (the pointer
   /// scores of all rows are one product with the one graph's W x, so time and
   /// the memory kept for the backward pass grow with samples x n, not samples
@@ -160,11 +160,11 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
   /// The current baseline (0 before the first update).
   double baseline() const;
 
-  /// Beam search (the paper's test-time decoding, width 5) over whole
+  /// Beam search (the paper's test-time decoding, beam width 5) over whole
   /// sequences (all heads' for head_adaptive); returns the most probable
   /// surviving sequence. Ties are broken by beam order, then by the smaller
   /// node index, so the result is deterministic. No gradients.
-  EdgeSample beam_search(const torch::Tensor& nodes, int64_t width = 5,
+  EdgeSample beam_search(const torch::Tensor& nodes, int64_t beam = 5,
                          const torch::Tensor& distances = {});
 
   /// The summed log-probability of a given token sequence (the layout of
@@ -182,15 +182,15 @@ class EdgePredictorImpl : public torch::nn::Cloneable<EdgePredictorImpl> {
 
   EdgePredictorOptions options;
   torch::nn::LSTMCell lstm{nullptr};
-  torch::Tensor start;           // (node_dim)
-  torch::Tensor pointer;         // W: (hidden, node_dim)
+  torch::Tensor start;           // (width)
+  torch::Tensor pointer;         // W: (hidden, width)
   torch::Tensor head_embedding;  // (heads, head_embedding_dim), head_adaptive only
   torch::Tensor distance;        // (max_distance + 1, hidden), max_distance > 0 only
   torch::Tensor reward_baseline; // buffer, float64 (2): [b, updates]
 
  private:
   struct Context;
-  // `nodes` (n, node_dim), or (B, n, node_dim) when `batched`.
+  // `nodes` (n, width), or (B, n, width) when `batched`.
   Context context(const torch::Tensor& nodes, const torch::Tensor& distances, const char* op,
                   bool batched = false) const;
   // Log-probabilities (B, n) for B hidden states g and B current origins (used

@@ -16,9 +16,9 @@
 namespace attnkit::nn {
 
 struct MultiheadAttentionOptions {
-  MultiheadAttentionOptions(int64_t embed_dim, int64_t heads)
-      : embed_dim_(embed_dim), heads_(heads) {}
-  TORCH_ARG(int64_t, embed_dim);
+  MultiheadAttentionOptions(int64_t width, int64_t heads)
+      : width_(width), heads_(heads) {}
+  TORCH_ARG(int64_t, width);
   TORCH_ARG(int64_t, heads);
   TORCH_ARG(bool, bias) = true;
   /// The mechanism behind the projections, as a registry spec string

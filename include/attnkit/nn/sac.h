@@ -46,8 +46,8 @@ struct SacOptions {
 
   /// Reads a resolved "sac" spec (the registry has checked keys and numbers).
   static SacOptions from_spec(const MechanismSpec& spec);
-  /// The predictor of a model of width `node_dim` with `heads` heads.
-  EdgePredictorOptions predictor(int64_t node_dim, int64_t heads) const;
+  /// The predictor of a model of `width` with `heads` heads.
+  EdgePredictorOptions predictor(int64_t width, int64_t heads) const;
 };
 
 /// A structure over n nodes without a predictor: node i attends to itself and

@@ -107,9 +107,9 @@ TORCH_MODULE(LocationAttention);
 
 // --- Sinusoidal positions: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...) ------
 struct SinusoidalPositionalEncodingOptions {
-  SinusoidalPositionalEncodingOptions(int64_t d_model, int64_t max_length = 8192)
-      : d_model_(d_model), max_length_(max_length) {}
-  TORCH_ARG(int64_t, d_model);
+  SinusoidalPositionalEncodingOptions(int64_t width, int64_t max_length = 8192)
+      : width_(width), max_length_(max_length) {}
+  TORCH_ARG(int64_t, width);
   TORCH_ARG(int64_t, max_length);
 };
 
@@ -118,24 +118,24 @@ class SinusoidalPositionalEncodingImpl
  public:
   explicit SinusoidalPositionalEncodingImpl(const SinusoidalPositionalEncodingOptions& options);
   void reset() override;
-  /// The table rows [offset, offset + L): (L, d_model).
+  /// The table rows [offset, offset + L): (L, width).
   torch::Tensor encoding(int64_t L, int64_t offset = 0) const;
-  /// x (N, L, d_model) + PE rows [offset, offset + L).
+  /// x (N, L, width) + PE rows [offset, offset + L).
   torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0);
 
   SinusoidalPositionalEncodingOptions options;
-  torch::Tensor table;  // buffer (max_length, d_model)
+  torch::Tensor table;  // buffer (max_length, width)
 };
 TORCH_MODULE(SinusoidalPositionalEncoding);
 
 // --- Relative position self-attention (Shaw et al. 2018), multi-head ----------------
 // e_ij = q_i . (k_j + wK[clip(j - i, -K, K) + K]) / sqrt(dz),
 // z_i  = sum_j alpha_ij (v_j + wV[clip(j - i, -K, K) + K]),
-// tables shared across heads; output projected back to d_model.
+// tables shared across heads; output projected back to width.
 struct RelativePositionAttentionOptions {
-  RelativePositionAttentionOptions(int64_t d_model, int64_t heads, int64_t max_relative)
-      : d_model_(d_model), heads_(heads), max_relative_(max_relative) {}
-  TORCH_ARG(int64_t, d_model);
+  RelativePositionAttentionOptions(int64_t width, int64_t heads, int64_t max_relative)
+      : width_(width), heads_(heads), max_relative_(max_relative) {}
+  TORCH_ARG(int64_t, width);
   TORCH_ARG(int64_t, heads);
   TORCH_ARG(int64_t, max_relative);  // K
 };
@@ -145,7 +145,7 @@ class RelativePositionAttentionImpl
  public:
   explicit RelativePositionAttentionImpl(const RelativePositionAttentionOptions& options);
   void reset() override;
-  /// x (N, L, d_model) -> (N, L, d_model). Causal: query i sees keys j <= i.
+  /// x (N, L, width) -> (N, L, width). Causal: query i sees keys j <= i.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& key_lengths = {},
                         bool causal = false);
 
