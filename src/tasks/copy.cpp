@@ -29,7 +29,7 @@ int64_t CopyTask::masked_per_half(int64_t length) {
 
 CopyTask::CopyTask(int64_t length) : length_(length) {
   TORCH_CHECK(length >= 2 && length <= kMaxLength, "task copy: length (symbols per half, "
-              "--length) must be in [2, ", kMaxLength, "] so that the halves can mask different "
+              "--copy-length) must be in [2, ", kMaxLength, "] so that the halves can mask different "
               "positions, got ", length);
 }
 

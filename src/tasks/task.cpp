@@ -118,7 +118,7 @@ std::unique_ptr<Task> make_task(const TaskOptions& options) {
     if (task == "masked-char") return std::make_unique<MaskedCharLm>(options.data_dir);
     return std::make_unique<CharLm>(options.data_dir);
   }
-  if (options.name == "copy") return std::make_unique<CopyTask>(options.length);
+  if (options.name == "copy") return std::make_unique<CopyTask>(options.copy_length);
   TORCH_CHECK(false, "unknown task '", options.name, "'; known tasks: char-lm, masked-char, copy");
 }
 

@@ -178,18 +178,23 @@ double learning_rate(const TrainerOptions& o, int64_t step) {
 }
 
 std::string task_options_to_json(const tasks::TaskOptions& options) {
-  return nlohmann::json{{"name", options.name}, {"data_dir", options.data_dir}, {"length", options.length}}
+  return nlohmann::json{{"name", options.name}, {"data_dir", options.data_dir}, {"copy_length", options.copy_length}}
       .dump();
 }
 
 tasks::TaskOptions task_options_from_json(const std::string& json) {
   const std::string what = "task options (JSON)";
   const auto j = parse(json, what);
-  check_keys(j, what, {"name", "data_dir", "length"});
+  // Runs written before the naming pass (attnkit 0.1.0) store the copy task's
+  // length under "length": read it as "copy_length" (the one old-name reader
+  // of the task options).
+  check_keys(j, what, {"name", "data_dir"}, {"copy_length", "length"});
+  if (j.contains("copy_length") == j.contains("length"))
+    throw std::invalid_argument(what + ": expected one of 'copy_length' and its old name 'length'");
   tasks::TaskOptions o;
   o.name = field<std::string>(j, what, "name", "a string");
   o.data_dir = field<std::string>(j, what, "data_dir", "a string");
-  o.length = field<int64_t>(j, what, "length", "an integer");
+  o.copy_length = field<int64_t>(j, what, j.contains("length") ? "length" : "copy_length", "an integer");
   return o;
 }
 

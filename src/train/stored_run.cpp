@@ -68,9 +68,9 @@ std::vector<std::string> resume_mismatches(const RunHeader& stored, const Traine
     out.push_back("task: checkpoint '" + stored.task.name + "', now '" + task.name + "'");
   if (stored.task.data_dir != task.data_dir)
     out.push_back("data: checkpoint '" + stored.task.data_dir + "', now '" + task.data_dir + "'");
-  if (stored.task.length != task.length)
-    out.push_back("length: checkpoint " + std::to_string(stored.task.length) + ", now " +
-                  std::to_string(task.length));
+  if (stored.task.copy_length != task.copy_length)
+    out.push_back("copy_length: checkpoint " + std::to_string(stored.task.copy_length) + ", now " +
+                  std::to_string(task.copy_length));
   return out;
 }
 

@@ -72,7 +72,7 @@ int64_t run_fingerprint(const TrainerOptions& t, const models::TransformerOption
                           "resume", "display"})
     trainer.erase(key);
   const std::string text = trainer.dump() + json::parse(m.to_json()).dump() + task.name + "/" +
-                           std::to_string(task.length);
+                           std::to_string(task.copy_length);
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
   return static_cast<int64_t>(h >> 16);

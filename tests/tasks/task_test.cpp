@@ -125,7 +125,7 @@ TEST(TaskLoss, RefusesMismatchedInputs) {
 TEST(MakeTask, BuildsTheKnownTasksAndExplainsTheRest) {
   attnkit::tasks::TaskOptions options;
   options.name = "copy";
-  options.length = 20;
+  options.copy_length = 20;
   auto copy = attnkit::tasks::make_task(options);
   EXPECT_EQ(copy->name(), "copy");
   EXPECT_EQ(copy->sequence_length(0), 42);
@@ -157,6 +157,6 @@ TEST(MakeTask, BuildsTheKnownTasksAndExplainsTheRest) {
   expect_error([&] { attnkit::tasks::make_task(options); },
                {"unknown task 'cloze'", "known tasks: char-lm, masked-char, copy"});
   options.name = "copy";
-  options.length = 1;
+  options.copy_length = 1;
   expect_error([&] { attnkit::tasks::make_task(options); }, {"task copy", "got 1"});
 }

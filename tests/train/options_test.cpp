@@ -124,8 +124,18 @@ TEST(TrainTaskOptions, JsonRoundTrip) {
   const auto back = task_options_from_json(task_options_to_json(t));
   EXPECT_EQ(back.name, "copy");
   EXPECT_EQ(back.data_dir, "/data/x");
-  EXPECT_EQ(back.length, 17);
+  EXPECT_EQ(back.copy_length, 17);
   EXPECT_THROW(task_options_from_json("{\"name\":\"copy\"}"), std::invalid_argument);
+}
+
+// Runs written before the naming pass store the copy length as "length".
+TEST(TrainTaskOptions, ReadsTheOldNameOfTheCopyLength) {
+  EXPECT_EQ(task_options_to_json({"copy", "", 9}), R"({"copy_length":9,"data_dir":"","name":"copy"})");
+  const auto old = task_options_from_json(R"({"data_dir":"","length":9,"name":"copy"})");
+  EXPECT_EQ(old.name, "copy");
+  EXPECT_EQ(old.copy_length, 9);
+  EXPECT_THROW(task_options_from_json(R"({"data_dir":"","length":9,"copy_length":9,"name":"copy"})"),
+               std::invalid_argument);
 }
 
 TEST(TrainProgress, Formatting) {

@@ -91,11 +91,11 @@ class Task {
   virtual std::string decode(const torch::Tensor& tokens) const;
 };
 
-/// Task settings from the command line (`attnkit train --task ... --data ... --length ...`).
+/// Task settings from the command line (`attnkit train --task ... --data ... --copy-length ...`).
 struct TaskOptions {
-  std::string name;      ///< "char-lm", "masked-char" or "copy"
-  std::string data_dir;  ///< char-lm, masked-char: the directory `attnkit data char-lm` wrote
-  int64_t length = 64;   ///< copy: symbols per half (the input has 2 * length + 2 tokens)
+  std::string name;          ///< "char-lm", "masked-char" or "copy"
+  std::string data_dir;      ///< char-lm, masked-char: the directory `attnkit data char-lm` wrote
+  int64_t copy_length = 64;  ///< copy: symbols per half (the input has 2 * copy_length + 2 tokens)
 };
 
 /// The task named in `options`; errors list the known tasks and say what is
