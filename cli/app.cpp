@@ -56,6 +56,36 @@ void add_version_flag(CLI::App& app, const std::string& name) {
   }));
 }
 
+std::vector<std::string> with_renamed_flags(int argc, char** argv, const std::vector<RenamedFlag>& renamed,
+                                            const std::string& name) {
+  std::vector<std::string> args(argv, argv + argc);
+  std::string subcommand;  // the first argument that is not an option
+  for (size_t i = 1; i < args.size(); ++i) {
+    auto& arg = args[i];
+    if (subcommand.empty()) {
+      if (arg.rfind("-", 0) != 0) subcommand = arg;
+      continue;
+    }
+    if (arg == "--") break;
+    for (const auto& r : renamed) {
+      const std::string old_name = r.old_name;
+      if (subcommand != r.subcommand) continue;
+      if (arg != old_name && arg.rfind(old_name + "=", 0) != 0) continue;
+      arg = r.new_name + arg.substr(old_name.size());
+      std::cerr << name << " " << subcommand << ": " << old_name << " is deprecated, use " << r.new_name
+                << " (same meaning)\n";
+      break;
+    }
+  }
+  return args;
+}
+
+int run(CLI::App& app, const std::string& name, const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  return run(app, name, static_cast<int>(argv.size()), argv.data());
+}
+
 int run(CLI::App& app, const std::string& name, int argc, char** argv) {
   try {
     app.parse(argc, argv);

@@ -34,7 +34,7 @@ struct BenchConfig {
   std::vector<std::string> dtypes{"float32"};  // float32 | bfloat16: the inputs' dtype
   std::vector<int64_t> lengths{256, 1024};
   int64_t queries = 0;  // 0: L = S = each length; else L = queries over S = each length keys
-  int64_t batch = 1, heads = 8, dim = 64;
+  int64_t batch = 1, heads = 8, head_dim = 64;
   bool causal = false;
   int threads = 0;
   int repeats = 3;
@@ -85,7 +85,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
                const std::string& run, const std::string& pass, const std::string& dtype,
                int64_t length) {
   const int64_t L = c.queries > 0 ? c.queries : length, S = length;
-  const nn::AttentionShape shape{c.batch, c.heads, L, S, c.dim, c.dim};
+  const nn::AttentionShape shape{c.batch, c.heads, L, S, c.head_dim, c.head_dim};
   // `causal` records whether what ran was causal: the flag, or a mechanism that
   // is causal by construction (causal-linear, the causal sparse patterns).
   Result r{spec.str(), run, "", pass, dtype, "", shape.N, shape.H, L, S, shape.E, shape.M,
@@ -378,7 +378,7 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--batch", config->batch, "Batch size N")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", config->heads, "Heads H")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--dim", config->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--head-dim", config->head_dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_flag("--causal", config->causal, "Causal masking");
   cmd->add_option("--threads", config->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--repeats", config->repeats, "Timed repeats after the warm-up (median reported)")

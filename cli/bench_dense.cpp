@@ -25,7 +25,7 @@ namespace {
 struct DenseConfig {
   int threads = 1;
   int64_t rows = 8192, in = 512, out = 2048;
-  int64_t embed = 512, heads = 8, length = 4096;
+  int64_t width = 512, heads = 8, length = 4096;
   int repeats = 5;
   std::vector<std::string> dtypes{"float32"};
   std::string json;
@@ -38,7 +38,7 @@ torch::ScalarType parse_dtype(const std::string& name) {
 /// The module's forward with libtorch's linear for every projection (what the
 /// module computed before attnkit::linear existed); the attention is the same op.
 torch::Tensor mha_on_torch_linear(nn::MultiheadAttention& m, const torch::Tensor& x) {
-  const int64_t N = x.size(0), L = x.size(1), d = m->options.embed_dim(), H = m->options.heads();
+  const int64_t N = x.size(0), L = x.size(1), d = m->options.width(), H = m->options.heads();
   auto proj = [](nn::Linear& lin, const torch::Tensor& t) {
     return torch::nn::functional::linear(t, lin->weight, lin->bias);
   };
@@ -132,15 +132,15 @@ void run_dense(const DenseConfig& c) {
   std::cout << "\n";
 
   // MultiheadAttention forward+backward, projections on attnkit::linear vs libtorch.
-  nn::MultiheadAttention m(nn::MultiheadAttentionOptions(c.embed, c.heads));
-  auto seq = torch::randn({1, c.length, c.embed}).requires_grad_();
-  const double d = c.embed, L = c.length;
+  nn::MultiheadAttention m(nn::MultiheadAttentionOptions(c.width, c.heads));
+  auto seq = torch::randn({1, c.length, c.width}).requires_grad_();
+  const double d = c.width, L = c.length;
   const double mha_flop = 3 * (4 * 2 * L * d * d) + 3.5 * (4 * L * L * d);
   auto clear_mha = [&] {
     m->zero_grad();
     if (seq.grad().defined()) seq.mutable_grad().reset();
   };
-  const std::string mha = "MultiheadAttention(" + std::to_string(c.embed) + "," +
+  const std::string mha = "MultiheadAttention(" + std::to_string(c.width) + "," +
                           std::to_string(c.heads) + ") L=" + std::to_string(c.length);
   const double ours_ms = median(time_ms([&] { m->forward(seq, seq, seq).sum().backward(); }, c.repeats, clear_mha));
   row(mha, "kernel", "forward_backward", ours_ms, mha_flop);
@@ -172,7 +172,7 @@ void add_bench_dense_command(CLI::App& app) {
   cmd->add_option("--rows", c->rows, "Rows of x")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--in", c->in, "in_features")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--out", c->out, "out_features")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--embed", c->embed, "MultiheadAttention embed_dim")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--width", c->width, "MultiheadAttention width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", c->heads, "MultiheadAttention heads")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--length", c->length, "MultiheadAttention sequence length")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--repeats", c->repeats, "Timed repeats after the warm-up")->check(CLI::PositiveNumber)->capture_default_str();
@@ -184,8 +184,8 @@ void add_bench_dense_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--json", c->json, "Also write the results to this JSON file");
   cmd->callback([c] {
-    if (c->embed % c->heads != 0)
-      throw CLI::ValidationError("--embed", "must be a multiple of --heads");
+    if (c->width % c->heads != 0)
+      throw CLI::ValidationError("--width", "must be a multiple of --heads");
     run_dense(*c);
   });
 }

@@ -54,7 +54,7 @@ int exit_code(int status) {
 
 }  // namespace
 
-void set_command_line(int argc, char** argv) { g_command_line.assign(argv, argv + argc); }
+void set_command_line(const std::vector<std::string>& args) { g_command_line = args; }
 const std::vector<std::string>& command_line() { return g_command_line; }
 
 bool launched_worker() { return std::getenv("ATTNKIT_WORKER") != nullptr; }

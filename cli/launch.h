@@ -21,8 +21,9 @@
 
 namespace attnkit::cli {
 
-/// Records main's argv (the command line the workers repeat).
-void set_command_line(int argc, char** argv);
+/// Records main's arguments (the command line the workers repeat; old flag
+/// names already replaced, so that the workers do not warn again).
+void set_command_line(const std::vector<std::string>& args);
 const std::vector<std::string>& command_line();
 
 /// True in a process the launcher started (ATTNKIT_WORKER is set).

@@ -8,7 +8,13 @@
 
 int main(int argc, char** argv) {
   attnkit::cli::prepare_process();
-  attnkit::cli::set_command_line(argc, argv);  // `train --nproc` repeats it for its workers
+  // Flags renamed by the naming pass (CHANGELOG.md); the old names still work.
+  const auto args = attnkit::cli::with_renamed_flags(argc, argv,
+                                                     {{"train", "--length", "--copy-length"},
+                                                      {"bench", "--dim", "--head-dim"},
+                                                      {"bench-dense", "--embed", "--width"}},
+                                                     "attnkit");
+  attnkit::cli::set_command_line(args);  // `train --nproc` repeats it for its workers
   CLI::App app{"attnkit: fast CPU attention mechanisms (full softmax, clustered, agglomerative, "
                "linear, sparse) with forward and backward passes"};
   attnkit::cli::add_version_flag(app, "attnkit");
@@ -22,5 +28,5 @@ int main(int argc, char** argv) {
   attnkit::cli::add_eval_command(app);
   attnkit::cli::add_generate_command(app);
   attnkit::cli::add_bench_model_command(app);
-  return attnkit::cli::run(app, "attnkit", argc, argv);
+  return attnkit::cli::run(app, "attnkit", args);
 }

@@ -23,7 +23,7 @@ struct TrainFlags {
   std::string task = "char-lm", data, architecture, positions = "sinusoidal", norm = "pre", display = "auto";
   std::string dtype = "float32";
   std::vector<std::string> attention;
-  int64_t layers = 0, width = 0, heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, length = 64;
+  int64_t layers = 0, width = 0, heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
   double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0;
   uint64_t seed = 0;
@@ -65,7 +65,7 @@ void add_train_command(CLI::App& app) {
                   "seen from both sides, bits per masked character) or copy (masked copy task)")
       ->check(CLI::IsMember({"char-lm", "masked-char", "copy"}))->capture_default_str();
   cmd->add_option("--data", f->data, "char-lm: the directory `attnkit data char-lm` wrote (train/valid/test.txt)");
-  cmd->add_option("--length", f->length, "copy: symbols per half")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--copy-length", f->copy_length, "copy: symbols per half")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--attention", f->attention,
                   "Mechanism spec NAME[:key=value,...] for every block; repeat once per block (bottom "
                   "first) for one spec per block (default: full)")
@@ -146,7 +146,7 @@ void add_train_command(CLI::App& app) {
     // Start from the stored options when resuming, else from the defaults.
     models::TransformerOptions model;
     train::TrainerOptions trainer;
-    tasks::TaskOptions task{f->task, f->data, f->length};
+    tasks::TaskOptions task{f->task, f->data, f->copy_length};
     bool from_checkpoint = false;
     if (f->resume && !train::list_checkpoints(f->out).empty()) {
       auto stored = train::read_stored_options(f->out);
@@ -176,7 +176,7 @@ void add_train_command(CLI::App& app) {
       // Trainer then refuses the ones that would change the trajectory.
       if (given("--task")) task.name = f->task;
       if (given("--data")) task.data_dir = f->data;
-      if (given("--length")) task.length = f->length;
+      if (given("--copy-length")) task.copy_length = f->copy_length;
       if (given("--architecture")) model.architecture(models::architecture_from_string(f->architecture));
       if (given("--positions")) model.positions(models::positions_from_string(f->positions));
       if (given("--norm")) model.norm(models::norm_from_string(f->norm));

@@ -35,7 +35,7 @@ namespace {
 using Mechanism = std::pair<const nn::MechanismInfo*, nn::MechanismSpec>;
 
 struct ApproxConfig {
-  int64_t length = 1024, heads = 4, dim = 64, centres = 10;
+  int64_t length = 1024, heads = 4, head_dim = 64, centres = 10;
   std::vector<std::string> attention;  // empty: the sweep below
   std::vector<int64_t> clusters{10, 25, 50, 100};
   std::vector<int64_t> topk{8, 16, 32, 64};
@@ -123,7 +123,7 @@ std::string row_name(const nn::MechanismSpec& spec) {
 /// The queries of one input set: i.i.d. N(0, 1), or a few centres ~ N(0, 1)
 /// plus N(0, 0.1^2) noise.
 torch::Tensor queries(const ApproxConfig& c, const std::string& inputs) {
-  const int64_t N = 1, H = c.heads, L = c.length, E = c.dim;
+  const int64_t N = 1, H = c.heads, L = c.length, E = c.head_dim;
   if (inputs == "random") return torch::randn({N, H, L, E});
   auto centres = torch::randn({c.centres, E});
   return centres.index({torch::randint(0, c.centres, {N, H, L}, torch::kLong)}) +
@@ -144,7 +144,7 @@ void run_approx(const ApproxConfig& config) {
     const auto& q = layers.front().q;
     c.heads = q.size(1);
     c.length = q.size(2);
-    c.dim = q.size(3);
+    c.head_dim = q.size(3);
     model_doc = {{"run", c.run}, {"checkpoint", run.checkpoint}, {"step", run.step},
                  {"task", run.task->name()}, {"trained_attention", run.model_options.attention()},
                  {"split", c.split}, {"sequences", q.size(0)}};
@@ -166,7 +166,7 @@ void run_approx(const ApproxConfig& config) {
     sets.emplace_back(inputs, [&c, inputs] {
       torch::manual_seed(c.seed);
       auto q = queries(c, inputs);
-      auto k = torch::randn({1, c.heads, c.length, c.dim}), v = torch::randn({1, c.heads, c.length, c.dim});
+      auto k = torch::randn({1, c.heads, c.length, c.head_dim}), v = torch::randn({1, c.heads, c.length, c.head_dim});
       return std::array<torch::Tensor, 3>{q, k, v};
     });
   }
@@ -174,7 +174,7 @@ void run_approx(const ApproxConfig& config) {
     sets.emplace_back("layer " + std::to_string(l.layer),
                       [&l] { return std::array<torch::Tensor, 3>{l.q, l.k, l.v}; });
 
-  const int64_t N = 1, H = c.heads, L = c.length, E = c.dim;
+  const int64_t N = 1, H = c.heads, L = c.length, E = c.head_dim;
   if (!c.run.empty())
     std::cout << "trained model " << c.run << " (" << model_doc["checkpoint"].get<std::string>()
               << "): the inputs of its self-attention layers on the first "
@@ -236,7 +236,7 @@ void add_approx_command(CLI::App& app) {
       "clustered-structure inputs, as C and k vary");
   cmd->add_option("--length", c->length, "Length L = S")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", c->heads, "Heads H")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--dim", c->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--head-dim", c->head_dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
   auto* specs = cmd->add_option(
       "--attention", *attention,
       "Comma list of mechanism specs NAME[:key=value,...] to compare with full attention "
@@ -257,8 +257,8 @@ void add_approx_command(CLI::App& app) {
   auto* run = cmd->add_option("--run", c->run,
                               "Also compare on a trained run's real inputs (attnkit train --out): the "
                               "q, k, v of each multi-head self-attention layer; --length, --heads and "
-                              "--dim then come from the run");
-  for (const char* shape : {"--length", "--heads", "--dim"}) cmd->get_option(shape)->excludes(run);
+                              "--head-dim then come from the run");
+  for (const char* shape : {"--length", "--heads", "--head-dim"}) cmd->get_option(shape)->excludes(run);
   cmd->add_option("--split", c->split, "--run: the split whose first sequences are used")
       ->check(CLI::IsMember({"valid", "test"}))->capture_default_str();
   cmd->add_option("--sequences", c->sequences, "--run: how many sequences")

@@ -51,7 +51,7 @@ struct FigureConfig {
   std::vector<std::string> layers{"agglomerative", "multihead"};
   std::string part = "layer";  // or "attention"
   std::string clock = "cpu";   // or "wall"
-  int64_t batch = 32, d_model = 512, heads = 8;
+  int64_t batch = 32, width = 512, heads = 8;
   int threads = 1;
   int repeats = 5;
   std::string json, csv;
@@ -176,7 +176,7 @@ std::string command_line(const FigureConfig& c) {
   for (size_t k = 0; k < c.lengths.size(); ++k) o << (k ? "," : "") << c.lengths[k];
   o << " --masks " << joined(c.masks) << " --layers " << joined(c.layers) << " --part " << c.part
     << " --clock " << c.clock << " --batch " << c.batch
-    << " --d-model " << c.d_model << " --heads " << c.heads << " --threads " << c.threads
+    << " --width " << c.width << " --heads " << c.heads << " --threads " << c.threads
     << " --repeats " << c.repeats;
   if (!c.json.empty()) o << " --json " << c.json;
   if (!c.csv.empty()) o << " --csv " << c.csv;
@@ -188,7 +188,7 @@ void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
     nlohmann::json doc;
     doc["command"] = command_line(c);
     doc["machine"] = {{"cpu", cpu_model()}, {"isa", isa_description()}, {"threads", num_threads()}};
-    doc["config"] = {{"part", c.part}, {"clock", c.clock}, {"batch", c.batch}, {"d_model", c.d_model}, {"heads", c.heads},
+    doc["config"] = {{"part", c.part}, {"clock", c.clock}, {"batch", c.batch}, {"width", c.width}, {"heads", c.heads},
                      {"repeats", c.repeats}, {"pass", "forward, no autograd"}};
     doc["rows"] = nlohmann::json::array();
     for (const auto& r : rows)
@@ -222,17 +222,17 @@ class Subjects {
  public:
   explicit Subjects(const FigureConfig& c)
       : c_(c),
-        agglomerative_(nn::AgglomerativeAttentionOptions(c.d_model, c.heads)),
+        agglomerative_(nn::AgglomerativeAttentionOptions(c.width, c.heads)),
         agglomerative_attention_(nn::resolve_mechanism("agglomerative")),
-        multihead_(nn::MultiheadAttentionOptions(c.d_model, c.heads)) {
+        multihead_(nn::MultiheadAttentionOptions(c.width, c.heads)) {
     agglomerative_->eval();
     multihead_->eval();
   }
 
   /// New random inputs of length L.
   void prepare(int64_t L) {
-    const int64_t N = c_.batch, H = c_.heads, w = c_.d_model / c_.heads;
-    x_ = torch::randn({N, L, c_.d_model});
+    const int64_t N = c_.batch, H = c_.heads, w = c_.width / c_.heads;
+    x_ = torch::randn({N, L, c_.width});
     if (c_.part == "layer") return;
     // The layers' layouts: classes / heads interleaved within each row.
     auto classes = [&] { return torch::softmax(torch::randn({N, L, H}), -1).transpose(1, 2); };
@@ -330,7 +330,7 @@ void add_figure_agglomerative_command(CLI::App& app) {
                   "does not count; for one thread on an idle machine it equals wall) or wall")
       ->check(CLI::IsMember({"cpu", "wall"}))->capture_default_str();
   cmd->add_option("--batch", c->batch, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--d-model", c->d_model, "Model width d")
+  cmd->add_option("--width", c->width, "Model width d")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", c->heads, "Heads of the exact layer = classes of the agglomerative one")
       ->check(CLI::PositiveNumber)->capture_default_str();
@@ -341,8 +341,8 @@ void add_figure_agglomerative_command(CLI::App& app) {
   cmd->add_option("--json", c->json, "Write the results and summary to this JSON file");
   cmd->add_option("--csv", c->csv, "Write one line per (layer, mask, length) to this CSV file");
   cmd->callback([c] {
-    if (c->d_model % c->heads != 0)
-      throw CLI::ValidationError("--d-model",
+    if (c->width % c->heads != 0)
+      throw CLI::ValidationError("--width",
                                  "must be a multiple of --heads (" + std::to_string(c->heads) + ")");
     run_figure(*c);
   });

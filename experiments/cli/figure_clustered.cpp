@@ -28,7 +28,7 @@ using Mechanism = std::pair<const nn::MechanismInfo*, nn::MechanismSpec>;
 struct FigureConfig {
   std::vector<int64_t> lengths{1024, 2048, 4096, 8192, 16384, 32768};
   std::vector<std::string> attention{"full", "clustered", "improved-clustered"};
-  int64_t heads = 8, dim = 64;
+  int64_t heads = 8, head_dim = 64;
   int repeats = 5;
   int threads = 0;
   double max_seconds = 300;  // skip a run predicted to take longer
@@ -76,7 +76,7 @@ std::pair<double, int64_t> forward_backward(const Mechanism& m, const nn::Mechan
 Row measure(const FigureConfig& c, const Mechanism& m, int64_t L) {
   Row r{m.second.str(), L};
   torch::manual_seed(0);
-  const nn::AttentionShape shape{1, c.heads, L, L, c.dim, c.dim};
+  const nn::AttentionShape shape{1, c.heads, L, L, c.head_dim, c.head_dim};
   nn::MechanismInputs x = m.first->sample(shape, torch::kFloat);
   for (auto& t : x) t.requires_grad_();
   // The first run warms up; when it is long, it is also the measurement.
@@ -228,10 +228,10 @@ void run_figure(const FigureConfig& c) {
   }
 
   std::cout << "the clustered-attention paper, Figure 4, on the CPU: N = 1, H = " << c.heads
-            << ", E = M = " << c.dim << ", threads " << num_threads() << ", load average "
+            << ", E = M = " << c.head_dim << ", threads " << num_threads() << ", load average "
             << fmt(load_average(), 2) << " at start\n";
   nlohmann::json doc;
-  doc["config"] = {{"N", 1}, {"H", c.heads}, {"E", c.dim}, {"attention", nlohmann::json::array()},
+  doc["config"] = {{"N", 1}, {"H", c.heads}, {"E", c.head_dim}, {"attention", nlohmann::json::array()},
                    {"threads", num_threads()}, {"load_average_at_start", load_average()}};
   for (const auto& [info, spec] : mechanisms) {
     std::cout << "  " << spec_with_defaults(*info, spec) << "\n";
@@ -288,7 +288,7 @@ void add_figure_clustered_command(CLI::App& app) {
                   "improved-clustered, the registry's defaults = the paper's C = 100, B = 63, "
                   "10 iterations, k = 32; `attnkit mechanisms` lists the options)");
   cmd->add_option("--heads", c->heads, "Heads H")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--dim", c->dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--head-dim", c->head_dim, "Head dimension E = M")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--repeats", c->repeats, "Timed runs after a warm-up (median); a first run over 10 s is the only one")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--max-seconds", c->max_seconds, "Skip runs predicted to take longer than this")

@@ -9,6 +9,14 @@
 
 int main(int argc, char** argv) {
   attnkit::cli::prepare_process();
+  // Flags renamed by the naming pass (CHANGELOG.md); the old names still work.
+  // node-classify's --attention input|input+random (now --structure) is
+  // translated by node-classify itself, as it depends on the value.
+  const auto args = attnkit::cli::with_renamed_flags(argc, argv,
+                                                     {{"figure-clustered", "--dim", "--head-dim"},
+                                                      {"approx", "--dim", "--head-dim"},
+                                                      {"figure-agglomerative", "--d-model", "--width"}},
+                                                     "attnkit-experiments");
   CLI::App app{"attnkit-experiments: the experiments of the papers attnkit implements (figures, "
                "approximation error, a cloze reader, node classification)"};
   attnkit::cli::add_version_flag(app, "attnkit-experiments");
@@ -18,5 +26,5 @@ int main(int argc, char** argv) {
   attnkit::cli::add_approx_command(app);
   attnkit::cli::add_cloze_command(app);
   attnkit::cli::add_node_classify_command(app);
-  return attnkit::cli::run(app, "attnkit-experiments", argc, argv);
+  return attnkit::cli::run(app, "attnkit-experiments", args);
 }

@@ -16,7 +16,7 @@ require_subcommands(${CLI} attnkit-experiments cloze node-classify figure-agglom
 # improved-clustered) over two tiny lengths.
 set(fig ${OUT_DIR}/figure-clustered.json)
 file(REMOVE ${fig})
-run_ok(${CLI} figure-clustered --lengths 64,32 --heads 2 --dim 8 --repeats 1 --max-seconds 60
+run_ok(${CLI} figure-clustered --lengths 64,32 --heads 2 --head-dim 8 --repeats 1 --max-seconds 60
        --threads 1 --json ${fig})
 file(READ ${fig} json)
 require_no_exact("${json}" "figure-clustered's JSON")
@@ -55,7 +55,7 @@ run_refused("nosuch" ${CLI} figure-clustered --attention nosuch)
 # topk = S attends to every key exactly, so it must equal full attention.
 set(approx ${OUT_DIR}/approx.json)
 file(REMOVE ${approx})
-run_ok(${CLI} approx --length 32 --heads 2 --dim 8 --clusters 4,8,64 --topk 4,32,64 --threads 1
+run_ok(${CLI} approx --length 32 --heads 2 --head-dim 8 --clusters 4,8,64 --topk 4,32,64 --threads 1
        --json ${approx})
 file(READ ${approx} json)
 require_no_exact("${json}" "approx's JSON")
@@ -82,12 +82,24 @@ foreach(i RANGE 11)
   endif()
 endforeach()
 # Any comparable spec: full itself is full attention to float32 rounding.
-run_ok(${CLI} approx --length 16 --heads 1 --dim 4 --attention full --threads 1 --json ${approx})
+run_ok(${CLI} approx --length 16 --heads 1 --head-dim 4 --attention full --threads 1 --json ${approx})
 file(READ ${approx} json)
 read_fields("${json}" "rows;0" rel_err)
 string(JSON clusters TYPE "${json}" rows 0 clusters)
 if(NOT rel_err LESS 1e-5 OR NOT clusters STREQUAL "NULL")
   message(FATAL_ERROR "approx --attention full: rel_err ${rel_err}, clusters ${clusters}")
+endif()
+# --dim, --head-dim's name before the naming pass: the same run, one warning line.
+run_ok(${CLI} approx --length 16 --heads 1 --dim 4 --attention full --threads 1 --json ${approx}.old)
+if(NOT err STREQUAL "attnkit-experiments approx: --dim is deprecated, use --head-dim (same meaning)\n")
+  message(FATAL_ERROR "approx --dim's warning:\n${err}")
+endif()
+file(READ ${approx}.old old_json)
+read_fields("${old_json}" "rows;0" rel_err)
+string(JSON old_e GET "${old_json}" config E)
+string(JSON new_e GET "${json}" config E)
+if(NOT old_e EQUAL 4 OR NOT new_e EQUAL 4)
+  message(FATAL_ERROR "approx --dim 4 / --head-dim 4: head dimensions ${old_e}, ${new_e}")
 endif()
 run_refused("excludes|Excludes" ${CLI} approx --attention clustered --clusters 4)
 run_refused("approx compares mechanisms on q, k, v" ${CLI} approx --length 16 --attention agglomerative)

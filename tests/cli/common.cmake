@@ -1,13 +1,15 @@
 # What the CLI tests (cmake -P scripts) share: running the tool and checking
 # its JSON. include() it from a test script.
 
-# Runs ARGN; fails the test on a non-zero exit. Sets `out` to the stdout.
+# Runs ARGN; fails the test on a non-zero exit. Sets `out` to the stdout and
+# `err` to the stderr.
 function(run_ok)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(rc)
     message(FATAL_ERROR "'${ARGN}' failed (${rc}):\n${out}\n${err}")
   endif()
   set(out "${out}" PARENT_SCOPE)
+  set(err "${err}" PARENT_SCOPE)
 endfunction()
 
 # Runs ARGN; it must be refused: a non-zero exit and a message matching `pattern`.

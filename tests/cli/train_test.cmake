@@ -263,3 +263,31 @@ run_refused("trainer dtype: checkpoint \"bf16\", now \"float32\"" ${CLI} train -
             --dtype float32)
 run_ok(${CLI} train --out ${bf16} --resume --steps 4 --display quiet)
 expect_checkpoints(${bf16} 3 4)
+
+# ---------------------------------------------------------------------------
+# Flags renamed by the naming pass: the old name still works, hidden from
+# --help, with one warning line on stderr; the run is the new name's, and its
+# checkpoint stores today's key (task.copy_length).
+run_ok(${CLI} train --help)
+if(NOT out MATCHES "--copy-length" OR out MATCHES "--length[ =]")
+  message(FATAL_ERROR "'attnkit train --help' should list --copy-length and not --length:\n${out}")
+endif()
+set(copy_model --task copy --layers 1 --width 16 --heads 2 --ffn 32 --batch 4 --steps 2 --eval-batches 1
+               --threads 1 --display quiet)
+run_ok(${CLI} train ${copy_model} --copy-length 5 --out ${OUT_DIR}/copy-new)
+if(NOT err STREQUAL "")
+  message(FATAL_ERROR "--copy-length warned:\n${err}")
+endif()
+run_ok(${CLI} train ${copy_model} --length 5 --out ${OUT_DIR}/copy-old)
+if(NOT err STREQUAL "attnkit train: --length is deprecated, use --copy-length (same meaning)\n")
+  message(FATAL_ERROR "--length's warning:\n${err}")
+endif()
+foreach(name copy-new copy-old)
+  checkpoint_header(${OUT_DIR}/${name}/checkpoint-00000002.ckpt)
+  read_fields("${header}" "task" copy_length)
+  string(JSON old_key ERROR_VARIABLE absent GET "${header}" task length)
+  if(NOT copy_length EQUAL 5 OR NOT absent)
+    message(FATAL_ERROR "${name}: the task options should hold copy_length 5 only: ${header}")
+  endif()
+endforeach()
+run_refused("copy_length: checkpoint 5, now 6" ${CLI} train --out ${OUT_DIR}/copy-old --resume --steps 3 --length 6)

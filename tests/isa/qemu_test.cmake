@@ -108,7 +108,7 @@ file(REMOVE ${json})
 # the 8 or 16 lanes, so the kernels' vector loops and their tails both run.
 run_emulated("attnkit bench (${count} mechanisms)" ${cli} bench --attention ${attention} --impl fast
              --pass forward,forward_backward --dtype float32,bfloat16 --lengths 31 --heads 2 --no-peak
-             --dim 16 --threads 1 --repeats 1 --json ${json})
+             --head-dim 16 --threads 1 --repeats 1 --json ${json})
 set(bench_table "${out}")
 file(READ ${json} doc)
 read_fields("${doc}" machine isa)
