@@ -18,7 +18,8 @@
 // the lower validation loss) for --patience epochs.
 // --resume continues from the newest checkpoint: flags not given are taken from
 // it, flags given must match it (except --epochs, --patience, --threads and
-// --eval-every).
+// --eval-every). Runs written before --structure existed (their settings hold
+// the structure in "attention") resume too.
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
@@ -55,25 +56,47 @@ constexpr const char* kCommand = "node-classify";
 constexpr const char* kKind = "attnkit-node-classify";
 
 struct NodeFlags {
-  std::string data, attention = "input", out;
+  // --structure: the edges attended over; --attention: empty (over the
+  // structure's edges) or a mechanism that replaces them (full, sac).
+  std::string data, structure = "input", attention, out;
   int64_t epochs = 200, width = 64, heads = 8, layers = 2, samples = 1, patience = 100, eval_every = 1;
   double dropout = 0.6, lr = 0.005, weight_decay = 5e-4, clip = 5.0;
   uint64_t seed = 1;
   int threads = 0;
   bool resume = false, residual = false;
+  bool structure_in_attention = false;  // given as --attention input|input+random (the old form)
 };
 
 // The settings that define a run, stored in its checkpoints. Keys are the flag
 // names without "--" and with '_' for '-'.
 json settings(const NodeFlags& f) {
-  return json{{"data", f.data},       {"attention", f.attention}, {"width", f.width},
+  return json{{"data", f.data},       {"structure", f.structure}, {"attention", f.attention}, {"width", f.width},
               {"heads", f.heads},     {"layers", f.layers},       {"samples", f.samples},
               {"dropout", f.dropout}, {"lr", f.lr},               {"weight_decay", f.weight_decay},
               {"clip", f.clip},       {"seed", f.seed},           {"residual", f.residual}};
 }
 
+/// A spec of --attention that names a structure (the old form of --structure).
+bool names_structure(const std::string& spec) {
+  const auto name = spec.substr(0, spec.find(':'));
+  return name == "input" || name == "input+random";
+}
+
+/// Settings stored before --structure existed hold the structure in
+/// "attention" ("input", "input+random:..."; "full" and "sac:..." attended over
+/// the input graph): the one place that reads them, as the current settings.
+json with_current_names(json s) {
+  if (s.contains("structure")) return s;
+  const auto attention = s.at("attention").get<std::string>();
+  const bool structure = names_structure(attention);
+  s["structure"] = structure ? attention : "input";
+  s["attention"] = structure ? "" : attention;
+  return s;
+}
+
 void apply_settings(const json& s, NodeFlags& f) {
   s.at("data").get_to(f.data);
+  s.at("structure").get_to(f.structure);
   s.at("attention").get_to(f.attention);
   s.at("width").get_to(f.width);
   s.at("heads").get_to(f.heads);
@@ -185,8 +208,12 @@ void run(NodeFlags f, CLI::App* cmd) {
     TORCH_CHECK(resumed->kind() == kKind, kCommand, ": --resume: ", resumed_from,
                 " is not a checkpoint of `attnkit-experiments node-classify` (kind '", resumed->kind(), "')");
     header = json::parse(resumed->header());
-    const json stored = header.at("settings");
-    check_resume_flags(kCommand, stored, settings(f), *cmd, "--epochs, --patience, --threads and --eval-every");
+    const json stored = with_current_names(header.at("settings"));
+    const char* may_change = "--epochs, --patience, --threads and --eval-every";
+    check_resume_flags(kCommand, stored, settings(f), *cmd, may_change);
+    TORCH_CHECK(!f.structure_in_attention || stored.at("structure") == f.structure, kCommand,
+                ": --resume: --structure: checkpoint ", stored.at("structure").dump(), ", now \"", f.structure,
+                "\" (only ", may_change, " may change)");
     apply_settings(stored, f);
   }
   TORCH_CHECK(!f.data.empty(), kCommand, ": --data (a dataset directory, e.g. from scripts/package-graph) is required");
@@ -203,6 +230,7 @@ void run(NodeFlags f, CLI::App* cmd) {
                            .heads(f.heads)
                            .layers(f.layers)
                            .dropout(f.dropout)
+                           .structure(f.structure)
                            .attention(f.attention)
                            .samples(f.samples)
                            .residual(f.residual);
@@ -232,9 +260,10 @@ void run(NodeFlags f, CLI::App* cmd) {
   const auto metrics = dir.open_log("metrics.jsonl");
 
   const auto counts = [&](tasks::Split s) { return static_cast<int64_t>(graph.mask(s).sum().item<double>()); };
-  std::printf("node-classify: %s, attention %s, seed %llu; %lld nodes, %lld edges, %lld features, %zu classes; "
-              "train/valid/test %lld/%lld/%lld nodes; %lld parameters; epochs %lld, threads %d%s\n",
-              f.data.c_str(), f.attention.c_str(), static_cast<unsigned long long>(f.seed),
+  std::printf("node-classify: %s, structure %s, attention %s, seed %llu; %lld nodes, %lld edges, %lld features, "
+              "%zu classes; train/valid/test %lld/%lld/%lld nodes; %lld parameters; epochs %lld, threads %d%s\n",
+              f.data.c_str(), f.structure.c_str(), f.attention.empty() ? "over the structure" : f.attention.c_str(),
+              static_cast<unsigned long long>(f.seed),
               static_cast<long long>(graph.nodes()), static_cast<long long>(graph.undirected_edges),
               static_cast<long long>(graph.features.size(1)), graph.classes.size(),
               static_cast<long long>(counts(tasks::Split::train)), static_cast<long long>(counts(tasks::Split::valid)),
@@ -330,7 +359,8 @@ void run(NodeFlags f, CLI::App* cmd) {
   }
   const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
   const auto input = summarize(graph.edges, graph.labels);
-  json result{{"attention", f.attention},
+  json result{{"structure", f.structure},
+              {"attention", f.attention},
               {"seed", f.seed},
               {"settings", settings(f)},
               {"epochs_run", epoch},
@@ -358,15 +388,19 @@ void add_node_classify_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "node-classify",
       "Train a graph attention network on a node-classification dataset (scripts/package-graph writes one "
-      "from the Debian package index) with the input graph's edges, full attention, random extra edges or "
-      "SAC's learned edges, into a run directory (checkpoints, metrics.jsonl, result.json). With --resume, "
+      "from the Debian package index) with the input graph's edges (--structure input), random extra edges "
+      "(--structure input+random), full attention or SAC's learned edges (--attention full, sac), into a run "
+      "directory (checkpoints, metrics.jsonl, result.json). With --resume, "
       "flags not given are taken from the newest checkpoint and flags given must match it (except --epochs, "
       "--patience, --threads and --eval-every)");
   cmd->add_option("--data", f->data, "The dataset directory (nodes.tsv, edges.tsv, vocabulary.txt, meta.json)");
-  cmd->add_option("--attention", f->attention,
-                  "input (the graph's edges: GAT), full, input+random:alpha=A,seed=S, or sac:alpha=A,... (the "
-                  "graph's edges plus the predictor's; options as in `attnkit mechanisms`)")
+  cmd->add_option("--structure", f->structure,
+                  "The edges attended over: input (the graph's edges: GAT) or input+random:alpha=A,seed=S (plus A "
+                  "random ones per node)")
       ->capture_default_str();
+  cmd->add_option("--attention", f->attention,
+                  "Not given: attention over the --structure's edges; full (every pair), or sac:alpha=A,... (the "
+                  "graph's edges plus the predictor's; options as in `attnkit mechanisms`)");
   cmd->add_option("--epochs", f->epochs, "Full-graph optimiser steps at most")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--patience", f->patience, "Stop when the validation accuracy has not improved for this many epochs")
       ->check(CLI::PositiveNumber)->capture_default_str();
@@ -388,7 +422,20 @@ void add_node_classify_command(CLI::App& app) {
   cmd->add_option("--weight-decay", f->weight_decay, "Adam's L2 weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--clip", f->clip, "Gradient-norm bound, the network's and the predictor's separately (0: none)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
-  cmd->callback([f, cmd] { run(*f, cmd); });
+  cmd->callback([f, cmd] {
+    // The old form: --attention input|input+random[:...] named the structure.
+    if (names_structure(f->attention)) {
+      if (cmd->count("--structure") > 0)
+        throw CLI::ValidationError("--attention", "'" + f->attention + "' is a structure: give it as --structure");
+      std::fprintf(stderr,
+                   "attnkit-experiments %s: --attention %s is deprecated, use --structure %s (same meaning)\n",
+                   kCommand, f->attention.c_str(), f->attention.c_str());
+      f->structure = f->attention;
+      f->attention.clear();
+      f->structure_in_attention = true;
+    }
+    run(*f, cmd);
+  });
 }
 
 }  // namespace attnkit::cli

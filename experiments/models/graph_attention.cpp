@@ -14,8 +14,11 @@ namespace {
 
 constexpr const char* kModel = "GraphAttentionNetwork";
 
-/// The structure kind of a spec ("input", "full", "input+random", "sac").
-std::string kind_of(const std::string& attention) { return nn::MechanismSpec::parse(attention).name; }
+/// What the layers attend over: "input", "input+random" (the structure's
+/// edges), "full" or "sac" (the attention mechanism).
+std::string kind_of(const GraphAttentionOptions& o) {
+  return nn::MechanismSpec::parse(o.attention().empty() ? o.structure() : o.attention()).name;
+}
 
 /// A shared list repeated for `heads` heads (the heads share its columns).
 EdgeList per_head(const EdgeList& shared, int64_t heads) {
@@ -38,32 +41,45 @@ void validate(const GraphAttentionOptions& o) {
   TORCH_CHECK(o.layers() >= 1, kModel, ": needs layers >= 1, got ", o.layers());
   TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, kModel, ": dropout must be in [0, 1), got ", o.dropout());
   TORCH_CHECK(o.samples() >= 1, kModel, ": samples must be >= 1, got ", o.samples());
-  const auto spec = nn::MechanismSpec::parse(o.attention());
-  if (spec.name == "input" || spec.name == "full") {
-    TORCH_CHECK(spec.options.empty(), kModel, ": attention '", o.attention(), "' takes no options");
-  } else if (spec.name == "input+random") {
-    for (const auto& [key, value] : spec.options)
-      TORCH_CHECK(key == "alpha" || key == "seed", kModel, ": attention '", o.attention(), "': unknown option '",
+  const auto structure = nn::MechanismSpec::parse(o.structure());
+  if (structure.name == "input") {
+    TORCH_CHECK(structure.options.empty(), kModel, ": structure '", o.structure(), "' takes no options");
+  } else if (structure.name == "input+random") {
+    for (const auto& [key, value] : structure.options)
+      TORCH_CHECK(key == "alpha" || key == "seed", kModel, ": structure '", o.structure(), "': unknown option '",
                   key, "' (input+random takes alpha and seed)");
-    TORCH_CHECK(spec.get_int("alpha", 1) >= 1, kModel, ": attention '", o.attention(), "': alpha must be >= 1");
+    TORCH_CHECK(structure.get_int("alpha", 1) >= 1, kModel, ": structure '", o.structure(),
+                "': alpha must be >= 1");
+  } else {
+    TORCH_CHECK(false, kModel, ": unknown structure '", structure.name,
+                "'; expected input or input+random[:alpha=A,seed=S]");
+  }
+  if (o.attention().empty()) return;
+  const auto spec = nn::MechanismSpec::parse(o.attention());
+  if (spec.name == "full") {
+    TORCH_CHECK(spec.options.empty(), kModel, ": attention '", o.attention(), "' takes no options");
   } else if (spec.name == "sac") {
     nn::SacOptions::from_spec(nn::resolve_mechanism(o.attention()).second);  // checks keys and values
   } else {
     TORCH_CHECK(false, kModel, ": unknown attention '", spec.name,
-                "'; expected input, full, input+random[:alpha=A,seed=S] or sac[:options of `attnkit mechanisms`]");
+                "'; expected full or sac[:options of `attnkit mechanisms`] (or none: attention over the "
+                "structure's edges)");
   }
+  TORCH_CHECK(structure.name == "input", kModel, ": attention '", spec.name, "' ",
+              spec.name == "full" ? "attends over every pair of nodes" : "adds its edges to the input graph's",
+              "; it takes structure 'input', got '", o.structure(), "'");
 }
 
 GraphAttentionNetworkImpl::GraphAttentionNetworkImpl(const GraphAttentionOptions& options)
     : options_(options) {
   validate(options_);
-  kind_ = kind_of(options_.attention());
+  kind_ = kind_of(options_);
   input_ = register_module("input", nn::Linear(options_.features(), options_.width()));
   for (int64_t l = 0; l < options_.layers(); ++l)
     qkv_.push_back(register_module("qkv" + std::to_string(l), nn::Linear(options_.width(), 3 * options_.width())));
   output_ = register_module("output", nn::Linear(options_.width(), options_.classes()));
   if (kind_ == "input+random") {
-    const auto spec = nn::MechanismSpec::parse(options_.attention());
+    const auto spec = nn::MechanismSpec::parse(options_.structure());
     random_alpha_ = spec.get_int("alpha", 1);
     random_seed_ = static_cast<uint64_t>(spec.get_int("seed", 0));
   }

@@ -8,14 +8,16 @@
 //
 // MultiHead_l is scaled dot-product attention (one fused q/k/v projection,
 // width / heads per head, no output projection: the heads' outputs are
-// concatenated as in GAT) over one of these structures:
+// concatenated as in GAT). Without an `attention` mechanism it runs over the
+// edges of `structure`:
 //   "input"                 the graph's own edges and self-edges (GAT; its
 //                           additive scores replaced by the dot product of the
 //                           SAC paper's equation 2)
-//   "full"                  every node attends to every node (exact attention)
 //   "input+random:alpha=A,seed=S"
 //                           the graph's edges plus A random destinations per node
 //                           (random_structure): the control for SAC's edge count
+// An `attention` mechanism (the structure then stays "input") replaces that:
+//   "full"                  every node attends to every node (exact attention)
 //   "sac:alpha=A,..."       the graph's edges plus the edges an EdgePredictor
 //                           predicts (the registry's "sac" options; the
 //                           distance encoding uses hop distances on the input
@@ -48,8 +50,10 @@ struct GraphAttentionOptions {
   TORCH_ARG(int64_t, heads) = 8;
   TORCH_ARG(int64_t, layers) = 2;
   TORCH_ARG(double, dropout) = 0.6;
-  /// "input", "full", "input+random:alpha=A,seed=S" or "sac:..." (above).
-  TORCH_ARG(std::string, attention) = "input";
+  /// The edges attended over: "input" or "input+random:alpha=A,seed=S" (above).
+  TORCH_ARG(std::string, structure) = "input";
+  /// Empty (attention over `structure`'s edges), "full" or "sac:..." (above).
+  TORCH_ARG(std::string, attention) = "";
   /// sac, training mode: structures sampled per forward.
   TORCH_ARG(int64_t, samples) = 1;
   /// Adds each layer's input to its output (GAT has none on the citation
@@ -59,8 +63,8 @@ struct GraphAttentionOptions {
   TORCH_ARG(bool, residual) = false;
 };
 
-/// Checks `options` (sizes, the attention spec and its keys) and throws the
-/// builder's error.
+/// Checks `options` (sizes, the structure and attention specs and their keys)
+/// and throws the builder's error.
 void validate(const GraphAttentionOptions& options);
 
 class GraphAttentionNetworkImpl : public torch::nn::Module {

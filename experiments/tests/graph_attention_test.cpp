@@ -52,8 +52,11 @@ torch::Tensor features(int64_t n, uint64_t seed = 5) {
   return (torch::rand({n, kFeatures}) < 0.5).to(torch::kFloat32);
 }
 
-GraphAttentionOptions options(const std::string& attention) {
-  return GraphAttentionOptions(kFeatures, kClasses).width(8).heads(2).layers(2).dropout(0).attention(attention);
+/// The options of a model over `kind`: a structure ("input", "input+random...")
+/// or an attention mechanism ("full", "sac...", anything else).
+GraphAttentionOptions options(const std::string& kind) {
+  auto o = GraphAttentionOptions(kFeatures, kClasses).width(8).heads(2).layers(2).dropout(0);
+  return kind.rfind("input", 0) == 0 ? o.structure(kind) : o.attention(kind);
 }
 
 GraphAttentionNetwork make(const GraphAttentionOptions& o, uint64_t seed = 3) {
@@ -265,7 +268,14 @@ TEST(GraphAttention, ValidateRefusesBadOptions) {
   const auto o = options("input");
   EXPECT_NO_THROW(validate(o));
   expect_error([&] { validate(options("sparse")); },
-               {"GraphAttentionNetwork", "unknown attention 'sparse'", "input, full, input+random"});
+               {"GraphAttentionNetwork", "unknown attention 'sparse'", "full or sac"});
+  expect_error([&] { validate(options("input").structure("random")); },
+               {"GraphAttentionNetwork", "unknown structure 'random'", "input or input+random"});
+  // A mechanism replaces the structure's edges: it takes the input graph only.
+  expect_error([&] { validate(options("full").structure("input+random")); },
+               {"attention 'full'", "every pair", "structure 'input'", "got 'input+random'"});
+  expect_error([&] { validate(options("sac").structure("input+random:alpha=2")); },
+               {"attention 'sac'", "structure 'input'", "got 'input+random:alpha=2'"});
   expect_error([&] { validate(options("input:alpha=1")); },
                {"GraphAttentionNetwork", "'input:alpha=1'", "takes no options"});
   expect_error([&] { validate(options("full:seed=2")); }, {"'full:seed=2'", "takes no options"});

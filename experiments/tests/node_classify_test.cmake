@@ -1,8 +1,10 @@
 # `attnkit-experiments node-classify` as a user runs it, on the package graph that
 # scripts/package-graph makes from tests/data/packages-fixture.txt, with a tiny
-# model: a run's files for every attention kind, --resume (which must end where
-# an uninterrupted run ends, to the bit: the same best/test values and the same
-# tensors in the last checkpoint), refusals that exit non-zero and change nothing.
+# model: a run's files for every structure and attention kind, --resume (which
+# must end where an uninterrupted run ends, to the bit: the same best/test values
+# and the same tensors in the last checkpoint), a run written before --structure
+# existed (resumed, and ending where a run of today's flags ends), the old form
+# --attention input|input+random, refusals that exit non-zero and change nothing.
 # Variables: CLI (the attnkit-experiments binary), PYTHON, PACKAGE_GRAPH (scripts/package-graph),
 # FIXTURE (tests/data/packages-fixture.txt), OUT_DIR (scratch).
 cmake_policy(VERSION 3.25)
@@ -18,6 +20,24 @@ function(require_contains text needle what)
   string(FIND "${text}" "${needle}" at)
   if(at EQUAL -1)
     message(FATAL_ERROR "${what}: expected '${needle}' in:\n${text}")
+  endif()
+endfunction()
+
+# A kind of run: a structure ("input", "input+random...") or an attention
+# mechanism ("full", "sac..."). Sets `kind_flags` (its flags), `kind_structure`,
+# `kind_attention` (as result.json stores them) and `kind_line` (how the
+# program's first line names them).
+function(kind_of kind)
+  if(kind MATCHES "^input")
+    set(kind_flags --structure ${kind} PARENT_SCOPE)
+    set(kind_structure "${kind}" PARENT_SCOPE)
+    set(kind_attention "" PARENT_SCOPE)
+    set(kind_line "structure ${kind}, attention over the structure" PARENT_SCOPE)
+  else()
+    set(kind_flags --attention ${kind} PARENT_SCOPE)
+    set(kind_structure "input" PARENT_SCOPE)
+    set(kind_attention "${kind}" PARENT_SCOPE)
+    set(kind_line "structure input, attention ${kind}" PARENT_SCOPE)
   endif()
 endfunction()
 
@@ -109,7 +129,7 @@ if(NOT out MATCHES "\n  node-classify ")
   message(FATAL_ERROR "'attnkit-experiments --help' does not list node-classify:\n${out}")
 endif()
 run_ok(${CLI} node-classify --help)
-foreach(flag --data --attention --epochs --patience --eval-every --seed --threads --out --resume --width --heads
+foreach(flag --data --structure --attention --epochs --patience --eval-every --seed --threads --out --resume --width --heads
              --layers --residual --samples --dropout --lr --weight-decay --clip)
   if(NOT out MATCHES "${flag}")
     message(FATAL_ERROR "'attnkit-experiments node-classify --help' lacks ${flag}:\n${out}")
@@ -123,8 +143,9 @@ set(record_keys step loss accuracy valid_loss valid_accuracy test_loss test_accu
 foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,hidden=8)
   string(MAKE_C_IDENTIFIER "${kind}" name)
   set(run ${OUT_DIR}/${name})
-  run_ok(${CLI} node-classify ${model} --attention ${kind} --out ${run})
-  require_contains("${out}" "attention ${kind}, seed 1; ${nodes} nodes, ${edges} edges, ${features} features, 3 classes; train/valid/test ${train}/${valid}/${test} nodes" "${kind}'s output")
+  kind_of(${kind})
+  run_ok(${CLI} node-classify ${model} ${kind_flags} --out ${run})
+  require_contains("${out}" "${kind_line}, seed 1; ${nodes} nodes, ${edges} edges, ${features} features, 3 classes; train/valid/test ${train}/${valid}/${test} nodes" "${kind}'s output")
   require_contains("${out}" "node-classify after 4 epochs" "${kind}'s output")
   if(NOT out MATCHES "epoch 2/4  loss [0-9.]+ .* ETA [0-9]")
     message(FATAL_ERROR "${kind}'s output lacks the epoch-2 line:\n${out}")
@@ -152,7 +173,7 @@ foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,h
   endforeach()
 
   file(READ ${run}/result.json result)
-  read_fields("${result}" "" attention seed settings epochs_run stopped_early parameters nodes classes best
+  read_fields("${result}" "" structure attention seed settings epochs_run stopped_early parameters nodes classes best
               test_accuracy input_graph train_seconds seconds_per_epoch session)
   read_fields("${result}" "best" epoch valid_accuracy valid_loss test_loss edges_per_node same_class)
   string(JSON best_test GET "${result}" best test_accuracy)
@@ -160,7 +181,7 @@ foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,h
               threads)
   string(JSON input_epn GET "${result}" input_graph edges_per_node)
   string(JSON input_same GET "${result}" input_graph same_class)
-  if(NOT attention STREQUAL kind OR NOT epochs_run EQUAL 4 OR NOT seed EQUAL 1 OR NOT stopped_early STREQUAL "OFF"
+  if(NOT attention STREQUAL kind_attention OR NOT structure STREQUAL kind_structure OR NOT epochs_run EQUAL 4 OR NOT seed EQUAL 1 OR NOT stopped_early STREQUAL "OFF"
      OR NOT resumed_from STREQUAL "" OR NOT start_epoch EQUAL 0 OR NOT threads EQUAL 1
      OR NOT test_accuracy STREQUAL best_test OR NOT (epoch EQUAL 2 OR epoch EQUAL 4))
     message(FATAL_ERROR "${kind}: result.json:\n${result}")
@@ -210,19 +231,20 @@ foreach(kind input sac:alpha=1,variant=all-connected,hidden=8)
   string(MAKE_C_IDENTIFIER "${kind}" name)
   set(split ${OUT_DIR}/resume-${name})
   set(straight ${OUT_DIR}/straight-${name})
+  kind_of(${kind})
   run_ok(${CLI} node-classify --data ${data} --width 8 --heads 2 --epochs 2 --eval-every 2 --threads 1
-         --attention ${kind} --out ${split})
+         ${kind_flags} --out ${split})
   expect_checkpoints(${split} 2)
   read_metrics(${split} 1)
   run_ok(${CLI} node-classify --epochs 4 --eval-every 2 --threads 1 --out ${split} --resume)
   if(NOT out MATCHES "resuming [^\n]*checkpoint-00000002\\.ckpt at epoch 2" OR NOT out MATCHES "after 4 epochs")
     message(FATAL_ERROR "${kind}: --resume's output:\n${out}")
   endif()
-  require_contains("${out}" "attention ${kind}" "${kind}: --resume takes the settings from the checkpoint")
+  require_contains("${out}" "${kind_line}" "${kind}: --resume takes the settings from the checkpoint")
   expect_checkpoints(${split} 2 4)
   read_metrics(${split} 2)
   set(split_records "${records}")
-  run_ok(${CLI} node-classify ${model} --attention ${kind} --out ${straight})
+  run_ok(${CLI} node-classify ${model} ${kind_flags} --out ${straight})
   read_metrics(${straight} 2)
 
   file(READ ${split}/result.json a)
@@ -268,7 +290,7 @@ foreach(kind input sac:alpha=1,variant=all-connected,hidden=8)
   endforeach()
 endforeach()
 # The comparison can fail: another seed ends elsewhere.
-run_ok(${CLI} node-classify ${model} --attention input --seed 2 --out ${OUT_DIR}/seed-2)
+run_ok(${CLI} node-classify ${model} --structure input --seed 2 --out ${OUT_DIR}/seed-2)
 read_checkpoint(${OUT_DIR}/seed-2/checkpoint-00000004.ckpt)
 set(seed2 "${payload_digest}")
 read_checkpoint(${OUT_DIR}/straight-input/checkpoint-00000004.ckpt)
@@ -281,8 +303,12 @@ set(run ${OUT_DIR}/input)
 directory_hashes(${run} hashes_before)
 run_refused_with("already holds checkpoints" ${CLI} node-classify ${model} --out ${run})
 run_refused_with("pass --resume" ${CLI} node-classify --data ${data} --epochs 6 --out ${run})
-run_refused_with("--resume: --attention: checkpoint \"input\", now \"full\""
+run_refused_with("--resume: --attention: checkpoint \"\", now \"full\""
                  ${CLI} node-classify --attention full --epochs 6 --out ${run} --resume)
+run_refused_with("--resume: --structure: checkpoint \"input\", now \"input+random\""
+                 ${CLI} node-classify --structure input+random --epochs 6 --out ${run} --resume)
+run_refused_with("--resume: --structure: checkpoint \"input\", now \"input+random\""
+                 ${CLI} node-classify --attention input+random --epochs 6 --out ${run} --resume)
 run_refused_with("--resume: --width: checkpoint 8, now 16"
                  ${CLI} node-classify --width 16 --epochs 6 --out ${run} --resume)
 require_unchanged(${run} "${hashes_before}" "a refusal")
@@ -300,8 +326,68 @@ run_refused_with("--data (a dataset directory, e.g. from scripts/package-graph) 
                  ${CLI} node-classify --out ${OUT_DIR}/no-data)
 run_refused_with("unknown attention 'sparse'"
                  ${CLI} node-classify --data ${data} --attention sparse --out ${OUT_DIR}/no-data)
+run_refused_with("unknown structure 'random'"
+                 ${CLI} node-classify --data ${data} --structure random --out ${OUT_DIR}/no-data)
+run_refused_with("it takes structure 'input', got 'input+random'"
+                 ${CLI} node-classify --data ${data} --structure input+random --attention full --out ${OUT_DIR}/no-data)
+run_refused_with("'input' is a structure: give it as --structure"
+                 ${CLI} node-classify --data ${data} --structure input --attention input --out ${OUT_DIR}/no-data)
 foreach(dir absent no-data)
   if(EXISTS ${OUT_DIR}/${dir})
     message(FATAL_ERROR "a refused run created ${OUT_DIR}/${dir}")
   endif()
 endforeach()
+
+# --- Names before --structure ---------------------------------------------------------------
+# The old form --attention input+random:... still runs (one warning line on
+# stderr) and is the run --structure gives, to the bit.
+set(old_form ${OUT_DIR}/old-form)
+run_ok(${CLI} node-classify ${model} --attention input+random:alpha=1 --out ${old_form})
+require_contains("${err}" "--attention input+random:alpha=1 is deprecated, use --structure input+random:alpha=1"
+                 "the old form's warning")
+require_contains("${out}" "structure input+random:alpha=1, attention over the structure, seed 1;" "the old form")
+read_checkpoint(${old_form}/checkpoint-00000004.ckpt)
+set(old_form_payload "${payload_digest}")
+read_checkpoint(${OUT_DIR}/input_random_alpha_1/checkpoint-00000004.ckpt)
+if(NOT old_form_payload STREQUAL payload_digest)
+  message(FATAL_ERROR "--attention input+random:alpha=1 and --structure input+random:alpha=1 end differently")
+endif()
+
+# A run directory written before --structure existed (its settings hold the
+# structure in "attention"; experiments/tests/data/node-classify-before-rename,
+# 2 epochs of `--attention input+random:alpha=1` with --data data): it resumes,
+# and ends where a run of today's flags ends.
+set(before ${OUT_DIR}/before-rename)
+file(COPY ${CMAKE_CURRENT_LIST_DIR}/data/node-classify-before-rename/ DESTINATION ${before})
+execute_process(COMMAND ${CLI} node-classify --epochs 4 --eval-every 2 --threads 1 --out ${before} --resume
+                WORKING_DIRECTORY ${OUT_DIR} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc OR NOT out MATCHES "resuming [^\n]*checkpoint-00000002\\.ckpt at epoch 2")
+  message(FATAL_ERROR "resuming the run written before --structure: exit ${rc}\n${out}${err}")
+endif()
+require_contains("${out}" "structure input+random:alpha=1, attention over the structure, seed 1;"
+                 "the old run's settings, read with today's names")
+run_refused_with("--resume: --structure: checkpoint \"input+random:alpha=1\", now \"input\""
+                 ${CLI} node-classify --structure input --epochs 6 --out ${before} --resume)
+set(today ${OUT_DIR}/before-rename-today)
+execute_process(COMMAND ${CLI} node-classify --data data --width 8 --heads 2 --epochs 4 --eval-every 2 --threads 1
+                        --structure input+random:alpha=1 --out ${today}
+                WORKING_DIRECTORY ${OUT_DIR} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc)
+  message(FATAL_ERROR "the run of today's flags: exit ${rc}\n${out}${err}")
+endif()
+file(READ ${before}/result.json a)
+file(READ ${today}/result.json b)
+foreach(path "best;epoch" "best;valid_accuracy" "best;valid_loss" "best;test_accuracy" "best;test_loss"
+             "best;edges_per_node" "test_accuracy" "epochs_run" "settings" "structure" "attention")
+  string(JSON va GET "${a}" ${path})
+  string(JSON vb GET "${b}" ${path})
+  if(NOT va STREQUAL vb)
+    message(FATAL_ERROR "result.json ${path}: the run written before --structure ${va}, today's ${vb}")
+  endif()
+endforeach()
+read_checkpoint(${before}/checkpoint-00000004.ckpt)
+set(before_payload "${payload_digest}")
+read_checkpoint(${today}/checkpoint-00000004.ckpt)
+if(NOT before_payload STREQUAL payload_digest)
+  message(FATAL_ERROR "checkpoint 4's tensors differ between the resumed old run and today's run")
+endif()

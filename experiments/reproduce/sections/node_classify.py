@@ -26,17 +26,18 @@ EXPERIMENT = {
     "paper": {"source": "SAC paper, Table 3 (accuracy %, mean of 3 runs)",
               "cora": {"GAT": 83.0, "SAC": 84.8}, "citeseer": {"GAT": 72.5, "SAC": 73.8},
               "pubmed": {"GAT": 79.0, "SAC": 79.7}},
-    # name -> (attention ({seed} is the run's seed), extra flags)
+    # name -> (what it attends over: --structure input|input+random:... or
+    # --attention full|sac:... ({seed} is the run's seed), extra flags)
     "configurations": [
-        ("input", "input", []),
-        ("full", "full", []),
-        ("input+random-2", "input+random:alpha=2,seed={seed}", []),
-        ("sac-2", "sac:alpha=2,variant=all-connected", []),
-        ("sac-2-edge", "sac:alpha=2,variant=all-connected,reward=edge", []),
+        ("input", ["--structure", "input"], []),
+        ("full", ["--attention", "full"], []),
+        ("input+random-2", ["--structure", "input+random:alpha=2,seed={seed}"], []),
+        ("sac-2", ["--attention", "sac:alpha=2,variant=all-connected"], []),
+        ("sac-2-edge", ["--attention", "sac:alpha=2,variant=all-connected,reward=edge"], []),
         # GAT's layout has no residual connections, which leaves full
         # attention nothing of a node's own features: the same two with them.
-        ("input-residual", "input", ["--residual"]),
-        ("full-residual", "full", ["--residual"]),
+        ("input-residual", ["--structure", "input"], ["--residual"]),
+        ("full-residual", ["--attention", "full"], ["--residual"]),
     ],
     # GAT's Cora settings for every configuration (2 layers, 8 heads x 8,
     # dropout 0.6, Adam 0.005 with L2 5e-4), at most 200 epochs with early
@@ -65,10 +66,10 @@ def jobs(exp, out, data, attnkit, seeds, smoke):
     flags = exp["smoke_flags" if smoke else "flags"]
     planned = []
     for seed in seeds:  # replica 1 of every configuration first
-        for name, attention, extra in exp["configurations"]:
+        for name, kind, extra in exp["configurations"]:
             run_dir = os.path.join(out, name, f"seed-{seed}")
             argv = runner.attnkit_command(attnkit, "node-classify", [
-                "--data", data, "--attention", attention.format(seed=seed), *flags, *extra,
+                "--data", data, *(flag.format(seed=seed) for flag in kind), *flags, *extra,
                 "--seed", str(seed), "--threads", "1", "--out", run_dir])
             planned.append({"dir": run_dir, "train": argv, "seed": seed, "config": name,
                             "label": f"{name} seed {seed}"})
@@ -100,19 +101,20 @@ def run_job(job_runner, job):
 def collect(exp, jobs, data, command):
     meta = checkpoints.data_meta(data)
     configs = []
-    for name, attention, extra in exp["configurations"]:
+    for name, kind, extra in exp["configurations"]:
         runs = []
         for job in (j for j in jobs if j["config"] == name):
             r = checkpoints.read_json(os.path.join(job["dir"], "result.json"))
             if r is None:
                 continue
-            runs.append({"seed": job["seed"], "attention": r["attention"], "test_accuracy": r["test_accuracy"],
+            runs.append({"seed": job["seed"], "structure": r.get("structure"), "attention": r["attention"],
+                         "test_accuracy": r["test_accuracy"],
                          "valid_accuracy": r["best"]["valid_accuracy"], "best_epoch": r["best"]["epoch"],
                          "epochs_run": r["epochs_run"], "edges_per_node": r["best"]["edges_per_node"],
                          "same_class": r["best"]["same_class"], "train_seconds": r["train_seconds"],
                          "seconds_per_epoch": r["seconds_per_epoch"], "loadavg": r["session"]["loadavg_end"]})
         mean, se = stats.mean_se([r["test_accuracy"] for r in runs])
-        configs.append({"name": name, "attention": attention, "flags": extra, "runs": runs, "test_accuracy": mean,
+        configs.append({"name": name, "flags": [*kind, *extra], "runs": runs, "test_accuracy": mean,
                         "test_accuracy_se": se,
                         "same_class": stats.mean_se([r["same_class"] for r in runs])[0],
                         "edges_per_node": stats.mean_se([r["edges_per_node"] for r in runs])[0],
