@@ -8,10 +8,11 @@
 
 * modules: ``attnkit.nn`` (MultiheadAttention with any mechanism, the zoo,
   Linear, the agglomerative and linear layers, DocumentMemory, one class per
-  registry mechanism in ``attnkit.nn.mechanisms``);
+  registry mechanism in ``attnkit.nn.registry``);
 * models: ``attnkit.models.Transformer`` (the builder, generation, runs of
   ``attnkit train``);
-* ``attnkit.mechanisms()`` lists the registry;
+* ``attnkit.mechanisms()`` lists the registry (as data; its classes are
+  ``attnkit.nn.registry``);
 * ``attnkit.isa()`` names the instruction-set level the kernels run at
   (``baseline``, ``avx2``, ``avx512``, ``avx512_bf16`` or ``amx``: the best the
   CPU has, capped by the environment variable ``ATTNKIT_MAX_ISA`` or by

@@ -14,6 +14,7 @@ errors, and the same checkpoints. A run of ``attnkit train`` loads with
     text = model.generate(prompt, tokens=100, top_k=5)
 """
 import json
+import warnings
 
 from ._bridge import BridgedModule
 
@@ -92,15 +93,23 @@ class Transformer(BridgedModule):
             attention = [attention]
         self._command("set_attention", attention=list(attention))
 
-    def save(self, run_dir, task="char-lm", data_dir="", length=64, step=0, trainer=None):
+    def save(self, run_dir, task="char-lm", data_dir="", copy_length=None, step=0, trainer=None, *, length=None):
         """Writes the model (float32) as checkpoint `step` of run directory
         `run_dir` for `task` ("char-lm" or "masked-char" with their `data_dir`,
-        or "copy" with its `length`), so that ``attnkit eval --run`` and
+        or "copy" with its `copy_length`, default 64; ``length`` is its
+        deprecated old name), so that ``attnkit eval --run`` and
         ``attnkit generate --run`` read it. `trainer` (a dict of TrainerOptions,
         e.g. {"context": 256, "batch": 16}) is recorded as the run's settings;
         eval reads its context. There is no optimiser state: ``--resume``
         refuses such a run. Returns the checkpoint's path."""
+        if length is not None:
+            if copy_length is not None:
+                raise TypeError("attnkit.models.Transformer.save: give 'copy_length' or its old name 'length', "
+                                "not both")
+            warnings.warn("attnkit.models.Transformer.save: 'length' is deprecated, use 'copy_length'",
+                          DeprecationWarning, stacklevel=2)
+            copy_length = length
         self._sync()
-        return self._bridge.save_run(str(run_dir),
-                                     json.dumps({"name": task, "data_dir": str(data_dir), "length": length}),
+        task_json = {"name": task, "data_dir": str(data_dir), "copy_length": 64 if copy_length is None else copy_length}
+        return self._bridge.save_run(str(run_dir), json.dumps(task_json),
                                      json.dumps(trainer or {}), step)

@@ -12,14 +12,23 @@ Layers::
 Mechanisms over per-head tensors q (N, H, L, E), k (N, H, S, E), v (N, H, S, M)::
 
     attn = attnkit.nn.Attention("sparse-local:span=64")   # any registry spec
-    attn = attnkit.nn.mechanisms.SparseLocal(span=64)    # the same, one class per entry
+    attn = attnkit.nn.registry.SparseLocal(span=64)      # the same, one class per entry
     out = attn(q, k, v)
+
+Names: a model's width is ``width`` and its head count ``heads`` everywhere
+(attnkit.nn, attnkit.models, the C++ API and the CLI), except in
+MultiheadAttention, whose ``embed_dim`` and ``num_heads`` keep
+torch.nn.MultiheadAttention's signature so that it stays a drop-in
+replacement. The old names of the other modules' arguments (``embed_dim``,
+``num_heads``, ``d_model``) and ``attnkit.nn.mechanisms`` (now
+``attnkit.nn.registry``) still work with a DeprecationWarning.
 """
 import functools
 import json
 import keyword
 import sys
 import types
+import warnings
 
 import torch
 
@@ -27,11 +36,24 @@ from . import _library
 from ._bridge import BridgedModule
 
 __all__ = [
-    "Linear", "MultiheadAttention", "Attention", "mechanisms",
+    "Linear", "MultiheadAttention", "Attention", "registry",
     "AdditiveAttention", "GeneralAttention", "DotAttention", "LocationAttention",
     "RelativePositionAttention", "SinusoidalPositionalEncoding",
     "AgglomerativeAttention", "LinearAttention", "GatedLinearAttention", "DocumentMemory",
 ]
+
+
+def _renamed(what, name, value, old_name, old_value):
+    """The value of argument `name`, also accepted under its old name (with a
+    DeprecationWarning); exactly one of the two must be given."""
+    if old_value is None:
+        if value is None:
+            raise TypeError(f"{what}: missing required argument '{name}'")
+        return value
+    if value is not None:
+        raise TypeError(f"{what}: give '{name}' or its old name '{old_name}', not both")
+    warnings.warn(f"{what}: '{old_name}' is deprecated, use '{name}'", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def _lengths_from_padding(mask, N, S, what):
@@ -96,8 +118,10 @@ class MultiheadAttention(BridgedModule):
     attention weights are never materialised (``need_weights=True`` is refused).
     """
 
+    # embed_dim and num_heads (the width and heads of every other module) keep
+    # torch.nn.MultiheadAttention's names: a drop-in replacement (docs/API.md).
     def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False):
-        super().__init__("MultiheadAttention", {"embed_dim": embed_dim, "num_heads": num_heads,
+        super().__init__("MultiheadAttention", {"width": embed_dim, "heads": num_heads,
                                                 "bias": bias, "attention": attention})
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
@@ -194,11 +218,15 @@ class LocationAttention(BridgedModule):
 
 class RelativePositionAttention(BridgedModule):
     """Shaw et al.'s multi-head self-attention with relative position tables
-    (offsets clipped to [-max_relative, max_relative]). forward(x (N, L, D),
-    key_lengths=None, causal=False) -> (N, L, D)."""
+    (offsets clipped to [-max_relative, max_relative]) over a model of
+    ``width`` (a multiple of ``heads``). forward(x (N, L, width),
+    key_lengths=None, causal=False) -> (N, L, width)."""
 
-    def __init__(self, embed_dim, num_heads, max_relative=16):
-        super().__init__("RelativePositionAttention", {"embed_dim": embed_dim, "num_heads": num_heads,
+    def __init__(self, width=None, heads=None, max_relative=16, *, embed_dim=None, num_heads=None):
+        what = "attnkit.nn.RelativePositionAttention"
+        width = _renamed(what, "width", width, "embed_dim", embed_dim)
+        heads = _renamed(what, "heads", heads, "num_heads", num_heads)
+        super().__init__("RelativePositionAttention", {"width": width, "heads": heads,
                                                        "max_relative": max_relative})
 
     def forward(self, x, key_lengths=None, causal=False):
@@ -206,22 +234,27 @@ class RelativePositionAttention(BridgedModule):
 
 
 class SinusoidalPositionalEncoding(BridgedModule):
-    """x (N, L, d_model) + the sinusoidal table's rows [offset, offset + L)."""
+    """x (N, L, width) + the sinusoidal table's rows [offset, offset + L)."""
 
-    def __init__(self, d_model, max_length=8192):
-        super().__init__("SinusoidalPositionalEncoding", {"d_model": d_model, "max_length": max_length})
+    def __init__(self, width=None, max_length=8192, *, d_model=None):
+        width = _renamed("attnkit.nn.SinusoidalPositionalEncoding", "width", width, "d_model", d_model)
+        super().__init__("SinusoidalPositionalEncoding", {"width": width, "max_length": max_length})
 
     def forward(self, x, offset=0):
         return self._call("forward", x, offset=offset)[0]
 
 
 class AgglomerativeAttention(BridgedModule):
-    """The agglomerative-attention layer: ``classes`` classes over a width
-    ``embed_dim`` (a multiple of classes). forward(query (N, L, D), reference
-    (N, S, D) or None for self-attention, causal=False) -> (N, L, D)."""
+    """The agglomerative-attention layer: ``classes`` classes over a model of
+    ``width`` (a multiple of classes). forward(query (N, L, width), reference
+    (N, S, width) or None for self-attention, causal=False) -> (N, L, width)."""
 
-    def __init__(self, embed_dim, classes, dropout=0.0):
-        super().__init__("AgglomerativeAttention", {"embed_dim": embed_dim, "classes": classes,
+    def __init__(self, width=None, classes=None, dropout=0.0, *, embed_dim=None):
+        what = "attnkit.nn.AgglomerativeAttention"
+        width = _renamed(what, "width", width, "embed_dim", embed_dim)
+        if classes is None:
+            raise TypeError(f"{what}: missing required argument 'classes'")
+        super().__init__("AgglomerativeAttention", {"width": width, "classes": classes,
                                                     "dropout": dropout})
 
     def forward(self, query, reference=None, causal=False):
@@ -322,19 +355,19 @@ def _mechanism_class(entry):
     def __init__(self, **options):
         unknown = sorted(set(options) - set(keys))
         if unknown:
-            raise TypeError(f"attnkit.nn.mechanisms.{_class_name(name)}: unknown option(s) "
+            raise TypeError(f"attnkit.nn.registry.{_class_name(name)}: unknown option(s) "
                             f"{', '.join(unknown)}; it takes: {', '.join(keys) or 'none'}")
         Attention.__init__(self, name, **options)
 
     doc = (f"The registry's '{name}': {entry['summary']}.\n\nOptions (defaults): {defaults}. "
            "forward(q, k, v, causal=False, key_lengths=None) -> (N, H, L, M).")
     return type(_class_name(name), (Attention,), {"__init__": __init__, "__doc__": doc,
-                                                   "__module__": "attnkit.nn.mechanisms",
+                                                   "__module__": "attnkit.nn.registry",
                                                    "__qualname__": _class_name(name)})
 
 
 def _mechanism_classes():
-    module = types.ModuleType("attnkit.nn.mechanisms",
+    module = types.ModuleType("attnkit.nn.registry",
                               "One attnkit.nn.Attention subclass per mechanism of the registry "
                               "(attnkit.mechanisms()), named in CamelCase: 'improved-clustered' is "
                               "ImprovedClustered. Layer-only mechanisms (agglomerative) are layers "
@@ -349,7 +382,20 @@ def _mechanism_classes():
         names.append(cls.__name__)
     module.__all__ = names
     sys.modules[module.__name__] = module  # so that pickle finds the classes
+    # Pickles written before the rename name the classes' module
+    # attnkit.nn.mechanisms: it is the same module.
+    sys.modules["attnkit.nn.mechanisms"] = module
     return module
 
 
-mechanisms = _mechanism_classes()
+registry = _mechanism_classes()
+
+
+def __getattr__(name):
+    # attnkit.nn.mechanisms was this module's name until it clashed with the
+    # function attnkit.mechanisms() (the registry as data).
+    if name == "mechanisms":
+        warnings.warn("attnkit.nn.mechanisms is deprecated, use attnkit.nn.registry (the same classes)",
+                      DeprecationWarning, stacklevel=2)
+        return registry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -267,7 +267,7 @@ def _module_cases():
         # Clustering is piecewise constant in q: with more than one cluster only k, v vary.
         vary_q = name != "clustered"
         qfix = torch.randn(1, 2, 5, 4, dtype=f64)
-        add(f"mechanisms.{name}", lambda name=name, options=options: ann.Attention(name, **options).eval(),
+        add(f"registry.{name}", lambda name=name, options=options: ann.Attention(name, **options).eval(),
             lambda vary_q=vary_q, M=M: ([leaf(1, 2, 5, 4)] if vary_q else []) + [leaf(1, 2, 5, 4), leaf(1, 2, 5, M)],
             (lambda m, q, k, v: m(q, k, v)) if vary_q else (lambda m, k, v, qfix=qfix: m(qfix, k, v)))
 
@@ -332,7 +332,7 @@ def test_modules_cover_attnkit_nn():
     names = {p.id.split(" ")[0].split(".")[0] for p in MODULE_CASES}
     modules = {n for n in ann.__all__ if isinstance(getattr(ann, n), type) and issubclass(getattr(ann, n), torch.nn.Module)}
     assert modules - {"Attention"} <= names, modules - names
-    assert "mechanisms" in names and "Transformer" in names
+    assert "registry" in names and "Transformer" in names
 
 
 @pytest.mark.parametrize("make, make_inputs, call", [p for p in MODULE_CASES if p.id in (

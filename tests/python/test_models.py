@@ -103,6 +103,17 @@ def test_save_refuses_what_a_run_cannot_hold(run, data, tmp_path):
         attnkit.models.Transformer.load(tmp_path / "nothing-here")
 
 
+def test_save_takes_the_copy_length_under_its_old_name_too(tmp_path):
+    model = attnkit.models.Transformer(12, layers=1, width=8, heads=2, architecture="encoder")
+    model.save(tmp_path / "new", task="copy", copy_length=6)
+    with pytest.warns(DeprecationWarning, match="'length' is deprecated, use 'copy_length'"):
+        model.save(tmp_path / "old", task="copy", length=6)
+    for name in ("new", "old"):
+        assert attnkit.models.Transformer.load(tmp_path / name).run_info["task"]["copy_length"] == 6
+    with pytest.raises(TypeError, match="not both"):
+        model.save(tmp_path / "both", task="copy", copy_length=6, length=6)
+
+
 def test_set_attention_matches_cli_eval_with_a_swapped_mechanism(run):
     model = attnkit.models.Transformer.load(run)
     model.set_attention("sparse-local-causal:span=8")

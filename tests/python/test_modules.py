@@ -5,6 +5,7 @@ torch conventions, and the closed forms the modules compute (against the
 functional ops and plain torch with the same weights)."""
 import copy
 import io
+import json
 import math
 import pickle
 import re
@@ -205,7 +206,7 @@ MODULE_ERRORS = [
     ("MHA mask and lengths", lambda: MHA(X, X, X, key_padding_mask=padding([5, 5], 5), key_lengths=lengths(5, 5)),
      ValueError, ("MultiheadAttention", "key_padding_mask", "key_lengths")),
     ("MHA key_lengths", lambda: MHA(X, X, X, key_lengths=lengths(6, 5)), RuntimeError, ("'key_lengths'", "6 larger")),
-    ("MHA embed_dim", lambda: ann.MultiheadAttention(7, 2), RuntimeError, ("MultiheadAttention", "embed_dim (7)", "heads (2)")),
+    ("MHA embed_dim", lambda: ann.MultiheadAttention(7, 2), RuntimeError, ("MultiheadAttention", "width (7)", "heads (2)")),
     ("MHA mechanism", lambda: ann.MultiheadAttention(8, 2, attention="nope"), RuntimeError, ("attention mechanism", "'nope'")),
     ("MHA mechanism option", lambda: ann.MultiheadAttention(8, 2, attention="clustered:topk=3"), RuntimeError,
      ("'clustered'", "'topk'")),
@@ -216,9 +217,9 @@ MODULE_ERRORS = [
      ("full", "'k'", "feature size E")),
     ("Attention unsupported key_lengths", lambda: ann.Attention("linear")(Q, K, V, key_lengths=lengths(2)), RuntimeError,
      ("linear", "key_lengths")),
-    ("Attention self-attention only", lambda: ann.mechanisms.SparseLocal(span=1)(Q, K, V), RuntimeError,
+    ("Attention self-attention only", lambda: ann.registry.SparseLocal(span=1)(Q, K, V), RuntimeError,
      ("sparse-local", "L == S")),
-    ("mechanisms option value", lambda: ann.mechanisms.SparseLocal(span="x"), RuntimeError, ("sparse-local", "'span'", "integer")),
+    ("registry option value", lambda: ann.registry.SparseLocal(span="x"), RuntimeError, ("sparse-local", "'span'", "integer")),
     ("MHA float16", lambda: ann.MultiheadAttention(8, 2, batch_first=True).half()(X.half(), X.half(), X.half()), RuntimeError,
      ("MultiheadAttention", "'query'", "float16")),
     ("MHA mechanism without causal", lambda: ann.MultiheadAttention(8, 2, attention="clustered", batch_first=True)(
@@ -285,8 +286,8 @@ MODULE_ERRORS = [
      ("DocumentMemory::load", "'/nonexistent/attnkit-memory.bin'")),
     ("DocumentMemory pickle", lambda: pickle.dumps(ann.DocumentMemory(3)), TypeError, ("DocumentMemory", "save")),
     # Unknown keyword options: TypeError, Python's error for an unexpected keyword argument.
-    ("mechanisms unknown option", lambda: ann.mechanisms.Clustered(topk=3), TypeError,
-     ("attnkit.nn.mechanisms.Clustered", "unknown option", "topk", "clusters")),
+    ("registry unknown option", lambda: ann.registry.Clustered(topk=3), TypeError,
+     ("attnkit.nn.registry.Clustered", "unknown option", "topk", "clusters")),
     ("Transformer unknown option", lambda: Transformer(5, foo=1), TypeError, ("attnkit.models.Transformer", "unknown option", "foo")),
     ("Transformer.from_kwargs vocab_size", lambda: Transformer.from_kwargs(layers=1), TypeError, ("from_kwargs", "vocab_size")),
 ]
@@ -678,7 +679,7 @@ def test_transformer_set_attention_and_options():
 
 
 # ---------------------------------------------------------------------------------------
-# attnkit.nn.mechanisms: one class per registry entry
+# attnkit.nn.registry: one class per registry entry
 # ---------------------------------------------------------------------------------------
 
 def _camel(name):
@@ -690,9 +691,9 @@ def test_a_mechanism_class_for_every_registry_entry():
     assert {"full", "linear", "clustered", "improved-clustered", "sparse-local", "agglomerative", "sac"} <= {
         e["name"] for e in entries}
     expected = {_camel(e["name"]) for e in entries if not e["layer_only"]}
-    assert set(ann.mechanisms.__all__) == expected
+    assert set(ann.registry.__all__) == expected
     for e in entries:
-        cls = getattr(ann.mechanisms, _camel(e["name"]), None)
+        cls = getattr(ann.registry, _camel(e["name"]), None)
         if e["layer_only"]:
             assert cls is None
             continue
@@ -714,7 +715,7 @@ def _mechanism_options(name):
 def test_mechanism_class_matches_attention_spec(entry):
     name = entry["name"]
     options = _mechanism_options(name)
-    cls = getattr(ann.mechanisms, _camel(name))
+    cls = getattr(ann.registry, _camel(name))
     a = cls(**options).eval()
     b = ann.Attention(name, **options).eval()
     spec = name + (":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
@@ -766,7 +767,7 @@ def test_mechanism_module_equals_its_op(name, closed_form):
 
 
 def test_clustered_module_advances_its_seed_in_training_only():
-    m = ann.mechanisms.Clustered(clusters=2, bits=4, seed=5)
+    m = ann.registry.Clustered(clusters=2, bits=4, seed=5)
     q, k, v = torch.randn(1, 4, 16, 4), torch.randn(1, 4, 16, 4), torch.randn(1, 4, 16, 3)
     seeds = [ops.clustered_attention(q, k, v, clusters=2, bits=4, seed=s) for s in range(5, 9)]
     assert any(not torch.equal(seeds[0], s) for s in seeds[1:]), "the seeds give the same labels: pick other data"
@@ -1098,3 +1099,66 @@ def test_document_memory_refuses_a_corrupted_file(tmp_path, damage):
     path.write_bytes(bytes(data))
     with raises(RuntimeError, "DocumentMemory::load", str(path)):
         ann.DocumentMemory.load(path)
+
+
+# ---------------------------------------------------------------------------------------
+# Names before the naming pass: pickles, arguments and attnkit.nn.mechanisms still work
+# ---------------------------------------------------------------------------------------
+
+OLD_PICKLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "modules-before-rename.pt"
+
+
+def test_modules_pickled_before_the_rename_load_and_compute_the_same():
+    """tests/data/modules-before-rename.pt: modules whose pickled settings say
+    embed_dim, num_heads and d_model (tests/data/README.md)."""
+    saved = torch.load(OLD_PICKLE, weights_only=False)
+    x = saved["input"]
+    modules = saved["modules"]
+    with torch.no_grad():
+        got = {"relative": modules["relative"](x), "sinusoidal": modules["sinusoidal"](x),
+               "agglomerative": modules["agglomerative"](x), "multihead": modules["multihead"](x, x, x)[0]}
+    for name, want in saved["outputs"].items():
+        assert torch.equal(got[name], want), name
+    # They now speak the current names, and pickle again under them.
+    assert json.loads(modules["relative"].extra_repr()) == {"width": 8, "heads": 2, "max_relative": 3}
+    assert json.loads(modules["sinusoidal"].extra_repr()) == {"width": 8, "max_length": 16}
+    assert json.loads(modules["agglomerative"].extra_repr())["width"] == 8
+    mha = json.loads(modules["multihead"].extra_repr())
+    assert (mha["width"], mha["heads"]) == (8, 2) and "embed_dim" not in mha
+    again = pickle.loads(pickle.dumps(modules["relative"]))
+    with torch.no_grad():
+        assert torch.equal(again(x), saved["outputs"]["relative"])
+
+
+def test_old_argument_names_still_work_with_a_deprecation_warning():
+    torch.manual_seed(0)
+    new = ann.RelativePositionAttention(8, 2, max_relative=3)
+    with pytest.warns(DeprecationWarning, match="'embed_dim' is deprecated, use 'width'"):
+        old = ann.RelativePositionAttention(embed_dim=8, num_heads=2, max_relative=3)
+    assert old.extra_repr() == new.extra_repr()
+    with pytest.warns(DeprecationWarning, match="'d_model' is deprecated, use 'width'"):
+        assert ann.SinusoidalPositionalEncoding(d_model=8).extra_repr() == ann.SinusoidalPositionalEncoding(8).extra_repr()
+    with pytest.warns(DeprecationWarning, match="'embed_dim' is deprecated"):
+        assert ann.AgglomerativeAttention(embed_dim=8, classes=2).extra_repr() == \
+            ann.AgglomerativeAttention(width=8, classes=2).extra_repr()
+    with pytest.raises(TypeError, match="give 'width' or its old name 'embed_dim', not both"):
+        ann.RelativePositionAttention(8, 2, embed_dim=8)
+    with pytest.raises(TypeError, match="missing required argument 'heads'"):
+        ann.RelativePositionAttention(8)
+    # MultiheadAttention keeps torch.nn.MultiheadAttention's names.
+    m = ann.MultiheadAttention(embed_dim=8, num_heads=2)
+    assert (m.embed_dim, m.num_heads) == (8, 2)
+
+
+def test_nn_mechanisms_is_the_registry_module_under_its_old_name():
+    with pytest.warns(DeprecationWarning, match="attnkit.nn.registry"):
+        old = ann.mechanisms
+    assert old is ann.registry
+    assert ann.registry.Clustered.__module__ == "attnkit.nn.registry"
+    # Pickles of the classes written before the rename name the old module.
+    assert __import__("sys").modules["attnkit.nn.mechanisms"] is ann.registry
+    m = ann.registry.SparseLocal(span=2)
+    text = pickle.dumps(m, protocol=0).replace(b"attnkit.nn.registry", b"attnkit.nn.mechanisms")
+    assert b"attnkit.nn.mechanisms" in text
+    back = pickle.loads(text)
+    assert type(back) is ann.registry.SparseLocal and back.spec == "sparse-local:span=2"
