@@ -35,7 +35,7 @@ std::string machine_isa();
 /// oneDNN before the decision (isa_description() then says so).
 bool set_max_isa(const std::string& level);
 
-/// The CPU's model name as CPUID reports it (e.g. "AMD EPYC 9R14"), or "unknown".
+/// The CPU's model name as CPUID reports it (its brand string), or "unknown".
 std::string cpu_model();
 
 /// Threads used by attnkit's kernels (and by oneDNN inside them). Default:

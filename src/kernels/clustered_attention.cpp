@@ -18,9 +18,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 // Centroid rows per panel (at most). A panel reads all of K and V once, so one
-// panel for the usual C <= 128 reads them once per head: with four panels of 25
-// rows, forward+backward at L = 32768 took 30% longer (K and V no longer fit in
-// cache and were read four times).
+// panel for the usual C <= 128 reads them once per head: four panels of 25
+// rows read them four times, which once K and V no longer fit in cache made
+// forward+backward slower (docs/PERFORMANCE.md, "Why the kernels' constants").
 constexpr int64_t kClusterBlock = 128;
 constexpr int64_t kKeyBlock = 256;     // keys per panel in the backward
 constexpr int64_t kMemberBlock = 128;  // member queries per sparse product

@@ -30,9 +30,8 @@ namespace attnkit::kernels {
 enum class FeatureMapKind { identity, elu };  // elu means elu(x) + 1
 
 /// Queries per chunk of the causal forms. Larger chunks mean larger GEMMs but
-/// more masked chunk x chunk work per token; at E = M = 64 (H = 8, L = 4096,
-/// one thread) 32 beat 64 by ~7% (linear) to ~15% (gated) forward+backward,
-/// and 128 by ~40%.
+/// more masked chunk x chunk work per token; at E = M = 64, 32 beat 64 and 128
+/// forward+backward (docs/PERFORMANCE.md, "Why the kernels' constants").
 constexpr int64_t kDefaultLinearChunk = 32;
 
 /// q, k, v, out and the sizes come from QkvParams; out needs a unit last stride.

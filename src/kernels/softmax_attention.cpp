@@ -32,9 +32,10 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 256;
 // A forward work item is a span of up to kForwardGroup query blocks that share
-// every key and value block while it is in L2. At L = S = 16384 (keys and
-// values of a head: 8 MiB, more than L2) spans of 4 blocks ran the forward in
-// 5.9-6.3 s against 6.6-7.6 s for single blocks; at 4096 both are equal.
+// every key and value block while it is in L2: once a head's keys and values
+// outgrow L2 (L = S = 16384: 8 MiB) spans of 4 blocks ran the forward faster
+// than single blocks; where they fit, both are equal (docs/PERFORMANCE.md,
+// "Why the kernels' constants").
 constexpr int64_t kForwardGroup = 4;
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;

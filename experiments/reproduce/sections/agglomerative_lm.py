@@ -38,7 +38,7 @@ EXPERIMENT = {
     ],
     # The same budget for every configuration: 1200 steps of 32 x 128
     # characters (4.9 M characters, 1.36 passes over KJV's train split);
-    # about 5 minutes per run on one thread of the 2-core machine.
+    # docs/EXPERIMENTS.md gives the wall time per run.
     "model": ["--shared-weights", "--layers", "5", "--width", "64", "--heads", "8", "--ffn", "256",
               "--dropout", "0.1"],
     "trainer": ["--context", "128", "--batch", "32", "--steps", "1200", "--lr", "2e-3", "--min-lr", "1e-4",

@@ -1,7 +1,8 @@
 // The dense layer of every attnkit module: torch::nn::Linear's interface and
 // parameters on attnkit::linear (oneDNN's sgemm for float32), because
 // libtorch's own matmul runs netlib's reference BLAS on a default Debian
-// install, some 30x slower than the attention kernels it would feed.
+// install, far slower than the attention kernels it would feed
+// (docs/PERFORMANCE.md, "Dense layers").
 #pragma once
 
 #include <torch/nn/cloneable.h>

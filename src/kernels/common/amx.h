@@ -1,8 +1,8 @@
 // bfloat16 block products on AMX tiles, and the operand layouts they read.
 // Torch-free. Used by the bf16 attention kernels, whose block products are
 // small (tens to hundreds of rows) and many: a library call per block would
-// cost more than the product (a 128 x 128 x 64 product is about 1 microsecond
-// on the tiles), so the kernels call these directly.
+// cost more than the product itself does on the tiles (docs/PERFORMANCE.md,
+// "Why the kernels' constants"), so the kernels call these directly.
 //
 // One product, C (m x n, float32) = or += A (m x k) B (k x n):
 //   A  bf16, row-major with row stride lda (elements), as stored; rows of 64

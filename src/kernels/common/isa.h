@@ -86,8 +86,7 @@ bool set_max(Level cap);
 /// "avx2 (capped by ATTNKIT_MAX_ISA=avx2; CPU: amx; oneDNN capped to avx2)".
 std::string describe();
 
-/// The CPU's model name (CPUID's brand string, e.g. "AMD EPYC 9R14"), or
-/// "unknown".
+/// The CPU's model name (CPUID's brand string), or "unknown".
 std::string cpu_model();
 
 /// The best of the levels a kernel is built for (bit l of `built` set for

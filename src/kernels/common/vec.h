@@ -24,7 +24,8 @@ namespace vec {
 /// (1.26 ulp); the same over 1e7 random x in [-87, 88.7] (the test checks
 /// 2 ulp). Results below exp(-87) = 1.6e-38 flush to 0, so exp(-inf) == 0
 /// exactly: producing a subnormal or an underflow costs x86 a microcode assist
-/// (measured: 9 ns instead of 0.26 ns per element), which masked scores would
+/// (many times the cost of a normal element: docs/PERFORMANCE.md, "Why the
+/// kernels' constants"), which masked scores would
 /// hit on every causal diagonal block, and softmax weights that small are far
 /// below float resolution next to the row's largest weight of 1. Above 88.7
 /// the result is +inf. NaN propagates.
