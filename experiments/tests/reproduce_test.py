@@ -70,7 +70,7 @@ class Checkpoints(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="reproduce-test-")
         cls.run_dir = os.path.join(cls.tmp.name, "run")
-        train = runner.train_command(CLI, ["--task", "copy", "--length", "4", "--layers", "1", "--width", "16",
+        train = runner.train_command(CLI, ["--task", "copy", "--copy-length", "4", "--layers", "1", "--width", "16",
                                            "--heads", "2", "--ffn", "32", "--steps", str(cls.STEPS),
                                            "--batch", str(cls.BATCH), "--checkpoint-every", "2", "--warmup", "1",
                                            "--log-every", "2", "--eval-batches", "1"], 7, cls.run_dir)
@@ -90,7 +90,7 @@ class Checkpoints(unittest.TestCase):
         header = checkpoints.latest_header(self.run_dir)
         self.assertEqual(header["step"], self.STEPS)
         self.assertEqual(header["task"]["name"], "copy")
-        self.assertEqual(header["task"]["length"], 4)
+        self.assertEqual(header["task"]["copy_length"], 4)
         trainer = checkpoints.trainer_options(header)
         self.assertEqual((trainer["batch"], trainer["seed"]), (self.BATCH, 7))
         # The parameter count is the size of the tensors of kind parameter the header lists.

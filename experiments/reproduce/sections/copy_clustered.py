@@ -75,7 +75,7 @@ def jobs(exp, out, data, attnkit, seeds, smoke):
                         continue
                     spec = spec.replace("{n}", str(2 * length + 2))  # the sequence length, where a spec needs it
                     run_dir = os.path.join(out, f"length-{length}", name, f"seed-{seed}")
-                    flags = ["--task", "copy", "--length", str(length), "--attention", spec, *model, *trainer,
+                    flags = ["--task", "copy", "--copy-length", str(length), "--attention", spec, *model, *trainer,
                              "--batch", str(batch)]
                     planned.append(runner.replica(attnkit, run_dir, flags, seed, steps, config=name, length=length,
                                                   clusters=clusters, batch=batch, spec=spec,

@@ -30,8 +30,8 @@ EXPERIMENT = {
     "smoke_tokens_per_step": 128,
     "smoke_model": ["--architecture", "encoder", "--layers", "1", "--width", "16", "--heads", "2", "--ffn", "32",
                     "--dropout", "0"],
-    "smoke_figure_clustered": ["--lengths", "64,128", "--repeats", "1", "--heads", "2", "--dim", "8"],
-    "smoke_figure_agglomerative": ["--lengths", "32,64", "--repeats", "1", "--batch", "2", "--d-model", "32",
+    "smoke_figure_clustered": ["--lengths", "64,128", "--repeats", "1", "--heads", "2", "--head-dim", "8"],
+    "smoke_figure_agglomerative": ["--lengths", "32,64", "--repeats", "1", "--batch", "2", "--width", "32",
                                    "--heads", "2"],
 }
 
