@@ -2,9 +2,9 @@
 // use (queries x keys x head dim) and at a large square size (the peak).
 #include <benchmark/benchmark.h>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
-#include "kernels/memory.h"
-#include "kernels/threading.h"
+#include "kernels/common/threading.h"
 
 namespace {
 

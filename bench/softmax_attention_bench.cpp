@@ -8,8 +8,8 @@
 #include <cmath>
 #include <random>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
-#include "kernels/memory.h"
 #include "kernels/peak.h"
 #include "kernels/softmax_attention.h"
 

@@ -19,7 +19,6 @@
 
 #include "bench_util.h"
 #include "commands.h"
-#include "reference/reference.h"
 
 namespace attnkit::cli {
 
@@ -189,8 +188,9 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   // approx_err: distance to exact softmax attention, for approximations of it.
   if (info.approximates_exact) {
     torch::NoGradGuard no_grad;
-    auto exact = reference::softmax_attention(x64[0].detach(), x64[1].detach(), x64[2].detach(),
-                                              SoftmaxAttentionFuncOptions().causal(c.causal));
+    // float64 inputs: the op runs its composite definition (src/reference).
+    auto exact = softmax_attention(x64[0].detach(), x64[1].detach(), x64[2].detach(),
+                                   SoftmaxAttentionFuncOptions().causal(c.causal));
     r.approx_err = relative_max_error(out, exact);
   }
   return r;

@@ -15,6 +15,7 @@
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
+#include <attnkit/train/loop.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
@@ -189,14 +190,13 @@ void run(ClozeFlags f, CLI::App* cmd) {
     return dir.write_checkpoint(step, stored.dump(), *model, &optimizer);
   };
 
-  train::StopSignalGuard signals;
-  train::clear_stop();
-  double session_start = train::steady_seconds();
+  const double session_start = train::steady_seconds();
   double interval_loss = 0, interval_correct = 0;
   int64_t interval_examples = 0;
-  int64_t step = start_step;
   EvalResult last_valid;
-  while (step < f.steps) {
+  std::string last_checkpoint;
+  train::LoopHooks hooks;
+  hooks.step = [&](int64_t step) {
     const auto b = task.train_batch(f.seed, step, f.batch);
     const auto logits = model->forward(b.document, b.query, b.candidate);
     const auto loss = torch::nn::functional::cross_entropy(logits, b.answer);
@@ -204,42 +204,42 @@ void run(ClozeFlags f, CLI::App* cmd) {
     loss.backward();
     if (f.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), f.clip);
     optimizer.step();
-    ++step;
     interval_loss += loss.item<double>() * static_cast<double>(f.batch);
     interval_correct += logits.detach().argmax(1).eq(b.answer).sum().item<double>();
     interval_examples += f.batch;
-    const bool stop = train::stop_requested();
-    if (step % f.eval_every == 0 || step == f.steps || stop) {
-      const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
-      last_valid = evaluate(model, valid_batches);
-      json rec{{"step", step},
-               {"loss", interval_loss / static_cast<double>(interval_examples)},
-               {"accuracy", interval_correct / static_cast<double>(interval_examples)},
-               {"valid_loss", last_valid.loss},
-               {"valid_accuracy", last_valid.accuracy},
-               {"elapsed", elapsed}};
-      metrics->append(rec.dump());
-      const auto path = save(step, elapsed);
-      // ETA from this session's speed (a resumed run's earlier sessions may have run elsewhere).
-      const double session_seconds = train::steady_seconds() - session_start;
-      const double eta = session_seconds / static_cast<double>(step - start_step) *
-                         static_cast<double>(f.steps - step);
-      std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s  ETA %s\n",
-                  static_cast<long long>(step), static_cast<long long>(f.steps),
-                  interval_loss / static_cast<double>(interval_examples),
-                  interval_correct / static_cast<double>(interval_examples), last_valid.loss,
-                  last_valid.accuracy, train::format_duration(elapsed).c_str(),
-                  train::format_duration(eta).c_str());
-      std::fflush(stdout);
-      interval_loss = interval_correct = 0;
-      interval_examples = 0;
-      if (stop && step < f.steps) {
-        std::printf("cloze: stopped by signal %d at step %lld; checkpoint %s; the same command with "
-                    "--resume continues\n",
-                    train::stop_signal(), static_cast<long long>(step), path.c_str());
-        return;
-      }
-    }
+    return train::stop_requested();
+  };
+  // Validation, a metrics record and a checkpoint every eval_every steps, at
+  // the end and on a stop.
+  hooks.after_step = [&](const train::StepDone& d) {
+    if (d.done % f.eval_every != 0 && !d.last && !d.stopping) return;
+    const double elapsed = elapsed_before + d.session_seconds;
+    last_valid = evaluate(model, valid_batches);
+    json rec{{"step", d.done},
+             {"loss", interval_loss / static_cast<double>(interval_examples)},
+             {"accuracy", interval_correct / static_cast<double>(interval_examples)},
+             {"valid_loss", last_valid.loss},
+             {"valid_accuracy", last_valid.accuracy},
+             {"elapsed", elapsed}};
+    metrics->append(rec.dump());
+    last_checkpoint = save(d.done, elapsed);
+    std::printf("step %lld/%lld  loss %.4f  accuracy %.4f  valid loss %.4f  valid accuracy %.4f  %s  ETA %s\n",
+                static_cast<long long>(d.done), static_cast<long long>(f.steps),
+                interval_loss / static_cast<double>(interval_examples),
+                interval_correct / static_cast<double>(interval_examples), last_valid.loss,
+                last_valid.accuracy, train::format_duration(elapsed).c_str(),
+                train::format_duration(d.eta_seconds).c_str());
+    std::fflush(stdout);
+    interval_loss = interval_correct = 0;
+    interval_examples = 0;
+  };
+  const auto end = train::run_loop(start_step, f.steps, hooks);
+  const int64_t step = end.done;
+  if (end.interrupted) {
+    std::printf("cloze: stopped by signal %d at step %lld; checkpoint %s; the same command with "
+                "--resume continues\n",
+                end.signal, static_cast<long long>(step), last_checkpoint.c_str());
+    return;
   }
   const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
 

@@ -23,6 +23,7 @@
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
+#include <attnkit/train/loop.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
@@ -279,15 +280,15 @@ void run(NodeFlags f, CLI::App* cmd) {
   };
 
   const auto train_batch = graph.batch(tasks::Split::train, sac ? f.samples : 1);
-  train::StopSignalGuard signals;
-  train::clear_stop();
   const double session_start = train::steady_seconds();
-  int64_t epoch = start_epoch;
-  bool early_stop = epoch - best.epoch >= f.patience && best.valid_accuracy >= 0;
+  bool early_stop = start_epoch - best.epoch >= f.patience && best.valid_accuracy >= 0;
   tasks::Metrics interval;
   double interval_reward = 0, interval_baseline = 0;
   int64_t interval_steps = 0;
-  while (epoch < f.epochs && !early_stop) {
+  std::string last_checkpoint;
+  train::LoopHooks hooks;
+  hooks.finished = [&] { return early_stop; };
+  hooks.step = [&](int64_t) {
     const auto logits = model->forward(graph.features, graph.edges, distances);
     auto loss = tasks::loss(logits, train_batch);
     interval += tasks::score(logits.detach(), train_batch);
@@ -305,57 +306,59 @@ void run(NodeFlags f, CLI::App* cmd) {
       if (sac) torch::nn::utils::clip_grad_norm_(predictor_params, f.clip);
     }
     optimizer.step();
-    ++epoch;
     ++interval_steps;
-    const bool stop = train::stop_requested();
-    if (epoch % f.eval_every == 0 || epoch == f.epochs || stop) {
-      const auto e = evaluate(model, graph, distances);
-      if (best.improved_by(e)) {
-        best.epoch = epoch;
-        best.valid_accuracy = e.valid.accuracy();
-        best.valid_loss = e.valid.loss();
-        best.test_accuracy = e.test.accuracy();
-        best.test_loss = e.test.loss();
-        best.structure = e.structure;
-      }
-      early_stop = epoch - best.epoch >= f.patience;
-      const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
-      json rec{{"step", epoch},
-               {"loss", interval.loss()},
-               {"accuracy", interval.accuracy()},
-               {"valid_loss", e.valid.loss()},
-               {"valid_accuracy", e.valid.accuracy()},
-               {"test_loss", e.test.loss()},
-               {"test_accuracy", e.test.accuracy()},
-               {"edges_per_node", e.structure.edges_per_node},
-               {"same_class", e.structure.same_class},
-               {"elapsed", elapsed}};
-      if (sac) {
-        rec["sac_reward"] = interval_reward / static_cast<double>(interval_steps);
-        rec["sac_baseline"] = interval_baseline / static_cast<double>(interval_steps);
-      }
-      metrics->append(rec.dump());
-      const auto path = save(epoch, elapsed);
-      const double session_seconds = train::steady_seconds() - session_start;
-      const double eta = session_seconds / static_cast<double>(epoch - start_epoch) *
-                         static_cast<double>(f.epochs - epoch);
-      std::printf("epoch %lld/%lld  loss %.4f  train acc %.4f  valid loss %.4f  valid acc %.4f  edges/node %.2f  "
-                  "same-class %.3f  %s  ETA %s\n",
-                  static_cast<long long>(epoch), static_cast<long long>(f.epochs), interval.loss(),
-                  interval.accuracy(), e.valid.loss(), e.valid.accuracy(), e.structure.edges_per_node,
-                  e.structure.same_class, train::format_duration(elapsed).c_str(),
-                  train::format_duration(eta).c_str());
-      std::fflush(stdout);
-      interval = {};
-      interval_reward = interval_baseline = 0;
-      interval_steps = 0;
-      if (stop && epoch < f.epochs && !early_stop) {
-        std::printf("%s: stopped by signal %d at epoch %lld; checkpoint %s; the same command with --resume "
-                    "continues\n",
-                    kCommand, train::stop_signal(), static_cast<long long>(epoch), path.c_str());
-        return;
-      }
+    return train::stop_requested();
+  };
+  // Evaluation, a metrics record and a checkpoint every eval_every epochs, at
+  // the end and on a stop; patience counts from the best validation.
+  hooks.after_step = [&](const train::StepDone& d) {
+    const int64_t epoch = d.done;
+    if (epoch % f.eval_every != 0 && !d.last && !d.stopping) return;
+    const auto e = evaluate(model, graph, distances);
+    if (best.improved_by(e)) {
+      best.epoch = epoch;
+      best.valid_accuracy = e.valid.accuracy();
+      best.valid_loss = e.valid.loss();
+      best.test_accuracy = e.test.accuracy();
+      best.test_loss = e.test.loss();
+      best.structure = e.structure;
     }
+    early_stop = epoch - best.epoch >= f.patience;
+    const double elapsed = elapsed_before + d.session_seconds;
+    json rec{{"step", epoch},
+             {"loss", interval.loss()},
+             {"accuracy", interval.accuracy()},
+             {"valid_loss", e.valid.loss()},
+             {"valid_accuracy", e.valid.accuracy()},
+             {"test_loss", e.test.loss()},
+             {"test_accuracy", e.test.accuracy()},
+             {"edges_per_node", e.structure.edges_per_node},
+             {"same_class", e.structure.same_class},
+             {"elapsed", elapsed}};
+    if (sac) {
+      rec["sac_reward"] = interval_reward / static_cast<double>(interval_steps);
+      rec["sac_baseline"] = interval_baseline / static_cast<double>(interval_steps);
+    }
+    metrics->append(rec.dump());
+    last_checkpoint = save(epoch, elapsed);
+    std::printf("epoch %lld/%lld  loss %.4f  train acc %.4f  valid loss %.4f  valid acc %.4f  edges/node %.2f  "
+                "same-class %.3f  %s  ETA %s\n",
+                static_cast<long long>(epoch), static_cast<long long>(f.epochs), interval.loss(),
+                interval.accuracy(), e.valid.loss(), e.valid.accuracy(), e.structure.edges_per_node,
+                e.structure.same_class, train::format_duration(elapsed).c_str(),
+                train::format_duration(d.eta_seconds).c_str());
+    std::fflush(stdout);
+    interval = {};
+    interval_reward = interval_baseline = 0;
+    interval_steps = 0;
+  };
+  const auto end = train::run_loop(start_epoch, f.epochs, hooks);
+  const int64_t epoch = end.done;
+  if (end.interrupted && !early_stop) {
+    std::printf("%s: stopped by signal %d at epoch %lld; checkpoint %s; the same command with --resume "
+                "continues\n",
+                kCommand, end.signal, static_cast<long long>(epoch), last_checkpoint.c_str());
+    return;
   }
   const double elapsed = elapsed_before + (train::steady_seconds() - session_start);
   const auto input = summarize(graph.edges, graph.labels);

@@ -9,7 +9,7 @@
 #include <iterator>
 #include <sstream>
 
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace attnkit::experiments {
 

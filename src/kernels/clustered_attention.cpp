@@ -5,12 +5,12 @@
 #include <cmath>
 #include <limits>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

@@ -4,11 +4,11 @@
 // (select_top_keys). Declared in clustered_attention.h.
 #include <algorithm>
 
+#include "base/memory.h"
 #include "kernels/clustered_attention.h"  // declares both
 #include "kernels/common/simd.h"
 #include "kernels/hashing.h"
 #include "kernels/kmeans.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

@@ -14,9 +14,9 @@
 #include <unordered_map>
 #include <type_traits>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/isa.h"
-#include "kernels/memory.h"
 
 namespace attnkit::kernels {
 

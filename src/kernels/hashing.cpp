@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <limits>
 
+#include "base/random.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/strided.h"
-#include "kernels/random.h"
 
 ATTNKIT_KERNELS_BEGIN
 

@@ -13,7 +13,7 @@
 namespace attnkit::kernels {
 
 /// Writes the planes (B, E + 1), row-major, for `seed`: the float64 values of
-/// reference::hash_planes rounded to float (both draw from kernels/random.h).
+/// reference::hash_planes rounded to float (both draw from base/random.h).
 /// hash_bias = false zeroes the threshold column: hyperplanes through 0.
 void hash_planes(int64_t bits, int64_t E, int64_t seed, bool hash_bias, float* planes);
 

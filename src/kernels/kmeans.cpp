@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <numeric>
 
+#include "base/memory.h"
+#include "base/random.h"
 #include "kernels/common/simd.h"
-#include "kernels/memory.h"
-#include "kernels/random.h"
-#include "kernels/threading.h"
+#include "kernels/common/threading.h"
 #include "kernels/common/visibility.h"
 
 ATTNKIT_KERNELS_BEGIN

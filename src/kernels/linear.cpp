@@ -3,13 +3,46 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/threading.h"
 #include "kernels/gemm_bf16.h"
-#include "kernels/memory.h"
-#include "kernels/threading.h"
 
 ATTNKIT_KERNELS_BEGIN
+
+namespace {
+
+// sgemm and gemm_bf16 under one name (alpha 1, beta 0), so that the
+// backward's products are written once for both element types.
+void product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+             int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  sgemm(trans_a, trans_b, m, n, k, 1.f, a, lda, b, ldb, 0.f, c, ldc);
+}
+void product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const bf16* a,
+             int64_t lda, const bf16* b, int64_t ldb, bf16* c, int64_t ldc) {
+  gemm_bf16(trans_a, trans_b, m, n, k, 1.f, a, lda, b, ldb, 0.f, c, ldc);
+}
+
+// dx and dW of y = x W^T + b for either element type; db differs by type.
+template <typename Params, typename T, typename Gradients>
+void input_and_weight_gradients(const Params& p, const T* dy, int64_t dy_row_stride,
+                                const Gradients& g) {
+  if (g.dx) {  // dx (rows, in) = dy (rows, out) W (out, in)
+    product(false, p.weight_transposed, p.rows, p.in, p.out, dy, dy_row_stride, p.weight,
+            p.weight_row_stride, g.dx, p.in);
+  }
+  if (g.dweight && !p.weight_transposed) {  // dW (out, in) = dy^T (out, rows) x (rows, in)
+    product(true, false, p.out, p.in, p.rows, dy, dy_row_stride, p.x, p.x_row_stride, g.dweight,
+            p.in);
+  }
+  if (g.dweight && p.weight_transposed) {  // dW^T (in, out) = x^T (in, rows) dy (rows, out)
+    product(true, false, p.in, p.out, p.rows, p.x, p.x_row_stride, dy, dy_row_stride, g.dweight,
+            p.out);
+  }
+}
+
+}  // namespace
 
 void linear_forward(const LinearParams& p, float* y, int64_t y_row_stride) {
   if (p.rows == 0 || p.out == 0) return;
@@ -32,18 +65,7 @@ void linear_forward(const LinearParams& p, float* y, int64_t y_row_stride) {
 void linear_backward(const LinearParams& p, const float* dy, int64_t dy_row_stride,
                      const LinearGradients& g) {
   ThreadScope scope;
-  if (g.dx) {  // dx (rows, in) = dy (rows, out) W (out, in)
-    sgemm(false, p.weight_transposed, p.rows, p.in, p.out, 1.f, dy, dy_row_stride, p.weight,
-          p.weight_row_stride, 0.f, g.dx, p.in);
-  }
-  if (g.dweight && !p.weight_transposed) {  // dW (out, in) = dy^T (out, rows) x (rows, in)
-    sgemm(true, false, p.out, p.in, p.rows, 1.f, dy, dy_row_stride, p.x, p.x_row_stride, 0.f,
-          g.dweight, p.in);
-  }
-  if (g.dweight && p.weight_transposed) {  // dW^T (in, out) = x^T (in, rows) dy (rows, out)
-    sgemm(true, false, p.in, p.out, p.rows, 1.f, p.x, p.x_row_stride, dy, dy_row_stride, 0.f,
-          g.dweight, p.out);
-  }
+  input_and_weight_gradients(p, dy, dy_row_stride, g);
   if (g.dbias) {  // db (out) = dy^T (out, rows) 1 (rows): a GEMV, so oneDNN threads it
     Buffer<float> ones(static_cast<std::size_t>(std::max<int64_t>(p.rows, 1)));
     std::fill(ones.data(), ones.data() + p.rows, 1.f);
@@ -68,18 +90,7 @@ void linear_forward(const LinearParamsBf16& p, bf16* y, int64_t y_row_stride) {
 void linear_backward(const LinearParamsBf16& p, const bf16* dy, int64_t dy_row_stride,
                      const LinearGradientsBf16& g) {
   ThreadScope scope;
-  if (g.dx) {  // dx (rows, in) = dy (rows, out) W (out, in)
-    gemm_bf16(false, p.weight_transposed, p.rows, p.in, p.out, 1.f, dy, dy_row_stride, p.weight,
-              p.weight_row_stride, 0.f, g.dx, p.in);
-  }
-  if (g.dweight && !p.weight_transposed) {  // dW (out, in) = dy^T (out, rows) x (rows, in)
-    gemm_bf16(true, false, p.out, p.in, p.rows, 1.f, dy, dy_row_stride, p.x, p.x_row_stride, 0.f,
-              g.dweight, p.in);
-  }
-  if (g.dweight && p.weight_transposed) {  // dW^T (in, out) = x^T (in, rows) dy (rows, out)
-    gemm_bf16(true, false, p.in, p.out, p.rows, 1.f, p.x, p.x_row_stride, dy, dy_row_stride, 0.f,
-              g.dweight, p.out);
-  }
+  input_and_weight_gradients(p, dy, dy_row_stride, g);
   if (g.dbias) {
     // db (out) = column sums of dy, in float32 down the rows, one block of
     // columns per work item: each sum has a fixed order, whatever the thread

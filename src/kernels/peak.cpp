@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
-#include "kernels/memory.h"
-#include "kernels/threading.h"
+#include "kernels/common/threading.h"
 
 namespace attnkit::kernels {
 

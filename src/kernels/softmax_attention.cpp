@@ -9,12 +9,12 @@
 #include <limits>
 #include <utility>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

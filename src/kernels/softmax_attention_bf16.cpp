@@ -5,13 +5,13 @@
 #include <cstring>
 #include <limits>
 
+#include "base/memory.h"
 #include "kernels/common/amx.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

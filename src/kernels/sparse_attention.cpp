@@ -10,11 +10,11 @@
 #include <utility>
 #include <vector>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

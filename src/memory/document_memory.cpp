@@ -13,9 +13,9 @@
 #include <iterator>
 #include <vector>
 
+#include "base/checks.h"
 #include "kernels/common/gemm.h"
-#include "kernels/threading.h"
-#include "ops/checks.h"
+#include "kernels/common/threading.h"
 
 namespace attnkit {
 

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit::models {
 

@@ -6,8 +6,8 @@
 
 #include <cmath>
 
+#include "base/checks.h"
 #include "models/block.h"
-#include "ops/checks.h"
 
 namespace attnkit::models {
 

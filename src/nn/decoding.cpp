@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit::nn {
 

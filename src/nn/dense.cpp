@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit::nn {
 

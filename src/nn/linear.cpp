@@ -2,7 +2,7 @@
 // attention" and "Gated linear attention").
 #include <attnkit/nn/linear.h>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit::nn {
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <utility>
 
+#include "base/checks.h"
 #include "nn/mechanisms/mechanism.h"
-#include "ops/checks.h"
 
 namespace attnkit::nn {
 

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <ostream>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit::nn {
 

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 #include "reference/masking.h"
 
 namespace attnkit::nn {

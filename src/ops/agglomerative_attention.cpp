@@ -6,10 +6,10 @@
 
 #include <limits>
 
+#include "base/checks.h"
 #include "kernels/agglomerative.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
-#include "ops/checks.h"
 #include "ops/dispatch_util.h"
 #include "reference/reference.h"
 

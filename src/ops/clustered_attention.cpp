@@ -2,10 +2,10 @@
 // the backend that clustered_attention_dispatch names: for float32 the kernels
 // (clustering without gradient, then the attention as an autograd Function with
 // the labels as constants); other dtypes the composite.
+#include "base/checks.h"
 #include "kernels/clustered_attention.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
-#include "ops/checks.h"
 #include "ops/dispatch_util.h"
 #include "reference/reference.h"
 

@@ -8,18 +8,9 @@
 #include <string>
 #include <utility>
 
-namespace attnkit::detail {
+#include "base/checks.h"
 
-/// The dtype as users write it: float32, float64, float16, bfloat16, ...
-inline std::string dtype_name(c10::ScalarType type) {
-  switch (type) {
-    case c10::ScalarType::Float: return "float32";
-    case c10::ScalarType::Double: return "float64";
-    case c10::ScalarType::Half: return "float16";
-    case c10::ScalarType::BFloat16: return "bfloat16";
-    default: return c10::toString(type);
-  }
-}
+namespace attnkit::detail {
 
 /// The kernel when every named tensor is float32; otherwise the composite,
 /// naming the first tensor that is not ("q is float64; the kernel is float32

@@ -10,8 +10,8 @@
 
 #include <type_traits>
 
+#include "base/checks.h"
 #include "ops/autograd_util.h"
-#include "ops/checks.h"
 #include "ops/dispatch_util.h"
 
 namespace attnkit {

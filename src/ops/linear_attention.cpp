@@ -5,9 +5,9 @@
 #include "kernels/gated_linear_attention.h"
 #include "kernels/linear_attention.h"
 
+#include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
-#include "ops/checks.h"
 #include "ops/dispatch_util.h"
 #include "reference/reference.h"
 

@@ -9,9 +9,9 @@
 
 #include <string>
 
+#include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
-#include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit {

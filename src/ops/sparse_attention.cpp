@@ -1,14 +1,14 @@
 // Op boundary of sparse attention over edge lists: validation (the lists are
-// checked by check_edge_list, src/graph/checks.cpp), the dispatch between the
+// checked by check_edge_list, src/edges/checks.cpp), the dispatch between the
 // edge-list kernel (float32) and the composite reference (other dtypes), and
 // the kernel's autograd.
 #include "kernels/sparse_attention.h"
 
 #include <torch/autograd.h>
 
+#include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
-#include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit {

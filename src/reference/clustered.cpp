@@ -1,7 +1,7 @@
 // Reference clustered and improved-clustered attention (docs/MATH.md,
 // "Clustered attention" and "Improved clustered attention"), step by step:
 // planes, hash bits, Hamming K-means, attention given the labels.
-#include "kernels/random.h"
+#include "base/random.h"
 #include "reference/reference.h"
 
 #include <algorithm>

@@ -39,7 +39,7 @@ torch::Tensor agglomerative_attention(const torch::Tensor& cq, const torch::Tens
 // --- "Clustered attention" and its improved form, in separate steps --------------
 
 /// Planes (B, E+1) of i.i.d. N(0,1) values drawn from `seed`, float64. The same
-/// seed gives the same planes everywhere (see kernels/random.h).
+/// seed gives the same planes everywhere (see base/random.h).
 torch::Tensor hash_planes(int64_t bits, int64_t E, int64_t seed, bool hash_bias);
 
 /// Sign bits of q (N,H,L,E) against planes (B,E+1): bool (N,H,L,B), bit b set

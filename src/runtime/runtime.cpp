@@ -17,11 +17,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/isa.h"
-#include "kernels/memory.h"
+#include "kernels/common/threading.h"
 #include "kernels/peak.h"
-#include "kernels/threading.h"
 
 namespace attnkit {
 
@@ -107,7 +107,7 @@ namespace memory {
 namespace {
 
 /// Wraps torch's default CPU allocator and reports every block to the
-/// process-wide counters in kernels/memory.h.
+/// process-wide counters in base/memory.h.
 ///
 /// Blocks are the base allocator's raw allocations, handed out with the data
 /// pointer as the DataPtr's context: what c10::Allocator::raw_allocate

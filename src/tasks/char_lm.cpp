@@ -17,7 +17,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace fs = std::filesystem;
 

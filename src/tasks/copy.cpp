@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace attnkit::tasks {
 

@@ -117,27 +117,28 @@ std::string save_model_run(const std::string& run_dir, models::TransformerImpl& 
   return path;
 }
 
-StoredOptions read_stored_options(const std::string& run_dir) {
-  const auto checkpoint = read_newest_checkpoint(run_dir);
+namespace {
+
+StoredOptions stored_options(const StoredCheckpoint& checkpoint) {
   const auto header = parse_run_header(checkpoint);
-  StoredOptions out;
-  out.checkpoint = checkpoint.path();
-  out.step = header.step;
-  out.trainer = header.trainer;
-  out.model = header.model;
-  out.task = header.task;
-  return out;
+  return {checkpoint.path(), header.step, header.trainer, header.model, header.task};
+}
+
+}  // namespace
+
+StoredOptions read_stored_options(const std::string& run_dir) {
+  return stored_options(read_newest_checkpoint(run_dir));
 }
 
 LoadedRun load_run(const std::string& run_dir) {
   const auto checkpoint = read_newest_checkpoint(run_dir);
-  const auto header = parse_run_header(checkpoint);
+  auto stored = stored_options(checkpoint);
   LoadedRun run;
-  run.checkpoint = checkpoint.path();
-  run.step = header.step;
-  run.trainer = header.trainer;
-  run.model_options = header.model;
-  run.task_options = header.task;
+  run.checkpoint = std::move(stored.checkpoint);
+  run.step = stored.step;
+  run.trainer = std::move(stored.trainer);
+  run.model_options = std::move(stored.model);
+  run.task_options = std::move(stored.task);
   run.task = tasks::make_task(run.task_options);
   run.model = models::Transformer(run.model_options);
   checkpoint.restore(*run.model, nullptr, /*restore_generator=*/false);

@@ -6,6 +6,7 @@
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
 #include <attnkit/train/distributed.h>
+#include <attnkit/train/loop.h>
 #include <attnkit/train/progress.h>
 #include <attnkit/train/run_directory.h>
 #include <attnkit/train/signals.h>
@@ -207,35 +208,34 @@ TrainResult Trainer::run() {
     s.metrics = s.dir->open_log("metrics.jsonl");
   }
   if (!resumed_from_.empty()) s.say("resuming from " + resumed_from_ + " at step " + std::to_string(start_step_));
-  StopSignalGuard signals;
-  clear_stop();
   s.start = s.interval.start = steady_seconds();
   split_clipped_parameters(s);
   model_->train();
   compute_model()->train();
+  LoopHooks hooks;
+  hooks.step = [&](int64_t step) {
+    const bool any_rank_stops = train_step(step, s);
+    s.result.step = step + 1;
+    if (on_step_) on_step_(step + 1);  // may request a stop: asked below
+    return s.comm ? any_rank_stops : stop_requested();
+  };
+  hooks.after_step = [&](const StepDone& d) {
+    // Validation at the end and every eval_every steps. A stop does not add
+    // one: the steps that validate are the same in an interrupted and
+    // resumed run as in an uninterrupted one.
+    const bool evaluate_now = d.last || (options_.eval_every() > 0 && d.done % options_.eval_every() == 0);
+    const bool log_now = d.done % options_.log_every() == 0 || d.last || evaluate_now || d.stopping;
+    report(d.done, log_now, evaluate_now, s);
+    if (d.last || d.stopping || d.done % options_.checkpoint_every() == 0) checkpoint(d.done, s);
+  };
   try {
-    for (int64_t step = start_step_; step < options_.steps(); ++step) {
-      const bool any_rank_stops = train_step(step, s);
-      const int64_t done = step + 1;
-      s.result.step = done;
-      if (on_step_) on_step_(done);
-      const bool last = done == options_.steps();
-      const bool stopping = s.comm ? any_rank_stops : stop_requested();
-      // Validation at the end and every eval_every steps. A stop does not add
-      // one: the steps that validate are the same in an interrupted and
-      // resumed run as in an uninterrupted one.
-      const bool evaluate_now = last || (options_.eval_every() > 0 && done % options_.eval_every() == 0);
-      const bool log_now = done % options_.log_every() == 0 || last || evaluate_now || stopping;
-      report(done, log_now, evaluate_now, s);
-      if (last || stopping || done % options_.checkpoint_every() == 0) checkpoint(done, s);
-      if (stopping && !last) {
-        s.result.interrupted = true;
-        const int sig = stop_signal();
-        s.say(std::string("stopped") + (sig == SIGINT ? " by SIGINT" : sig == SIGTERM ? " by SIGTERM" : "") +
-              " after step " + std::to_string(done) + "; checkpoint " + s.result.checkpoint +
-              " (continue with --resume)");
-        break;
-      }
+    const LoopEnd end = run_loop(start_step_, options_.steps(), hooks);
+    if (end.interrupted) {
+      s.result.interrupted = true;
+      s.say(std::string("stopped") +
+            (end.signal == SIGINT ? " by SIGINT" : end.signal == SIGTERM ? " by SIGTERM" : "") +
+            " after step " + std::to_string(end.done) + "; checkpoint " + s.result.checkpoint +
+            " (continue with --resume)");
     }
     // Every rank leaves after rank 0's last checkpoint is durable.
     if (s.comm) s.comm->barrier("final barrier");
@@ -246,7 +246,6 @@ TrainResult Trainer::run() {
   }
   if (s.result.checkpoint.empty() && !resumed_from_.empty()) s.result.checkpoint = resumed_from_;
   if (!s.quiet) s.progress.finish();
-  clear_stop();
   return s.result;
 }
 

@@ -1,4 +1,4 @@
-# Compiles the torch-free kernels (src/kernels) for aarch64 with Debian's cross
+# Compiles the torch-free code (src/base, src/kernels) for aarch64 with Debian's cross
 # compiler, as CMakeLists.txt builds them on a CPU that is not x86-64: the
 # sources compiled once as they are, the float32 level sources once, at
 # isa_baseline (their scalar paths), the amx level sources not at all. Compile
@@ -10,7 +10,7 @@
 #         -P tests/isa/aarch64_compile.cmake
 #
 # The source lists are read from CMakeLists.txt itself, and must cover every
-# file of src/kernels and src/kernels/common (as CMakeLists.txt also checks):
+# file of src/base, src/kernels and src/kernels/common (as CMakeLists.txt also checks):
 # a file this script does not know of fails it rather than going unchecked.
 cmake_minimum_required(VERSION 3.25)  # policies of a -P script (IN_LIST)
 foreach(var SOURCE_DIR WORK_DIR)
@@ -41,13 +41,13 @@ function(read_source_list name)
   endif()
   set(${name} ${files} PARENT_SCOPE)
 endfunction()
-read_source_list(ATTNKIT_KERNEL_SOURCES)         # compiled once: isa_generic
+read_source_list(ATTNKIT_ONCE_SOURCES)           # compiled once: isa_generic
 read_source_list(ATTNKIT_FLOAT32_LEVEL_SOURCES)  # at isa_baseline only
 read_source_list(ATTNKIT_AMX_LEVEL_SOURCES)      # not built on other architectures
 
-file(GLOB on_disk RELATIVE ${SOURCE_DIR} ${SOURCE_DIR}/src/kernels/*.cpp
+file(GLOB on_disk RELATIVE ${SOURCE_DIR} ${SOURCE_DIR}/src/base/*.cpp ${SOURCE_DIR}/src/kernels/*.cpp
      ${SOURCE_DIR}/src/kernels/common/*.cpp)
-set(listed ${ATTNKIT_KERNEL_SOURCES} ${ATTNKIT_FLOAT32_LEVEL_SOURCES} ${ATTNKIT_AMX_LEVEL_SOURCES})
+set(listed ${ATTNKIT_ONCE_SOURCES} ${ATTNKIT_FLOAT32_LEVEL_SOURCES} ${ATTNKIT_AMX_LEVEL_SOURCES})
 foreach(file IN LISTS on_disk)
   if(NOT file IN_LIST listed)
     message(FATAL_ERROR "${file} is in none of the kernel source lists read from CMakeLists.txt")
@@ -55,7 +55,7 @@ foreach(file IN LISTS on_disk)
 endforeach()
 foreach(file IN LISTS listed)
   if(NOT file IN_LIST on_disk)
-    message(FATAL_ERROR "CMakeLists.txt lists ${file}, which is not in src/kernels")
+    message(FATAL_ERROR "CMakeLists.txt lists ${file}, which is not in src/base or src/kernels")
   endif()
 endforeach()
 
@@ -77,7 +77,7 @@ endforeach()
 
 set(failed "")
 set(compiled 0)
-foreach(file IN LISTS ATTNKIT_KERNEL_SOURCES ATTNKIT_FLOAT32_LEVEL_SOURCES)
+foreach(file IN LISTS ATTNKIT_ONCE_SOURCES ATTNKIT_FLOAT32_LEVEL_SOURCES)
   set(defines "")
   if(file IN_LIST ATTNKIT_FLOAT32_LEVEL_SOURCES)
     set(defines -DATTNKIT_ISA_NAMESPACE=isa_baseline)

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "kernels/softmax_attention.h"
-#include "kernels/threading.h"
 #include "kernels/common/isa.h"
+#include "kernels/common/threading.h"
 #include "kernels/common/vec.h"
+#include "kernels/softmax_attention.h"
 
 namespace {
 

@@ -28,7 +28,7 @@
 // DocumentMemory is covered as its header allows: const members (lookup,
 // matrix, save) on one shared memory from every thread at once, and append on
 // memories each thread owns; append on a shared memory needs exclusive access
-// and is not tried. The counting allocator's counters (src/kernels/memory.h:
+// and is not tried. The counting allocator's counters (src/base/memory.h:
 // process-wide atomics, meant to be shared) must balance, and keep a
 // consistent peak, across concurrent calls and concurrent allocations.
 #include <attnkit/document_memory.h>

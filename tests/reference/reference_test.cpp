@@ -1,7 +1,7 @@
 // The reference implementations (src/reference) on tiny cases whose answers are
 // worked out by hand in the comments: no other implementation is consulted.
 // Everything runs in float64.
-#include "kernels/random.h"
+#include "base/random.h"
 #include "reference/reference.h"
 #include "test_util.h"
 

@@ -22,8 +22,8 @@
 
 #include <cstdint>
 
+#include "base/bf16.h"
 #include "kernels/common/isa.h"
-#include "kernels/gemm_bf16.h"
 
 ATTNKIT_KERNELS_BEGIN
 namespace amx {

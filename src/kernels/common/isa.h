@@ -28,7 +28,8 @@
 // carry AVX-512 instructions into baseline code. So every level TU defines
 // ATTNKIT_ISA_NAMESPACE (isa_baseline, isa_avx2, ...) and everything it
 // compiles lives in attnkit::kernels::<that namespace>, an inline namespace
-// that the shared headers open too (ATTNKIT_KERNELS_BEGIN / END below), as
+// that the shared headers open too (ATTNKIT_KERNELS_BEGIN / END, defined in
+// base/isa_namespace.h because the bottom folder's helpers use them too), as
 // ATen does with CPU_CAPABILITY. Code compiled once (ops, tests, the
 // dispatchers) gets isa_generic. tests/isa/no_stray_instructions.py checks the
 // linked library: no AVX2 or AVX-512 instruction outside its level's namespace.
@@ -43,18 +44,7 @@
 #include <string>
 #include <string_view>
 
-#ifndef ATTNKIT_ISA_NAMESPACE
-#define ATTNKIT_ISA_NAMESPACE isa_generic
-#endif
-
-/// Opens / closes attnkit::kernels and, inside it, the namespace of the level
-/// this translation unit is compiled for.
-#define ATTNKIT_KERNELS_BEGIN \
-  namespace attnkit::kernels {  \
-  inline namespace ATTNKIT_ISA_NAMESPACE {
-#define ATTNKIT_KERNELS_END \
-  }                         \
-  }
+#include "base/isa_namespace.h"
 
 namespace attnkit::kernels::isa {
 

@@ -12,9 +12,9 @@
 
 #include <cstdint>
 
+#include "base/memory.h"
 #include "kernels/common/isa.h"
-#include "kernels/memory.h"
-#include "kernels/threading.h"
+#include "kernels/common/threading.h"
 
 ATTNKIT_KERNELS_BEGIN
 

@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "base/memory.h"
 #include "kernels/common/isa.h"
 #include "kernels/common/vec.h"
-#include "kernels/memory.h"
 
 ATTNKIT_KERNELS_BEGIN
 

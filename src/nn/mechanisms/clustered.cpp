@@ -7,8 +7,8 @@
 
 #include <algorithm>
 
+#include "base/checks.h"
 #include "nn/mechanisms/mechanism.h"
-#include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit::nn::registration {

@@ -1,5 +1,5 @@
 // "sparse-<pattern>": attention over a fixed edge list (ops.h
-// sparse_attention; the patterns of src/graph, edges::by_name).
+// sparse_attention; the patterns of src/edges, edges::by_name).
 #include <algorithm>
 
 #include "nn/mechanisms/mechanism.h"

@@ -1,4 +1,4 @@
-// The edges:: pattern builders (src/graph/patterns.cpp) against independent dense
+// The edges:: pattern builders (src/edges/patterns.cpp) against independent dense
 // definitions written out here from the rules in include/attnkit/ops.h, the
 // CSR invariants, check_edge_list, the binary-partition tree's tiling property,
 // by_name, and the builders' argument errors.

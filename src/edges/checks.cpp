@@ -3,7 +3,7 @@
 // error naming the caller.
 #include <attnkit/ops.h>
 
-#include "ops/checks.h"
+#include "base/checks.h"
 
 namespace attnkit {
 

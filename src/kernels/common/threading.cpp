@@ -1,4 +1,4 @@
-#include "kernels/threading.h"
+#include "kernels/common/threading.h"
 
 #include <omp.h>
 

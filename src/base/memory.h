@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <new>
 
-#include "kernels/common/isa.h"
+#include "base/isa_namespace.h"
 
 namespace attnkit::kernels::memory {
 

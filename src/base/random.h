@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/common/isa.h"
+#include "base/isa_namespace.h"
 
 ATTNKIT_KERNELS_BEGIN
 namespace random {

@@ -8,9 +8,18 @@
 #include <limits>
 #include <string>
 
-#include "ops/dispatch_util.h"
-
 namespace attnkit::detail {
+
+/// The dtype as users write it: float32, float64, float16, bfloat16, ...
+inline std::string dtype_name(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    default: return c10::toString(type);
+  }
+}
 
 inline std::string shape_str(const torch::Tensor& t) {
   std::string s = "(";

@@ -1,4 +1,4 @@
-#include "kernels/memory.h"
+#include "base/memory.h"
 
 #include <atomic>
 
