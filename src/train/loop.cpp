@@ -3,6 +3,7 @@
 #include <attnkit/train/signals.h>
 
 #include <stdexcept>
+#include <string>
 
 namespace attnkit::train {
 
