@@ -1,5 +1,3 @@
-// One file, long on purpose: the forward and backward share the block scheduling,
-// the band register kernels and the per-edge gather paths, which no other file uses.
 #include "kernels/sparse_attention.h"
 
 #include <algorithm>
@@ -15,6 +13,7 @@
 #include "kernels/common/parallel.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
+#include "kernels/sparse_band.h"
 
 ATTNKIT_KERNELS_BEGIN
 
@@ -196,7 +195,7 @@ struct ForwardScratch {
         m(slicer.take(kBlockRows)),
         l(slicer.take(kBlockRows)),
         row(slicer.take(p.S)),
-        qt(slicer.take(p.E * 32)) {}
+        qt(slicer.take(p.E * band::kRows)) {}
 };
 
 struct Inputs {
@@ -251,175 +250,17 @@ void forward_dense(const SparseAttentionParams& p, const Inputs& in, const Lines
   for (int64_t r = 0; r < rows; ++r) write_row(p, n, h, i0 + r, w.u + r * M, w.m[r], w.l[r]);
 }
 
-#ifdef __AVX512F__
+#if ATTNKIT_BAND_KERNELS
 // ---------------------------------------------------------------------------
-// Forward of a band block in registers
+// Band blocks in registers (sparse_band.h), at avx2 and above
 // ---------------------------------------------------------------------------
 //
-// A band's block is small: 32 rows over 2w + 32 keys (160 at span w = 64),
-// where oneDNN's sgemm ran the two products about a fifth slower than on the
-// exact kernel's 128 x 256 tiles, the rest going to packing both operands on
-// every call (docs/PERFORMANCE.md, "Why the kernels' constants"). These
-// kernels keep the block in registers instead and pack only the block's
-// queries (transposed, 8 KiB).
-//
-// The scores are computed transposed, one key per row: st[c][r] = scale
-// k_c . q_r with the block's 32 rows in two 16-lane vectors. The softmax then
-// runs down the keys with the rows in the lanes, and since a band row's
-// entries are one run of keys [a_r, b_r), key c's mask is two compares. Blocks
-// whose rows have gaps inside the tile, or whose keys span more than one tile,
-// take forward_dense.
+// A band's block of 32 rows covers 2w + 32 keys (160 at span w = 64), and its
+// rows' entries are one run of keys each. Blocks whose rows have gaps inside
+// the tile, or whose keys span more than one tile, take forward_dense.
 
-constexpr int64_t kBandRows = 32;  // two vectors of rows
-static_assert(kBlockRows <= kBandRows, "a block's rows must fit two vectors");
-
-/// qt[e][r] = q_r[e] for the rows r < rows from q (row stride ld), 0 for
-/// rows <= r < 32.
-void transpose_rows(const float* q, int64_t ld, int64_t rows, int64_t E, float* qt) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i idx0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(ld)));
-  const __m512i idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(static_cast<int>(16 * ld)));
-  const __mmask16 k0 = vec::tail_mask(std::min<int64_t>(rows, 16));
-  const __mmask16 k1 = rows > 16 ? vec::tail_mask(rows - 16) : __mmask16{0};
-  for (int64_t e = 0; e < E; ++e) {
-    _mm512_store_ps(qt + e * kBandRows,
-                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k0, idx0, q + e, 4));
-    _mm512_store_ps(qt + e * kBandRows + 16,
-                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k1, idx1, q + e, 4));
-  }
-}
-
-/// st[c][0:32] = scale * (k_c . q_r) for the NC keys c from k (row stride ldk),
-/// q transposed in qt (E x 32).
-template <int NC>
-void score_keys(const float* k, int64_t ldk, const float* qt, int64_t E, float scale, float* st) {
-  __m512 acc[NC][2];  // in registers: every loop over them is unrolled
-#pragma GCC unroll 16
-  for (int i = 0; i < NC; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t e = 0; e < E; ++e) {
-    const __m512 a0 = _mm512_load_ps(qt + e * kBandRows);
-    const __m512 a1 = _mm512_load_ps(qt + e * kBandRows + 16);
-#pragma GCC unroll 16
-    for (int i = 0; i < NC; ++i) {
-      const __m512 b = _mm512_set1_ps(k[i * ldk + e]);
-      acc[i][0] = _mm512_fmadd_ps(b, a0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(b, a1, acc[i][1]);
-    }
-  }
-  const __m512 s = _mm512_set1_ps(scale);
-#pragma GCC unroll 16
-  for (int i = 0; i < NC; ++i) {
-    _mm512_store_ps(st + i * kBandRows, _mm512_mul_ps(acc[i][0], s));
-    _mm512_store_ps(st + i * kBandRows + 16, _mm512_mul_ps(acc[i][1], s));
-  }
-}
-
-/// score_keys over `cols` keys, twelve at a time (24 accumulators).
-void score_all_keys(const float* k, int64_t ldk, int64_t cols, const float* qt, int64_t E,
-                    float scale, float* st) {
-  int64_t c = 0;
-  for (; c + 12 <= cols; c += 12) score_keys<12>(k + c * ldk, ldk, qt, E, scale, st + c * kBandRows);
-  const float* kc = k + c * ldk;
-  float* sc = st + c * kBandRows;
-  switch (cols - c) {
-    case 0: break;
-    case 1: score_keys<1>(kc, ldk, qt, E, scale, sc); break;
-    case 2: score_keys<2>(kc, ldk, qt, E, scale, sc); break;
-    case 3: score_keys<3>(kc, ldk, qt, E, scale, sc); break;
-    case 4: score_keys<4>(kc, ldk, qt, E, scale, sc); break;
-    case 5: score_keys<5>(kc, ldk, qt, E, scale, sc); break;
-    case 6: score_keys<6>(kc, ldk, qt, E, scale, sc); break;
-    case 7: score_keys<7>(kc, ldk, qt, E, scale, sc); break;
-    case 8: score_keys<8>(kc, ldk, qt, E, scale, sc); break;
-    case 9: score_keys<9>(kc, ldk, qt, E, scale, sc); break;
-    case 10: score_keys<10>(kc, ldk, qt, E, scale, sc); break;
-    case 11: score_keys<11>(kc, ldk, qt, E, scale, sc); break;
-  }
-}
-
-/// Weighted sums of rows of x, the products of the band kernels. The weights
-/// w are a band block's transposed tile (one key per row of 32 floats, the
-/// block's rows in the lanes), summed either over the keys (Sum::keys: P v,
-/// dS k; output row i is block row i) or over the block's rows (Sum::rows:
-/// P^T dout, dS^T q; output row i is key i):
-///   out[i][0 : 16 NV] (+)= alpha sum_{t < count} weight(i, t) x_t,
-/// weight(i, t) = w[t][i] or w[i][t], x_t the row t of x (row stride ldx) from
-/// its current column, the last vector masked by tail.
-enum class Sum { keys, rows };
-
-template <Sum kSum, int NR, int NV>
-void weigh(const float* w, int64_t count, const float* x, int64_t ldx, __mmask16 tail,
-           float alpha, bool accumulate, float* out, int64_t ldo) {
-  // Every loop over the accumulators is unrolled, so that they stay in
-  // registers (a loop left rolled makes GCC keep them on the stack).
-  __m512 acc[NR][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < count; ++t) {
-    __m512 xt[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j)
-      xt[j] = j + 1 < NV ? _mm512_loadu_ps(x + t * ldx + 16 * j)
-                         : _mm512_maskz_loadu_ps(tail, x + t * ldx + 16 * j);
-#pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) {
-      const __m512 weight =
-          _mm512_set1_ps(kSum == Sum::keys ? w[t * kBandRows + i] : w[i * kBandRows + t]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(weight, xt[j], acc[i][j]);
-    }
-  }
-  const __m512 a = _mm512_set1_ps(alpha);
-#pragma GCC unroll 8
-  for (int i = 0; i < NR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      const __mmask16 k = j + 1 < NV ? __mmask16{0xFFFF} : tail;
-      float* o = out + i * ldo + 16 * j;
-      const __m512 sum = accumulate ? _mm512_fmadd_ps(acc[i][j], a, _mm512_maskz_loadu_ps(k, o))
-                                    : _mm512_mul_ps(acc[i][j], a);
-      _mm512_mask_storeu_ps(o, k, sum);
-    }
-}
-
-template <Sum kSum, int NR>
-void weigh_nv(int nv, const float* w, int64_t count, const float* x, int64_t ldx, __mmask16 tail,
-              float alpha, bool accumulate, float* out, int64_t ldo) {
-  switch (nv) {
-    case 1: return weigh<kSum, NR, 1>(w, count, x, ldx, tail, alpha, accumulate, out, ldo);
-    case 2: return weigh<kSum, NR, 2>(w, count, x, ldx, tail, alpha, accumulate, out, ldo);
-    case 3: return weigh<kSum, NR, 3>(w, count, x, ldx, tail, alpha, accumulate, out, ldo);
-    default: return weigh<kSum, NR, 4>(w, count, x, ldx, tail, alpha, accumulate, out, ldo);
-  }
-}
-
-/// weigh over all `rows` output rows (row stride ldo) and all `width` columns
-/// of x: six rows by up to 64 columns at a time.
-template <Sum kSum>
-void weigh_all(const float* w, int64_t rows, int64_t count, const float* x, int64_t ldx,
-               int64_t width, float alpha, bool accumulate, float* out, int64_t ldo) {
-  for (int64_t c0 = 0; c0 < width; c0 += 64) {
-    const int64_t cols = std::min<int64_t>(64, width - c0);
-    const int nv = static_cast<int>(ceil_div(cols, 16));
-    const __mmask16 tail = vec::tail_mask(cols - 16 * (nv - 1));
-    for (int64_t i = 0; i < rows; i += 6) {
-      // Output row i's weights: lane i of each key's row, or key i's row.
-      const float* wi = w + (kSum == Sum::keys ? i : i * kBandRows);
-      float* o = out + i * ldo + c0;
-      const float* xc = x + c0;
-      switch (std::min<int64_t>(6, rows - i)) {
-        case 1: weigh_nv<kSum, 1>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-        case 2: weigh_nv<kSum, 2>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-        case 3: weigh_nv<kSum, 3>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-        case 4: weigh_nv<kSum, 4>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-        case 5: weigh_nv<kSum, 5>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-        default: weigh_nv<kSum, 6>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
-      }
-    }
-  }
-}
+static_assert(kBlockRows <= band::kRows, "a block's rows must fit the band kernels' lanes");
+static_assert(kTile <= band::kMaxKeys, "a tile's keys must fit the band kernels' scratch");
 
 /// The rows of a band block as runs of keys, relative to its first key lo:
 /// row r's entries are [first[r], last[r]) (empty for a row without edges and
@@ -430,9 +271,9 @@ bool band_runs(const Lines& g, int64_t i0, int64_t rows, const BlockShape& shape
                std::initializer_list<int64_t> row_strides, int32_t* first, int32_t* last) {
   if (shape.hi - shape.lo > kTile) return false;
   for (const int64_t ld : row_strides)
-    if (ld * kBandRows > std::numeric_limits<int32_t>::max()) return false;
-  std::fill(first, first + kBandRows, 0);
-  std::fill(last, last + kBandRows, 0);
+    if (ld * band::kRows > std::numeric_limits<int32_t>::max()) return false;
+  std::fill(first, first + band::kRows, 0);
+  std::fill(last, last + band::kRows, 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = g.begin(i0 + r), e = g.end(i0 + r);
     if (b == e) continue;
@@ -443,79 +284,22 @@ bool band_runs(const Lines& g, int64_t i0, int64_t rows, const BlockShape& shape
   return true;
 }
 
-/// Key c's mask over the 32 rows of a band block: the rows whose run holds c.
-struct BandMask {
-  __m512i first0, first1, last0, last1;
-
-  BandMask(const int32_t* first, const int32_t* last)
-      : first0(_mm512_loadu_si512(first)),
-        first1(_mm512_loadu_si512(first + 16)),
-        last0(_mm512_loadu_si512(last)),
-        last1(_mm512_loadu_si512(last + 16)) {}
-
-  void of_key(int64_t c, __mmask16& k0, __mmask16& k1) const {
-    const __m512i cc = _mm512_set1_epi32(static_cast<int>(c));
-    k0 = _mm512_cmple_epi32_mask(first0, cc) & _mm512_cmplt_epi32_mask(cc, last0);
-    k1 = _mm512_cmple_epi32_mask(first1, cc) & _mm512_cmplt_epi32_mask(cc, last1);
-  }
-};
-
-/// x, or 0 in the lanes where x is -inf (a row without edges, or whose scores
-/// are all -inf, shifts its scores by 0: exp(-inf) = 0 rather than NaN).
-inline __m512 finite_shift(__m512 x) {
-  return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-kInf), _CMP_EQ_OQ),
-                            _mm512_setzero_ps());
-}
-
-/// Rows [i0, i0 + rows) of a band block in registers (see above), or false
-/// when the block does not qualify (band_runs).
+/// Rows [i0, i0 + rows) of a band block in registers, or false when the
+/// block does not qualify (band_runs).
 bool forward_band(const SparseAttentionParams& p, const Inputs& in, const Lines& g, int64_t n,
                   int64_t h, int64_t i0, int64_t rows, const BlockShape& shape,
                   const ForwardScratch& w) {
-  alignas(64) int32_t first[kBandRows], last[kBandRows];
+  alignas(64) int32_t first[band::kRows], last[band::kRows];
   if (!band_runs(g, i0, rows, shape, {in.q.ld()}, first, last)) return false;
-  const int64_t cols = shape.hi - shape.lo;
-  transpose_rows(in.q.row(n, h, i0), in.q.ld(), rows, p.E, w.qt);
-  float* st = w.s;  // cols x 32
-  score_all_keys(in.k.row(n, h, shape.lo), in.k.ld(), cols, w.qt, p.E, p.scale, st);
-
-  // Softmax down the keys, rows in lanes: the masked maximum, then P (0 off
-  // the runs) and its sums. A row without edges keeps m = -inf and l = 0.
-  const BandMask mask(first, last);
-  __m512 m0 = _mm512_set1_ps(-kInf), m1 = m0;
-  for (int64_t c = 0; c < cols; ++c) {
-    __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
-    // max() returns its second operand when either is NaN: a NaN score
-    // replaces m here, and makes its own weight (so l and the row) NaN below.
-    m0 = _mm512_mask_max_ps(m0, k0, m0, _mm512_load_ps(st + c * kBandRows));
-    m1 = _mm512_mask_max_ps(m1, k1, m1, _mm512_load_ps(st + c * kBandRows + 16));
-  }
-  const __m512 shift0 = finite_shift(m0), shift1 = finite_shift(m1);
-  __m512 l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
-  for (int64_t c = 0; c < cols; ++c) {
-    __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
-    float* sc = st + c * kBandRows;
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::exp16(_mm512_sub_ps(_mm512_load_ps(sc), shift0)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::exp16(_mm512_sub_ps(_mm512_load_ps(sc + 16), shift1)));
-    _mm512_store_ps(sc, p0);
-    _mm512_store_ps(sc + 16, p1);
-    l0 = _mm512_add_ps(l0, p0);
-    l1 = _mm512_add_ps(l1, p1);
-  }
-  alignas(64) float m[kBandRows], l[kBandRows];
-  _mm512_store_ps(m, m0);
-  _mm512_store_ps(m + 16, m1);
-  _mm512_store_ps(l, l0);
-  _mm512_store_ps(l + 16, l1);
-  // u = P v: output rows r, summed over the keys (P^T is st: key c's row).
-  weigh_all<Sum::keys>(st, rows, cols, in.v.row(n, h, shape.lo), in.v.ld(), p.M, 1.f, false, w.u,
-                       p.M);
+  alignas(64) float m[band::kRows], l[band::kRows];
+  band::forward({rows, shape.hi - shape.lo, first, last}, {in.q.row(n, h, i0), in.q.ld()},
+                {in.k.row(n, h, shape.lo), in.k.ld()}, {in.v.row(n, h, shape.lo), in.v.ld()}, p.E,
+                p.M, p.scale, {w.qt, nullptr, w.s, nullptr}, w.u, m, l);
   for (int64_t r = 0; r < rows; ++r) write_row(p, n, h, i0 + r, w.u + r * p.M, m[r], l[r]);
   return true;
 }
-#endif  // __AVX512F__
+#endif  // ATTNKIT_BAND_KERNELS
+
 
 /// Row i one edge at a time: its scores, their softmax, then the weighted sum
 /// of its values (each key and value a contiguous row).
@@ -632,8 +416,8 @@ struct GradScratch {
         d(slicer.take(kBlockRows)),
         p_row(slicer.take(params.S)),
         ds_row(slicer.take(params.S)),
-        qt(slicer.take(params.E * 32)),
-        dot(slicer.take(params.M * 32)) {}
+        qt(slicer.take(params.E * band::kRows)),
+        dot(slicer.take(params.M * band::kRows)) {}
 };
 
 /// Rows [i0, i0 + rows) as dense tiles over the keys [lo, hi): per tile
@@ -679,58 +463,25 @@ void grad_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, co
     put_row(w.dq + r * E, E, row_ptr(p.dq, p.dq_stride, n, h, i0 + r), p.dq_stride[3], p.scale);
 }
 
-#ifdef __AVX512F__
-/// grad_dense for a band block in registers (see forward_band), or false when
-/// the block does not qualify (band_runs). The scores and dP are computed
-/// transposed, key by key with the rows in lanes; P = exp(s - lse) and
-/// dS = P (dP - D) down the keys; then dv += P^T dout, dk += scale dS^T q and
-/// dq = scale dS k.
+#if ATTNKIT_BAND_KERNELS
+/// grad_dense for a band block in registers (sparse_band.h), or false when
+/// the block does not qualify (band_runs).
 bool grad_band(const SparseAttentionBackwardParams& p, const GradInputs& in, const Lines& g,
                int64_t n, int64_t h, int64_t i0, int64_t rows, const BlockShape& shape,
                const KeyGrads& out, const GradScratch& w) {
-  alignas(64) int32_t first[kBandRows], last[kBandRows];
+  alignas(64) int32_t first[band::kRows], last[band::kRows];
   if (!band_runs(g, i0, rows, shape, {in.q.ld(), in.dout.ld()}, first, last)) return false;
-  const int64_t E = p.E, M = p.M, cols = shape.hi - shape.lo;
-  const float* q = in.q.row(n, h, i0);
-  const float* dout = in.dout.row(n, h, i0);
-  const float* k = in.k.row(n, h, shape.lo);
-  transpose_rows(q, in.q.ld(), rows, E, w.qt);
-  transpose_rows(dout, in.dout.ld(), rows, M, w.dot);
-  float* pt = w.p;    // cols x 32: scores, then P
-  float* dst = w.ds;  // cols x 32: dP, then dS
-  score_all_keys(k, in.k.ld(), cols, w.qt, E, p.scale, pt);
-  score_all_keys(in.v.row(n, h, shape.lo), in.v.ld(), cols, w.dot, M, 1.f, dst);
-
-  alignas(64) float lse[kBandRows] = {}, d[kBandRows] = {};  // padding rows: 0
-  std::copy(in.lse + (n * p.H + h) * p.L + i0, in.lse + (n * p.H + h) * p.L + i0 + rows, lse);
-  std::copy(w.d, w.d + rows, d);
-  const __m512 shift0 = finite_shift(_mm512_load_ps(lse)), shift1 = finite_shift(_mm512_load_ps(lse + 16));
-  const __m512 d0 = _mm512_load_ps(d), d1 = _mm512_load_ps(d + 16);
-  const BandMask mask(first, last);
-  for (int64_t c = 0; c < cols; ++c) {
-    __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
-    float* pc = pt + c * kBandRows;
-    float* dc = dst + c * kBandRows;
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::exp16(_mm512_sub_ps(_mm512_load_ps(pc), shift0)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::exp16(_mm512_sub_ps(_mm512_load_ps(pc + 16), shift1)));
-    _mm512_store_ps(pc, p0);
-    _mm512_store_ps(pc + 16, p1);
-    _mm512_store_ps(dc, _mm512_maskz_mul_ps(k0, p0, _mm512_sub_ps(_mm512_load_ps(dc), d0)));
-    _mm512_store_ps(dc + 16, _mm512_maskz_mul_ps(k1, p1, _mm512_sub_ps(_mm512_load_ps(dc + 16), d1)));
-  }
-  // Key c's rows of dv and dk, summed over the block's rows (P^T and dS^T
-  // are pt's and dst's rows); then dq over the keys.
-  weigh_all<Sum::rows>(pt, cols, rows, dout, in.dout.ld(), M, 1.f, true, out.dv_row(shape.lo),
-                       out.ld_v);
-  weigh_all<Sum::rows>(dst, cols, rows, q, in.q.ld(), E, p.scale, true, out.dk_row(shape.lo),
-                       out.ld_k);
-  weigh_all<Sum::keys>(dst, rows, cols, k, in.k.ld(), E, p.scale, false, w.dq, E);
+  band::backward({rows, shape.hi - shape.lo, first, last}, {in.q.row(n, h, i0), in.q.ld()},
+                 {in.k.row(n, h, shape.lo), in.k.ld()}, {in.v.row(n, h, shape.lo), in.v.ld()},
+                 {in.dout.row(n, h, i0), in.dout.ld()}, p.E, p.M, p.scale,
+                 in.lse + (n * p.H + h) * p.L + i0, w.d, {w.qt, w.dot, w.p, w.ds}, w.dq,
+                 out.dk_row(shape.lo), out.ld_k, out.dv_row(shape.lo), out.ld_v);
   for (int64_t r = 0; r < rows; ++r)
-    put_row(w.dq + r * E, E, row_ptr(p.dq, p.dq_stride, n, h, i0 + r), p.dq_stride[3]);
+    put_row(w.dq + r * p.E, p.E, row_ptr(p.dq, p.dq_stride, n, h, i0 + r), p.dq_stride[3]);
   return true;
 }
-#endif  // __AVX512F__
+#endif  // ATTNKIT_BAND_KERNELS
+
 
 /// Row i one edge at a time: P and dP of all its edges (the gathered keys and
 /// values), dS = P (dP - D); dq_i = scale sum dS k, and each edge's key gets
@@ -828,7 +579,7 @@ void sparse_attention_forward(const SparseAttentionParams& p) {
         const BlockShape shape = block_shape(g, it.r0, it.count);
         if (dense(shape, it.count)) {
           prefetch_next_block(p, {{&q, p.E}}, {{&k, p.E}, {&v, p.M}}, it.n, it.h, it.r0, shape);
-#ifdef __AVX512F__
+#if ATTNKIT_BAND_KERNELS
           if (forward_band(p, in, g, it.n, it.h, it.r0, it.count, shape, w)) return;
 #endif
           return forward_dense(p, in, g, it.n, it.h, it.r0, it.count, shape, w);
@@ -881,7 +632,7 @@ void sparse_attention_backward(const SparseAttentionBackwardParams& p) {
           if (dense(shape, rows)) {
             prefetch_next_block(p, {{&q, p.E}, {&dout, p.M}, {&out, p.M}},
                                 {{&k, p.E}, {&v, p.M}}, n, h, i0, shape);
-#ifdef __AVX512F__
+#if ATTNKIT_BAND_KERNELS
             if (grad_band(p, in, g, n, h, i0, rows, shape, grads, w)) continue;
 #endif
             grad_dense(p, in, g, n, h, i0, rows, shape, grads, w);
