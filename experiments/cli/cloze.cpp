@@ -44,7 +44,7 @@ using json = nlohmann::json;
 
 /// What the checkpoints' header says wrote them, so that --resume refuses
 /// another program's run.
-constexpr const char* kKind = "attnkit-cloze";
+constexpr const char* kClozeKind = "attnkit-cloze";
 constexpr int64_t kEvalBatch = 256;
 
 struct ClozeFlags {
@@ -127,7 +127,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
   const std::string resumed_from = resumed ? resumed->path() : "";
   json header;
   if (resumed) {
-    TORCH_CHECK(resumed->kind() == kKind, "cloze: --resume: ", resumed_from,
+    TORCH_CHECK(resumed->kind() == kClozeKind, "cloze: --resume: ", resumed_from,
                 " is not a checkpoint of `attnkit-experiments cloze` (kind '", resumed->kind(), "')");
     header = json::parse(resumed->header());
     // Flags given must match the run's settings; the others are taken from it.
@@ -186,7 +186,7 @@ void run(ClozeFlags f, CLI::App* cmd) {
   const auto valid_batches = task.eval_batches(tasks::Split::valid, f.valid_examples, kEvalBatch);
 
   auto save = [&](int64_t step, double elapsed) {
-    const json stored{{"kind", kKind}, {"elapsed", elapsed}, {"settings", settings(f)}};
+    const json stored{{"kind", kClozeKind}, {"elapsed", elapsed}, {"settings", settings(f)}};
     return dir.write_checkpoint(step, stored.dump(), *model, &optimizer);
   };
 

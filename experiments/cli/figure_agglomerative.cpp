@@ -45,7 +45,7 @@ namespace {
 // The length range of the linearity target (docs/PERFORMANCE.md, "Agglomerative attention").
 constexpr int64_t kFitFrom = 512, kFitTo = 4096;
 
-struct FigureConfig {
+struct AgglomerativeFigureConfig {
   std::vector<int64_t> lengths{32, 64, 128, 256, 512, 1024, 2048, 4096};
   std::vector<std::string> masks{"full", "masked"};
   std::vector<std::string> layers{"agglomerative", "multihead"};
@@ -117,7 +117,7 @@ nlohmann::json fitted_slope(const std::vector<Timing>& rows, const std::string& 
 /// Where the agglomerative layer overtakes the exact one for good: the last
 /// measured length at which it is not faster and the next (faster) one, with
 /// the crossing interpolated linearly in log-log between them.
-nlohmann::json crossover(const std::vector<Timing>& rows, const FigureConfig& c, const std::string& mask) {
+nlohmann::json crossover(const std::vector<Timing>& rows, const AgglomerativeFigureConfig& c, const std::string& mask) {
   std::vector<std::tuple<int64_t, double>> ratio;  // (L, agglomerative / multihead)
   for (int64_t L : c.lengths) {
     const Timing* a = find(rows, "agglomerative", mask, L);
@@ -150,7 +150,7 @@ nlohmann::json crossover(const std::vector<Timing>& rows, const FigureConfig& c,
   return j;
 }
 
-nlohmann::json summary(const std::vector<Timing>& rows, const FigureConfig& c) {
+nlohmann::json summary(const std::vector<Timing>& rows, const AgglomerativeFigureConfig& c) {
   nlohmann::json s;
   for (const auto& mask : c.masks) {
     nlohmann::json m;
@@ -170,7 +170,7 @@ std::string joined(const std::vector<std::string>& items) {
 }
 
 /// The command line that reproduces this run.
-std::string command_line(const FigureConfig& c) {
+std::string command_line(const AgglomerativeFigureConfig& c) {
   std::ostringstream o;
   o << "attnkit-experiments figure-agglomerative --lengths ";
   for (size_t k = 0; k < c.lengths.size(); ++k) o << (k ? "," : "") << c.lengths[k];
@@ -183,7 +183,7 @@ std::string command_line(const FigureConfig& c) {
   return o.str();
 }
 
-void write_outputs(const FigureConfig& c, const std::vector<Timing>& rows) {
+void write_outputs(const AgglomerativeFigureConfig& c, const std::vector<Timing>& rows) {
   if (!c.json.empty()) {
     nlohmann::json doc;
     doc["command"] = command_line(c);
@@ -220,7 +220,7 @@ std::string cell(const Timing* t) {
 /// the inputs the layer would give it.
 class Subjects {
  public:
-  explicit Subjects(const FigureConfig& c)
+  explicit Subjects(const AgglomerativeFigureConfig& c)
       : c_(c),
         agglomerative_(nn::AgglomerativeAttentionOptions(c.width, c.heads)),
         agglomerative_attention_(nn::resolve_mechanism("agglomerative")),
@@ -259,14 +259,14 @@ class Subjects {
   }
 
  private:
-  const FigureConfig& c_;
+  const AgglomerativeFigureConfig& c_;
   nn::AgglomerativeAttention agglomerative_;
   std::pair<const nn::MechanismInfo*, nn::MechanismSpec> agglomerative_attention_;
   nn::MultiheadAttention multihead_;
   torch::Tensor x_, cq_, cr_, q_, k_, v_;
 };
 
-void run_figure(const FigureConfig& c) {
+void run_agglomerative_figure(const AgglomerativeFigureConfig& c) {
   set_num_threads(c.threads);
   at::set_num_threads(num_threads());  // the layers' projections get the same threads
   torch::NoGradGuard no_grad;          // the paper times the layer output alone
@@ -311,7 +311,7 @@ void run_figure(const FigureConfig& c) {
 }  // namespace
 
 void add_figure_agglomerative_command(CLI::App& app) {
-  auto c = std::make_shared<FigureConfig>();
+  auto c = std::make_shared<AgglomerativeFigureConfig>();
   auto* cmd = app.add_subcommand(
       "figure-agglomerative",
       "The agglomerative-attention paper, Figure 1: whole-layer forward time of "
@@ -344,7 +344,7 @@ void add_figure_agglomerative_command(CLI::App& app) {
     if (c->width % c->heads != 0)
       throw CLI::ValidationError("--width",
                                  "must be a multiple of --heads (" + std::to_string(c->heads) + ")");
-    run_figure(*c);
+    run_agglomerative_figure(*c);
   });
 }
 

@@ -25,7 +25,7 @@ namespace {
 
 using Mechanism = std::pair<const nn::MechanismInfo*, nn::MechanismSpec>;
 
-struct FigureConfig {
+struct ClusteredFigureConfig {
   std::vector<int64_t> lengths{1024, 2048, 4096, 8192, 16384, 32768};
   std::vector<std::string> attention{"full", "clustered", "improved-clustered"};
   int64_t heads = 8, head_dim = 64;
@@ -73,7 +73,7 @@ std::pair<double, int64_t> forward_backward(const Mechanism& m, const nn::Mechan
   return {s, peak};
 }
 
-Row measure(const FigureConfig& c, const Mechanism& m, int64_t L) {
+Row measure(const ClusteredFigureConfig& c, const Mechanism& m, int64_t L) {
   Row r{m.second.str(), L};
   torch::manual_seed(0);
   const nn::AttentionShape shape{1, c.heads, L, L, c.head_dim, c.head_dim};
@@ -183,7 +183,7 @@ void summarise(const std::vector<Mechanism>& mechanisms, const std::vector<Row>&
 /// The row of (mechanism, L): measured, or skipped with a note when it would
 /// take too long or need too much memory, extrapolated from the mechanism's
 /// shorter lengths.
-Row measure_or_skip(const FigureConfig& c, const Mechanism& mechanism, int64_t L,
+Row measure_or_skip(const ClusteredFigureConfig& c, const Mechanism& mechanism, int64_t L,
                     const std::vector<Row>& rows) {
   const std::string name = mechanism.second.str();
   std::vector<std::pair<int64_t, double>> times, bytes;
@@ -215,7 +215,7 @@ Row measure_or_skip(const FigureConfig& c, const Mechanism& mechanism, int64_t L
   return row;
 }
 
-void run_figure(const FigureConfig& c) {
+void run_clustered_figure(const ClusteredFigureConfig& c) {
   memory::install_counting_allocator();
   set_num_threads(c.threads);
   at::set_num_threads(num_threads());
@@ -275,7 +275,7 @@ void run_figure(const FigureConfig& c) {
 }  // namespace
 
 void add_figure_clustered_command(CLI::App& app) {
-  auto c = std::make_shared<FigureConfig>();
+  auto c = std::make_shared<ClusteredFigureConfig>();
   auto lengths = std::make_shared<std::string>();
   auto attention = std::make_shared<std::string>();
   auto* cmd = app.add_subcommand(
@@ -296,11 +296,11 @@ void add_figure_clustered_command(CLI::App& app) {
   cmd->add_option("--threads", c->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", c->json, "Also write the results to this JSON file");
   cmd->callback([=] {
-    FigureConfig config = *c;
+    ClusteredFigureConfig config = *c;
     if (!lengths->empty()) config.lengths = parse_positive_list("--lengths", *lengths);
     if (!attention->empty()) config.attention = split_specs(*attention);
     resolve_specs("--attention", config.attention);  // refuse a bad spec before any work
-    run_figure(config);
+    run_clustered_figure(config);
   });
 }
 

@@ -54,7 +54,7 @@ using json = nlohmann::json;
 constexpr const char* kCommand = "node-classify";
 /// What the checkpoints' header says wrote them, so that --resume refuses
 /// another program's run.
-constexpr const char* kKind = "attnkit-node-classify";
+constexpr const char* kNodeClassifyKind = "attnkit-node-classify";
 
 struct NodeFlags {
   // --structure: the edges attended over; --attention: empty (over the
@@ -206,7 +206,7 @@ void run(NodeFlags f, CLI::App* cmd) {
   const std::string resumed_from = resumed ? resumed->path() : "";
   json header;
   if (resumed) {
-    TORCH_CHECK(resumed->kind() == kKind, kCommand, ": --resume: ", resumed_from,
+    TORCH_CHECK(resumed->kind() == kNodeClassifyKind, kCommand, ": --resume: ", resumed_from,
                 " is not a checkpoint of `attnkit-experiments node-classify` (kind '", resumed->kind(), "')");
     header = json::parse(resumed->header());
     const json stored = with_current_names(header.at("settings"));
@@ -275,7 +275,7 @@ void run(NodeFlags f, CLI::App* cmd) {
   std::fflush(stdout);
 
   auto save = [&](int64_t epoch, double elapsed) {
-    const json stored{{"kind", kKind}, {"elapsed", elapsed}, {"settings", settings(f)}, {"best", best.to_json()}};
+    const json stored{{"kind", kNodeClassifyKind}, {"elapsed", elapsed}, {"settings", settings(f)}, {"best", best.to_json()}};
     return dir.write_checkpoint(epoch, stored.dump(), *model, &optimizer);
   };
 

@@ -12,7 +12,7 @@ namespace attnkit::nn {
 
 namespace {
 
-constexpr const char* kModule = "AgglomerativeAttention";
+constexpr const char* kAgglomerativeModule = "AgglomerativeAttention";
 
 /// Glorot (Xavier) uniform: U(-b, b) with b = sqrt(6 / (fan_in + fan_out)).
 torch::Tensor glorot_uniform(int64_t fan_in, int64_t fan_out) {
@@ -36,9 +36,9 @@ AgglomerativeAttentionImpl::AgglomerativeAttentionImpl(const AgglomerativeAttent
 
 void AgglomerativeAttentionImpl::reset() {
   const int64_t d = options.width(), m = options.classes();
-  TORCH_CHECK(d > 0 && m > 0 && d % m == 0, kModule, ": width (", d,
+  TORCH_CHECK(d > 0 && m > 0 && d % m == 0, kAgglomerativeModule, ": width (", d,
               ") must be a positive multiple of classes (", m, ")");
-  TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, kModule,
+  TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, kAgglomerativeModule,
               ": option 'dropout' must be in [0, 1), got ", options.dropout());
   W_q = register_parameter("W_q", glorot_uniform(d, m));
   b_q = register_parameter("b_q", torch::zeros({m}));
@@ -59,15 +59,15 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
                                                   const torch::Tensor& x_ref, bool causal) {
   const int64_t d = options.width(), m = options.classes();
   auto check_input = [&](const char* name, const torch::Tensor& x) {
-    detail::check_float_tensor(kModule, name, x, 3);
-    detail::check_dim(kModule, name, x, 2, d, "feature size (the width)");
-    TORCH_CHECK(x.scalar_type() == P.scalar_type(), kModule, ": argument '", name, "' has dtype ",
+    detail::check_float_tensor(kAgglomerativeModule, name, x, 3);
+    detail::check_dim(kAgglomerativeModule, name, x, 2, d, "feature size (the width)");
+    TORCH_CHECK(x.scalar_type() == P.scalar_type(), kAgglomerativeModule, ": argument '", name, "' has dtype ",
                 x.scalar_type(), " but the parameters have dtype ", P.scalar_type());
   };
   check_input("x_query", x_query);
   if (x_ref.defined()) {
     check_input("x_ref", x_ref);
-    detail::check_dim(kModule, "x_ref", x_ref, 0, x_query.size(0), "batch size N");
+    detail::check_dim(kAgglomerativeModule, "x_ref", x_ref, 0, x_query.size(0), "batch size N");
   }
   const torch::Tensor& x = x_ref.defined() ? x_ref : x_query;
   const int64_t N = x_query.size(0), L = x_query.size(1), S = x.size(1);
@@ -85,9 +85,9 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
 
 torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, AgglomerativeState& state) {
   const int64_t d = options.width(), m = options.classes();
-  detail::check_float_tensor(kModule, "x_t", x_t, 2);
-  detail::check_dim(kModule, "x_t", x_t, 1, d, "feature size (the width)");
-  TORCH_CHECK(x_t.scalar_type() == P.scalar_type(), kModule, ": argument 'x_t' has dtype ",
+  detail::check_float_tensor(kAgglomerativeModule, "x_t", x_t, 2);
+  detail::check_dim(kAgglomerativeModule, "x_t", x_t, 1, d, "feature size (the width)");
+  TORCH_CHECK(x_t.scalar_type() == P.scalar_type(), kAgglomerativeModule, ": argument 'x_t' has dtype ",
               x_t.scalar_type(), " but the parameters have dtype ", P.scalar_type());
   const int64_t N = x_t.size(0);
   if (!state.sums.defined()) {
@@ -96,7 +96,7 @@ torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, Agglome
   }
   TORCH_CHECK(state.sums.sizes() == torch::IntArrayRef({N, m, d / m}) &&
                   state.counts.sizes() == torch::IntArrayRef({N, m}),
-              kModule, ": the state has sums ", detail::shape_str(state.sums), " and counts ",
+              kAgglomerativeModule, ": the state has sums ", detail::shape_str(state.sums), " and counts ",
               detail::shape_str(state.counts), ", expected (", N, ", ", m, ", ", d / m, ") and (", N,
               ", ", m, ") for x_t of batch size ", N);
 

@@ -12,14 +12,14 @@
 namespace attnkit::nn {
 
 namespace {
-constexpr const char* kModule = "EdgePredictor";
+constexpr const char* kEdgePredictorModule = "EdgePredictor";
 }  // namespace
 
 EdgePredictorVariant edge_predictor_variant_from_string(const std::string& name) {
   if (name == "shared") return EdgePredictorVariant::shared_structure;
   if (name == "all-connected") return EdgePredictorVariant::all_connected;
   if (name == "head-adaptive") return EdgePredictorVariant::head_adaptive;
-  TORCH_CHECK(false, kModule, ": variant must be one of shared, all-connected, head-adaptive, got '",
+  TORCH_CHECK(false, kEdgePredictorModule, ": variant must be one of shared, all-connected, head-adaptive, got '",
               name, "'");
   return EdgePredictorVariant::shared_structure;  // unreachable
 }
@@ -53,15 +53,15 @@ int64_t EdgePredictorImpl::sequences() const {
 
 void EdgePredictorImpl::reset() {
   const auto& o = options;
-  TORCH_CHECK(o.width() > 0, kModule, ": width must be positive, got ", o.width());
-  TORCH_CHECK(o.hidden_size() > 0, kModule, ": hidden_size must be positive, got ", o.hidden_size());
-  TORCH_CHECK(o.alpha() >= 1, kModule, ": alpha (edges per node) must be >= 1, got ", o.alpha());
-  TORCH_CHECK(o.max_distance() >= 0, kModule, ": max_distance must be >= 0 (0 disables it), got ",
+  TORCH_CHECK(o.width() > 0, kEdgePredictorModule, ": width must be positive, got ", o.width());
+  TORCH_CHECK(o.hidden_size() > 0, kEdgePredictorModule, ": hidden_size must be positive, got ", o.hidden_size());
+  TORCH_CHECK(o.alpha() >= 1, kEdgePredictorModule, ": alpha (edges per node) must be >= 1, got ", o.alpha());
+  TORCH_CHECK(o.max_distance() >= 0, kEdgePredictorModule, ": max_distance must be >= 0 (0 disables it), got ",
               o.max_distance());
   const bool adaptive = o.variant() == EdgePredictorVariant::head_adaptive;
   if (adaptive) {
-    TORCH_CHECK(o.heads() >= 1, kModule, ": heads must be >= 1 for head-adaptive, got ", o.heads());
-    TORCH_CHECK(o.head_embedding_dim() >= 1, kModule,
+    TORCH_CHECK(o.heads() >= 1, kEdgePredictorModule, ": heads must be >= 1 for head-adaptive, got ", o.heads());
+    TORCH_CHECK(o.head_embedding_dim() >= 1, kEdgePredictorModule,
                 ": head_embedding_dim must be >= 1 for head-adaptive, got ", o.head_embedding_dim());
   }
   const int64_t input = o.width() + (adaptive ? o.head_embedding_dim() : 0);
@@ -89,16 +89,16 @@ EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes
                                                       const char* op, bool batched) const {
   const int64_t dims = batched ? 3 : 2;
   const char* layout = batched ? "(B, n, width)" : "(n, width)";
-  TORCH_CHECK(nodes.defined() && nodes.dim() == dims, kModule, ".", op, ": argument 'nodes' must be ",
+  TORCH_CHECK(nodes.defined() && nodes.dim() == dims, kEdgePredictorModule, ".", op, ": argument 'nodes' must be ",
               dims, "-D ", layout, ", got ",
               nodes.defined() ? std::to_string(nodes.dim()) + "-D" : std::string("undefined"));
   const auto x = batched ? nodes : nodes.unsqueeze(0);
-  TORCH_CHECK(x.size(0) >= 1, kModule, ".", op, ": argument 'nodes' must hold at least one graph");
-  TORCH_CHECK(x.size(1) >= 1, kModule, ".", op, ": argument 'nodes' must have at least one node");
-  TORCH_CHECK(x.size(2) == options.width(), kModule, ".", op,
+  TORCH_CHECK(x.size(0) >= 1, kEdgePredictorModule, ".", op, ": argument 'nodes' must hold at least one graph");
+  TORCH_CHECK(x.size(1) >= 1, kEdgePredictorModule, ".", op, ": argument 'nodes' must have at least one node");
+  TORCH_CHECK(x.size(2) == options.width(), kEdgePredictorModule, ".", op,
               ": argument 'nodes' must have width = ", options.width(), " columns, got ",
               x.size(2));
-  TORCH_CHECK(nodes.scalar_type() == pointer.scalar_type(), kModule, ".", op,
+  TORCH_CHECK(nodes.scalar_type() == pointer.scalar_type(), kEdgePredictorModule, ".", op,
               ": argument 'nodes' has dtype ", nodes.scalar_type(), ", the parameters ",
               pointer.scalar_type());
   Context ctx;
@@ -110,12 +110,12 @@ EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes
     const int64_t n = ctx.n;
     torch::Tensor d;
     if (distances.defined()) {
-      TORCH_CHECK(distances.scalar_type() == torch::kInt64, kModule, ".", op,
+      TORCH_CHECK(distances.scalar_type() == torch::kInt64, kEdgePredictorModule, ".", op,
                   ": argument 'distances' must be int64, got ", distances.scalar_type());
-      TORCH_CHECK(distances.sizes() == torch::IntArrayRef({n, n}), kModule, ".", op,
+      TORCH_CHECK(distances.sizes() == torch::IntArrayRef({n, n}), kEdgePredictorModule, ".", op,
                   ": argument 'distances' must be (n, n) = (", n, ", ", n, "), got ",
                   distances.sizes());
-      TORCH_CHECK(distances.numel() == 0 || distances.min().item<int64_t>() >= 0, kModule, ".", op,
+      TORCH_CHECK(distances.numel() == 0 || distances.min().item<int64_t>() >= 0, kEdgePredictorModule, ".", op,
                   ": argument 'distances' must be non-negative, got minimum ",
                   distances.min().item<int64_t>());
       d = distances.contiguous();
@@ -126,7 +126,7 @@ EdgePredictorImpl::Context EdgePredictorImpl::context(const torch::Tensor& nodes
     d = d.clamp_max(options.max_distance()).contiguous();
     ctx.distance.assign(d.data_ptr<int64_t>(), d.data_ptr<int64_t>() + n * n);
   } else {
-    TORCH_CHECK(!distances.defined(), kModule, ".", op,
+    TORCH_CHECK(!distances.defined(), kEdgePredictorModule, ".", op,
                 ": argument 'distances' given but the distance encoding is off (max_distance = 0)");
   }
   return ctx;
@@ -209,7 +209,7 @@ EdgeSampleBatch EdgePredictorImpl::sample_batch(const torch::Tensor& nodes,
 EdgeSampleBatch EdgePredictorImpl::sample_many(const torch::Tensor& nodes, int64_t samples,
                                                c10::optional<at::Generator> generator,
                                                const torch::Tensor& distances) {
-  TORCH_CHECK(samples >= 1, kModule, ".sample_many: argument 'samples' must be >= 1, got ", samples);
+  TORCH_CHECK(samples >= 1, kEdgePredictorModule, ".sample_many: argument 'samples' must be >= 1, got ", samples);
   return sample_from(context(nodes, distances, "sample_many"), std::move(generator), samples);
 }
 
@@ -256,12 +256,12 @@ EdgeSampleBatch EdgePredictorImpl::sample_from(const Context& ctx, c10::optional
 }
 
 double EdgePredictorImpl::update_baseline(const torch::Tensor& rewards, double decay) {
-  TORCH_CHECK(rewards.defined() && rewards.numel() >= 1, kModule,
+  TORCH_CHECK(rewards.defined() && rewards.numel() >= 1, kEdgePredictorModule,
               ".update_baseline: argument 'rewards' must hold at least one reward");
-  TORCH_CHECK(decay >= 0 && decay < 1, kModule, ".update_baseline: decay must be in [0, 1), got ",
+  TORCH_CHECK(decay >= 0 && decay < 1, kEdgePredictorModule, ".update_baseline: decay must be in [0, 1), got ",
               decay);
   const double mean = rewards.detach().to(torch::kFloat64).mean().item<double>();
-  TORCH_CHECK(std::isfinite(mean), kModule, ".update_baseline: the rewards' mean is ", mean);
+  TORCH_CHECK(std::isfinite(mean), kEdgePredictorModule, ".update_baseline: the rewards' mean is ", mean);
   torch::NoGradGuard no_grad;
   auto state = reward_baseline.to(torch::kFloat64);
   const double b = state[0].item<double>(), updates = state[1].item<double>();
@@ -279,7 +279,7 @@ torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torc
   const int64_t S = sequences(), T = steps(ctx.n);
   TORCH_CHECK(tokens.defined() && tokens.scalar_type() == torch::kInt64 &&
                   tokens.sizes() == torch::IntArrayRef({S, T}),
-              kModule, ".log_prob: argument 'tokens' must be int64 (", S, ", ", T, "), got ",
+              kEdgePredictorModule, ".log_prob: argument 'tokens' must be int64 (", S, ", ", T, "), got ",
               tokens.defined() ? c10::toString(tokens.scalar_type()) : "undefined", " ",
               tokens.defined() ? tokens.sizes() : torch::IntArrayRef{});
   const auto tk = tokens.contiguous();
@@ -290,13 +290,13 @@ torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torc
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t j = tok[s][t];
-      TORCH_CHECK(j >= 0 && j < ctx.n, kModule, ".log_prob: tokens[", s, "][", t,
+      TORCH_CHECK(j >= 0 && j < ctx.n, kEdgePredictorModule, ".log_prob: tokens[", s, "][", t,
                   "] must be a node in [0, ", ctx.n, "), got ", j);
       std::tie(h, c) = lstm->forward(step_input(ctx, s, t, {t == 0 ? 0 : tok[s][t - 1]}),
                                      std::make_tuple(h, c));
       const Step kind = step_kind(options, t);
       if (kind.forced) {
-        TORCH_CHECK(j == kind.forced_token, kModule, ".log_prob: tokens[", s, "][", t,
+        TORCH_CHECK(j == kind.forced_token, kEdgePredictorModule, ".log_prob: tokens[", s, "][", t,
                     "] is an all-connected origin and must be ", kind.forced_token, ", got ", j);
         continue;
       }
@@ -310,7 +310,7 @@ torch::Tensor EdgePredictorImpl::log_prob(const torch::Tensor& nodes, const torc
 
 EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t beam,
                                           const torch::Tensor& distances) {
-  TORCH_CHECK(beam >= 1, kModule, ".beam_search: argument 'beam' (the beam width) must be >= 1, got ", beam);
+  TORCH_CHECK(beam >= 1, kEdgePredictorModule, ".beam_search: argument 'beam' (the beam width) must be >= 1, got ", beam);
   torch::NoGradGuard no_grad;
   const auto ctx = context(nodes, distances, "beam_search");
   const int64_t S = sequences(), T = steps(ctx.n), n = ctx.n;
@@ -375,7 +375,7 @@ EdgeSample EdgePredictorImpl::beam_search(const torch::Tensor& nodes, int64_t be
 EdgeList EdgePredictorImpl::edges_from_tokens(const torch::Tensor& tokens, int64_t n) const {
   TORCH_CHECK(tokens.defined() && tokens.scalar_type() == torch::kInt64 && tokens.dim() == 2 &&
                   tokens.size(1) % 2 == 0,
-              kModule, ".edges_from_tokens: argument 'tokens' must be int64 (sequences, even)");
+              kEdgePredictorModule, ".edges_from_tokens: argument 'tokens' must be int64 (sequences, even)");
   const auto tk = tokens.contiguous();
   auto tok = tk.accessor<int64_t, 2>();
   const int64_t S = tk.size(0), T = tk.size(1);
@@ -385,7 +385,7 @@ EdgeList EdgePredictorImpl::edges_from_tokens(const torch::Tensor& tokens, int64
     std::vector<std::vector<int64_t>> rows(n);
     for (int64_t t = 0; t < T; t += 2) {
       const int64_t o = tok[s][t], d = tok[s][t + 1];
-      TORCH_CHECK(o >= 0 && o < n && d >= 0 && d < n, kModule,
+      TORCH_CHECK(o >= 0 && o < n && d >= 0 && d < n, kEdgePredictorModule,
                   ".edges_from_tokens: tokens must be nodes in [0, ", n, "), got the pair (", o, ", ",
                   d, ")");
       rows[o].push_back(d);
@@ -409,9 +409,9 @@ EdgeList EdgePredictorImpl::edges_from_tokens(const torch::Tensor& tokens, int64
 }
 
 torch::Tensor reinforce_loss(const torch::Tensor& log_prob, double reward, double baseline) {
-  TORCH_CHECK(log_prob.defined() && log_prob.numel() == 1, kModule,
+  TORCH_CHECK(log_prob.defined() && log_prob.numel() == 1, kEdgePredictorModule,
               ": reinforce_loss: argument 'log_prob' must be a scalar");
-  TORCH_CHECK(std::isfinite(reward) && std::isfinite(baseline), kModule,
+  TORCH_CHECK(std::isfinite(reward) && std::isfinite(baseline), kEdgePredictorModule,
               ": reinforce_loss: reward and baseline must be finite, got ", reward, " and ", baseline);
   return -(reward - baseline) * log_prob.reshape({});
 }

@@ -21,22 +21,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-constexpr const char* kOp = "linear";
+constexpr const char* kLinearOp = "linear";
 
 void check_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
-  TORCH_CHECK(x.defined(), kOp, ": argument 'x' is undefined");
-  TORCH_CHECK(x.dim() >= 1, kOp, ": argument 'x' must have at least 1 dimension (..., in), "
+  TORCH_CHECK(x.defined(), kLinearOp, ": argument 'x' is undefined");
+  TORCH_CHECK(x.dim() >= 1, kLinearOp, ": argument 'x' must have at least 1 dimension (..., in), "
               "got a 0-dimensional tensor");
-  detail::check_float_tensor(kOp, "x", x, x.dim());
-  detail::check_float_tensor(kOp, "weight", weight, 2);
-  detail::check_same_dtype(kOp, "weight", weight, "input", x);
-  TORCH_CHECK(weight.size(1) == x.size(-1), kOp, ": argument 'weight' has shape ",
+  detail::check_float_tensor(kLinearOp, "x", x, x.dim());
+  detail::check_float_tensor(kLinearOp, "weight", weight, 2);
+  detail::check_same_dtype(kLinearOp, "weight", weight, "input", x);
+  TORCH_CHECK(weight.size(1) == x.size(-1), kLinearOp, ": argument 'weight' has shape ",
               detail::shape_str(weight), " (out, in), so x must end in in = ", weight.size(1),
               ", got x of shape ", detail::shape_str(x));
   if (!bias.defined()) return;
-  detail::check_float_tensor(kOp, "bias", bias, 1);
-  detail::check_same_dtype(kOp, "bias", bias, "input", x);
-  TORCH_CHECK(bias.size(0) == weight.size(0), kOp, ": argument 'bias' must have shape (",
+  detail::check_float_tensor(kLinearOp, "bias", bias, 1);
+  detail::check_same_dtype(kLinearOp, "bias", bias, "input", x);
+  TORCH_CHECK(bias.size(0) == weight.size(0), kLinearOp, ": argument 'bias' must have shape (",
               weight.size(0), ") like weight's out, got ", detail::shape_str(bias));
 }
 
@@ -175,9 +175,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     else
       kernel_backward<float>(x2, w, dy, ldy, dx, dw_stored, db);
     if (dw_stored.defined()) dw = w.transposed ? dw_stored.t() : dw_stored;
-    if (!bf16) return detail::once_differentiable(kOp, {dx, dw, db}, {x, weight, grads[0]});
+    if (!bf16) return detail::once_differentiable(kLinearOp, {dx, dw, db}, {x, weight, grads[0]});
     return detail::once_differentiable(
-        kOp, {dx, dw, db}, {x, weight, grads[0]},
+        kLinearOp, {dx, dw, db}, {x, weight, grads[0]},
         "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
         "use float64 inputs, which take the differentiable composite path");
   }

@@ -18,7 +18,7 @@ namespace attnkit {
 
 namespace {
 
-constexpr const char* kOp = "softmax_attention";
+constexpr const char* kSoftmaxOp = "softmax_attention";
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
@@ -42,16 +42,16 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
 
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
-  detail::check_qkv(kOp, q, k, v);
-  detail::check_scale(kOp, options.scale(), q.scalar_type());
-  detail::check_lengths(kOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
-  check_bias(kOp, options.bias(), q, k.size(2));
+  detail::check_qkv(kSoftmaxOp, q, k, v);
+  detail::check_scale(kSoftmaxOp, options.scale(), q.scalar_type());
+  detail::check_lengths(kSoftmaxOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
+  check_bias(kSoftmaxOp, options.bias(), q, k.size(2));
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
 /// autograd graph. (Passed as one struct because Function::apply records the
 /// device of every tensor argument, and key_lengths may be undefined.)
-struct Constants {
+struct SoftmaxConstants {
   torch::Tensor key_lengths;  // undefined, or contiguous int64 (N)
   double scale;
   bool causal;
@@ -61,7 +61,7 @@ struct Constants {
 /// cost no copy.
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
                                             const torch::Tensor& v, const torch::Tensor& bias,
-                                            const torch::Tensor& key_lengths, const Constants& c,
+                                            const torch::Tensor& key_lengths, const SoftmaxConstants& c,
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
   detail::bind_qkv(p, q, k, v, out);
@@ -83,12 +83,12 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const Constants& c) {
+                               const torch::Tensor& v, const SoftmaxConstants& c) {
     return run(ctx, q, k, v, torch::Tensor(), c);
   }
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& bias,
-                               const Constants& c) {
+                               const SoftmaxConstants& c) {
     return run(ctx, q, k, v, bias, c);
   }
 
@@ -98,7 +98,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto &bias = saved[5], &key_lengths = saved[6];
-    const Constants c{key_lengths, ctx->saved_data["scale"].toDouble(),
+    const SoftmaxConstants c{key_lengths, ctx->saved_data["scale"].toDouble(),
                       ctx->saved_data["causal"].toBool()};
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     kernels::SoftmaxAttentionBackwardParams p;
@@ -120,12 +120,12 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     tensor_list result = {dq, dk, dv};
     if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());
     result.push_back(torch::Tensor());  // the constants
-    return detail::once_differentiable(kOp, std::move(result), {q, k, v, bias, grads[0]});
+    return detail::once_differentiable(kSoftmaxOp, std::move(result), {q, k, v, bias, grads[0]});
   }
 
  private:
   static torch::Tensor run(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                           const torch::Tensor& v, const torch::Tensor& bias, const Constants& c) {
+                           const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
     const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
     auto out = torch::empty({N, H, L, M}, q.options());
     auto lse = torch::empty({N, H, L}, q.options());
@@ -142,7 +142,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
 class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAttentionBf16Function> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const Constants& c) {
+                               const torch::Tensor& v, const SoftmaxConstants& c) {
     const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
     auto out = torch::empty({N, H, L, M}, q.options());
     auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
@@ -157,20 +157,20 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const Constants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
+    const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     kernels::softmax_attention_backward_bf16(p);
     return detail::once_differentiable(
-        kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]},
+        kSoftmaxOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]},
         "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
         "use float64 inputs, which take the differentiable composite path");
   }
 
  private:
   static kernels::SoftmaxAttentionBf16Params params(const torch::Tensor& q, const torch::Tensor& k,
-                                                    const torch::Tensor& v, const Constants& c,
+                                                    const torch::Tensor& v, const SoftmaxConstants& c,
                                                     const torch::Tensor& out,
                                                     const torch::Tensor& lse) {
     kernels::SoftmaxAttentionBf16Params p;
@@ -217,7 +217,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
-  const Constants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
+  const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
                     options.causal()};
   if (q.scalar_type() == torch::kBFloat16) {
     if (bf16_fallback_reason(options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);

@@ -15,22 +15,22 @@ namespace attnkit {
 
 namespace {
 
-constexpr const char* kOp = "sparse_attention";
+constexpr const char* kSparseOp = "sparse_attention";
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const EdgeList& edges, const SparseAttentionFuncOptions& options) {
-  detail::check_qkv(kOp, q, k, v);
-  detail::check_scale(kOp, options.scale(), q.scalar_type());
-  check_edge_list(edges, q.size(2), k.size(2), q.size(1), kOp);
+  detail::check_qkv(kSparseOp, q, k, v);
+  detail::check_scale(kSparseOp, options.scale(), q.scalar_type());
+  check_edge_list(edges, q.size(2), k.size(2), q.size(1), kSparseOp);
 }
 
 /// The edge list as the kernel reads it (contiguous int64) and the scale:
 /// constants of the autograd graph, passed as one struct (see
 /// softmax_attention.cpp: apply records the device of every tensor argument).
-struct Constants {
+struct SparseConstants {
   torch::Tensor offsets;  // (lists, L + 1)
   torch::Tensor columns;  // (nnz)
   double scale;
@@ -38,7 +38,7 @@ struct Constants {
 
 /// The kernel reads strides, so views of q, k, v and out cost no copy.
 kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
-                                           const torch::Tensor& v, const Constants& c,
+                                           const torch::Tensor& v, const SparseConstants& c,
                                            const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SparseAttentionParams p;
   detail::bind_qkv(p, q, k, v, out);
@@ -53,7 +53,7 @@ kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::
 class SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const Constants& c) {
+                               const torch::Tensor& v, const SparseConstants& c) {
     const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
     auto out = torch::empty({N, H, L, M}, q.options());
     auto lse = torch::empty({N, H, L}, q.options());
@@ -68,12 +68,12 @@ class SparseAttentionFunction : public torch::autograd::Function<SparseAttention
     // forward and backward raises instead of changing the gradients.
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const Constants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble()};
+    const SparseConstants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble()};
     kernels::SparseAttentionBackwardParams p;
     static_cast<kernels::SparseAttentionParams&>(p) = make_params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     kernels::sparse_attention_backward(p);
-    return detail::once_differentiable(kOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
+    return detail::once_differentiable(kSparseOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
   }
 };
 
@@ -82,7 +82,7 @@ torch::Tensor run_kernel(const torch::Tensor& q, const torch::Tensor& k, const t
                          const EdgeList& edges, const SparseAttentionFuncOptions& options) {
   // (lists, L + 1): one list for all heads, or one per head (H may be 0).
   auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
-  const Constants c{offsets.contiguous(), edges.columns.contiguous(),
+  const SparseConstants c{offsets.contiguous(), edges.columns.contiguous(),
                     detail::scale_or_default(options.scale(), q.size(3))};
   return SparseAttentionFunction::apply(q, k, v, c);
 }

@@ -22,6 +22,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "train/refusal.h"
+
 namespace attnkit::train {
 
 namespace fs = std::filesystem;
@@ -69,11 +71,11 @@ uint64_t get_le(const std::string& in, std::size_t offset, int bytes) {
   return value;
 }
 
-[[noreturn]] void refuse(const std::string& what, const std::string& problem) {
+}  // namespace
+
+void refuse_checkpoint(const std::string& what, const std::string& problem) {
   throw std::runtime_error("checkpoint '" + what + "' refused: " + problem);
 }
-
-}  // namespace
 
 std::string encode_checkpoint(const CheckpointFile& file) {
   std::string out;
@@ -91,9 +93,9 @@ std::string encode_checkpoint(const CheckpointFile& file) {
 CheckpointFile decode_checkpoint(const std::string& bytes, const std::string& what) {
   const std::size_t n = bytes.size();
   if (n < sizeof(kCheckpointMagic) || std::memcmp(bytes.data(), kCheckpointMagic, sizeof(kCheckpointMagic)) != 0)
-    refuse(what, "not an attnkit checkpoint (the file does not start with the magic \"ATNKCKPT\")");
+    refuse_checkpoint(what, "not an attnkit checkpoint (the file does not start with the magic \"ATNKCKPT\")");
   if (n < kCheckpointPrefixBytes + 4)
-    refuse(what, "truncated: " + std::to_string(n) + " bytes, shorter than the container's fixed " +
+    refuse_checkpoint(what, "truncated: " + std::to_string(n) + " bytes, shorter than the container's fixed " +
                      std::to_string(kCheckpointPrefixBytes + 4) + " bytes");
   const uint64_t header_bytes = get_le(bytes, 12, 8), payload_bytes = get_le(bytes, 20, 8);
   const uint64_t limit = uint64_t{1} << 56;  // guards the sum below against overflow
@@ -108,19 +110,19 @@ CheckpointFile decode_checkpoint(const std::string& bytes, const std::string& wh
   const uint32_t actual = crc32(bytes.data(), n - 4);
   if (stored != actual) {
     if (sizes_sane && expected > n)
-      refuse(what, "truncated: " + sizes + " need " + std::to_string(expected) +
+      refuse_checkpoint(what, "truncated: " + sizes + " need " + std::to_string(expected) +
                        " bytes, the file has " + std::to_string(n));
     std::ostringstream s;
     s << "corrupt: CRC-32 mismatch (stored 0x" << std::hex << stored << ", computed 0x" << actual
       << " over " << std::dec << (n - 4) << " bytes)";
-    refuse(what, s.str());
+    refuse_checkpoint(what, s.str());
   }
   const uint32_t version = static_cast<uint32_t>(get_le(bytes, 8, 4));
   if (version != kCheckpointVersion)
-    refuse(what, "format version " + std::to_string(version) + ", this attnkit reads version " +
+    refuse_checkpoint(what, "format version " + std::to_string(version) + ", this attnkit reads version " +
                      std::to_string(kCheckpointVersion));
   if (!sizes_sane || expected != n)
-    refuse(what, "inconsistent: " + sizes + " do not add up to the file's " + std::to_string(n) +
+    refuse_checkpoint(what, "inconsistent: " + sizes + " do not add up to the file's " + std::to_string(n) +
                      " bytes");
   CheckpointFile file;
   file.header = bytes.substr(kCheckpointPrefixBytes, header_bytes);
@@ -191,10 +193,10 @@ void write_checkpoint_file(const std::string& path, const CheckpointFile& file) 
 
 CheckpointFile read_checkpoint_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) refuse(path, std::string("cannot open it: ") + std::strerror(errno));
+  if (!in) refuse_checkpoint(path, std::string("cannot open it: ") + std::strerror(errno));
   std::ostringstream buffer;
   buffer << in.rdbuf();
-  if (in.bad()) refuse(path, "read error");
+  if (in.bad()) refuse_checkpoint(path, "read error");
   return decode_checkpoint(buffer.str(), path);
 }
 
@@ -265,22 +267,22 @@ void load_training_state(const std::string& payload, const std::string& tensors_
   try {
     stored = nlohmann::json::parse(tensors_json);
   } catch (const std::exception& e) {
-    refuse(what, std::string("the header's tensor list is not JSON: ") + e.what());
+    refuse_checkpoint(what, std::string("the header's tensor list is not JSON: ") + e.what());
   }
   const auto tensors = model_tensors(model);
-  if (!stored.is_array()) refuse(what, "the header's tensor list is not an array");
+  if (!stored.is_array()) refuse_checkpoint(what, "the header's tensor list is not an array");
   // Compare names, kinds, shapes and dtypes before touching the model.
   for (std::size_t i = 0; i < std::max(tensors.size(), stored.size()); ++i) {
     if (i >= stored.size())
-      refuse(what, "the model has " + tensors[i].kind + " '" + tensors[i].name +
+      refuse_checkpoint(what, "the model has " + tensors[i].kind + " '" + tensors[i].name +
                        "' which the checkpoint lacks (it stores " + std::to_string(stored.size()) +
                        " tensors, the model has " + std::to_string(tensors.size()) + ")");
     if (i >= tensors.size())
-      refuse(what, "the checkpoint stores " + stored[i].value("kind", std::string("?")) + " '" +
+      refuse_checkpoint(what, "the checkpoint stores " + stored[i].value("kind", std::string("?")) + " '" +
                        stored[i].value("name", std::string("?")) + "' which the model lacks");
     const auto expected = describe(tensors[i]);
     if (stored[i] != expected)
-      refuse(what, "tensor " + std::to_string(i) + " differs: the checkpoint stores " +
+      refuse_checkpoint(what, "tensor " + std::to_string(i) + " differs: the checkpoint stores " +
                        stored[i].dump() + ", the model has " + expected.dump());
   }
   // libtorch reads the payload with its TorchScript loader, which throws
@@ -292,9 +294,9 @@ void load_training_state(const std::string& payload, const std::string& tensors_
     try {
       return call();
     } catch (const c10::Error& e) {
-      refuse(what, std::string(problem) + ": " + e.what_without_backtrace());
+      refuse_checkpoint(what, std::string(problem) + ": " + e.what_without_backtrace());
     } catch (const std::exception& e) {  // `call` makes libtorch calls only, no refusals of ours
-      refuse(what, std::string(problem) + ": " + e.what());
+      refuse_checkpoint(what, std::string(problem) + ": " + e.what());
     }
   };
   const char* unreadable = "the payload is not a readable torch archive";
@@ -305,26 +307,26 @@ void load_training_state(const std::string& payload, const std::string& tensors_
   });
   torch::serialize::InputArchive model_archive;
   if (!reading(unreadable, [&] { return archive.try_read("model", model_archive); }))
-    refuse(what, "the payload lacks the model");
+    refuse_checkpoint(what, "the payload lacks the model");
   std::vector<torch::Tensor> values(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (!reading(unreadable, [&] {
           return model_archive.try_read("t" + std::to_string(i), values[i], tensors[i].kind == "buffer");
         }))
-      refuse(what, "the payload lacks " + tensors[i].kind + " '" + tensors[i].name + "'");
+      refuse_checkpoint(what, "the payload lacks " + tensors[i].kind + " '" + tensors[i].name + "'");
     if (values[i].sizes() != tensors[i].tensor.sizes() ||
         values[i].scalar_type() != tensors[i].tensor.scalar_type())
-      refuse(what, "the payload's " + tensors[i].kind + " '" + tensors[i].name +
+      refuse_checkpoint(what, "the payload's " + tensors[i].kind + " '" + tensors[i].name +
                        "' does not match its description in the header");
   }
   torch::serialize::InputArchive optimizer_archive;
   if (optimizer != nullptr &&
       !reading(unreadable, [&] { return archive.try_read("optimizer", optimizer_archive); }))
-    refuse(what, "the payload lacks the optimiser state");
+    refuse_checkpoint(what, "the payload lacks the optimiser state");
   torch::Tensor generator_state;
   if (restore_generator &&
       !reading(unreadable, [&] { return archive.try_read("cpu_generator", generator_state); }))
-    refuse(what, "the payload lacks the random generator state");
+    refuse_checkpoint(what, "the payload lacks the random generator state");
   {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].tensor.copy_(values[i]);

@@ -12,6 +12,8 @@
 #include <regex>
 #include <stdexcept>
 
+#include "train/refusal.h"
+
 namespace attnkit::train {
 
 namespace fs = std::filesystem;
@@ -19,27 +21,23 @@ using nlohmann::json;
 
 namespace {
 
-[[noreturn]] void refuse(const std::string& path, const std::string& problem) {
-  throw std::runtime_error("checkpoint '" + path + "' refused: " + problem);
-}
-
 /// The header's "step", which must be the step in the file's name.
 int64_t header_step(const std::string& header, const CheckpointEntry& entry) {
   json j;
   try {
     j = json::parse(header);
   } catch (const json::exception& e) {
-    refuse(entry.path, std::string("its header is not JSON: ") + e.what());
+    refuse_checkpoint(entry.path, std::string("its header is not JSON: ") + e.what());
   }
-  if (!j.contains("step")) refuse(entry.path, "its header lacks 'step'");
+  if (!j.contains("step")) refuse_checkpoint(entry.path, "its header lacks 'step'");
   int64_t step = 0;
   try {
     step = j.at("step").get<int64_t>();
   } catch (const json::exception& e) {
-    refuse(entry.path, std::string("its header does not describe a run: ") + e.what());
+    refuse_checkpoint(entry.path, std::string("its header does not describe a run: ") + e.what());
   }
   if (step != entry.step)
-    refuse(entry.path, "its header says step " + std::to_string(step) + ", its name step " +
+    refuse_checkpoint(entry.path, "its header says step " + std::to_string(step) + ", its name step " +
                            std::to_string(entry.step));
   return step;
 }
@@ -55,7 +53,7 @@ std::string StoredCheckpoint::kind() const { return json::parse(file_.header).va
 void StoredCheckpoint::restore(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                                bool restore_generator) const {
   const auto header = json::parse(file_.header);
-  if (!header.contains("tensors")) refuse(path_, "its header lacks 'tensors'");
+  if (!header.contains("tensors")) refuse_checkpoint(path_, "its header lacks 'tensors'");
   load_training_state(file_.payload, header.at("tensors").dump(), model, optimizer, restore_generator, path_);
 }
 
