@@ -344,7 +344,10 @@ class DocumentMemory:
 
 
 def _class_name(mechanism):
-    return "".join(part.capitalize() for part in mechanism.split("-"))
+    """CamelCase: 'improved-clustered' is ImprovedClustered. A name that would
+    be a Python keyword gets 'Attention' appended: 'none' is NoneAttention."""
+    name = "".join(part.capitalize() for part in mechanism.split("-"))
+    return name + "Attention" if keyword.iskeyword(name) else name
 
 
 def _mechanism_class(entry):
@@ -370,7 +373,8 @@ def _mechanism_classes():
     module = types.ModuleType("attnkit.nn.registry",
                               "One attnkit.nn.Attention subclass per mechanism of the registry "
                               "(attnkit.mechanisms()), named in CamelCase: 'improved-clustered' is "
-                              "ImprovedClustered. Layer-only mechanisms (agglomerative) are layers "
+                              "ImprovedClustered ('none', a keyword, is NoneAttention). "
+                              "Layer-only mechanisms (agglomerative) are layers "
                               "of attnkit.nn instead.")
     names = []
     for entry in _library.mechanisms():

@@ -133,6 +133,39 @@ TEST(Registry, EveryMechanismMatchesItsFloat64Definition) {
   }
 }
 
+TEST(Registry, NoneIsEachPositionsOwnValue) {
+  // The control without attention: out_i = v_i, 0 for padded positions, no
+  // gradient to queries or keys; its decoding state gives the same rows.
+  torch::manual_seed(3);
+  auto q = torch::randn({2, 2, 5, 4}, f64()).requires_grad_();
+  auto k = torch::randn({2, 2, 5, 4}, f64()).requires_grad_();
+  auto v = torch::randn({2, 2, 5, 3}, f64()).requires_grad_();
+  const auto lengths = torch::tensor({5, 3}, torch::kLong);
+  auto out = make_mechanism("none")->forward(q, k, v, {false, lengths});
+  EXPECT_TRUE(torch::equal(out[0], v[0]));
+  EXPECT_TRUE(torch::equal(out[1].slice(1, 0, 3), v[1].slice(1, 0, 3)));
+  EXPECT_TRUE(torch::equal(out[1].slice(1, 3), torch::zeros({2, 2, 3}, f64())));
+  const auto& info = find_mechanism("none");
+  const auto spec = resolve_mechanism("none").second;
+  for (bool causal : {false, true})
+    EXPECT_LT(testing::rel_err(info.run({q, k, v}, {causal, lengths}, spec),
+                               info.reference({q, k, v}, {causal, lengths}, spec)),
+              1e-12);
+  out.sum().backward();
+  EXPECT_FALSE(q.grad().defined() && q.grad().abs().max().item<double>() != 0.0);
+  EXPECT_FALSE(k.grad().defined() && k.grad().abs().max().item<double>() != 0.0);
+  auto seen = torch::ones_like(v);
+  seen[1].slice(1, 3).zero_();
+  EXPECT_TRUE(torch::equal(v.grad(), seen));
+  auto state = info.start_decoding(spec);
+  for (int64_t t = 0; t < 5; ++t) {
+    const auto row = [t](const torch::Tensor& x) { return x.select(2, t).detach(); };
+    EXPECT_TRUE(torch::equal(state->step(row(q), row(k), row(v)), row(v)));
+  }
+  EXPECT_EQ(state->steps(), 5);
+  expect_error([&] { make_mechanism("none")->forward(q, k.slice(2, 0, 4), v.slice(2, 0, 4)); }, {"none"});
+}
+
 TEST(Registry, ModulesHonourSupportsAndCarryClusteredState) {
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4});
   expect_error([&] { make_mechanism("sparse-local")->forward(q, k, k); }, {"sparse-local", "L == S"});
@@ -187,12 +220,18 @@ TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
     // Errors relative to the largest gradient of the module: k_proj.bias has a
     // zero gradient under softmax mechanisms (a shift of every key's score in a
     // row), which float32 rounds to ~1e-8 and a per-tensor ratio would inflate.
+    // A parameter outside the graph (`none`'s query and key projections) has
+    // no gradient in either precision: zeros on both sides.
+    const auto grad = [](const torch::Tensor& p) {
+      return p.grad().defined() ? p.grad().to(torch::kDouble) : torch::zeros_like(p, torch::kDouble);
+    };
     auto p32 = m32->named_parameters(), p64 = m64->named_parameters();
     double scale = 0;
-    for (const auto& p : p64) scale = std::max(scale, testing::max_abs(p.value().grad()));
+    for (const auto& p : p64) scale = std::max(scale, testing::max_abs(grad(p.value())));
     for (const auto& p : p32) {
       SCOPED_TRACE(p.key());
-      const double err = testing::max_abs(p.value().grad().to(torch::kDouble) - p64[p.key()].grad());
+      EXPECT_EQ(p.value().grad().defined(), p64[p.key()].grad().defined());
+      const double err = testing::max_abs(grad(p.value()) - grad(p64[p.key()]));
       EXPECT_LT(err / scale, 1e-5);
     }
   }
@@ -243,8 +282,9 @@ TEST(Registry, Float32FormsMatchTheirFloat64Definitions) {
       for (const bool causal : {false, true}) {
         if (causal && !m.supports.causal) continue;
         const AttendArgs args{causal, {}};
-        // float32 takes each op's kernel.
-        EXPECT_EQ(m.dispatch(x32, args, spec).backend, Backend::kernel);
+        // float32 takes each op's kernel; `none` has none to take (its
+        // output is a copy of the values).
+        if (m.name != "none") EXPECT_EQ(m.dispatch(x32, args, spec).backend, Backend::kernel);
         EXPECT_LT(testing::rel_err(m.run(x32, args, spec), m.reference(x64, args, spec)), 1e-5)
             << (causal ? "causal" : "non-causal");
       }

@@ -6,6 +6,7 @@ functional ops and plain torch with the same weights)."""
 import copy
 import io
 import json
+import keyword
 import math
 import pickle
 import re
@@ -683,7 +684,10 @@ def test_transformer_set_attention_and_options():
 # ---------------------------------------------------------------------------------------
 
 def _camel(name):
-    return "".join(part[:1].upper() + part[1:] for part in name.split("-"))
+    """The documented class names: CamelCase, and 'Attention' appended to a
+    Python keyword ('none' is NoneAttention)."""
+    camel = "".join(part[:1].upper() + part[1:] for part in name.split("-"))
+    return camel + "Attention" if keyword.iskeyword(camel) else camel
 
 
 def test_a_mechanism_class_for_every_registry_entry():
