@@ -1,11 +1,14 @@
-// The band kernels of sparse attention (sparse_band.h): the AVX-512 kernels,
-// then their AVX2 twins, which hold the block's 32 rows in four 8-lane vectors
-// instead of two 16-lane ones and take fewer keys and output rows per step
-// (16 vector registers instead of 32). The twins are written out rather than
-// generated from one template because the AVX-512 kernels were tuned and
-// verified on AVX-512 hardware, which the machines that wrote the AVX2 ones
-// lacked (qemu-user cannot run AVX-512 either); merging them is for a session
-// that can run both. Nothing is compiled at the baseline level.
+// The band kernels of sparse attention (sparse_band.h). Each level with them
+// provides the same building blocks (the queries transposed, the scores key by
+// key, the softmax down the keys, the products), first at AVX-512, then their
+// AVX2 twins, which hold the block's 32 rows in four 8-lane vectors instead of
+// two 16-lane ones and take fewer keys and output rows per step (16 vector
+// registers instead of 32); the kernels at the end are made of them. The
+// twins are written out rather than generated from one template because the
+// AVX-512 blocks were tuned and verified on AVX-512 hardware, which the
+// machines that wrote the AVX2 ones lacked (qemu-user cannot run AVX-512
+// either); merging them is for a session that can run both. Nothing is
+// compiled at the baseline level.
 #include "kernels/sparse_band.h"
 
 #include <algorithm>
@@ -19,6 +22,10 @@ namespace band {
 namespace {
 
 [[maybe_unused]] constexpr float kInf = std::numeric_limits<float>::infinity();
+
+/// What the products of the band kernels sum over (weigh, below): the keys
+/// (P v, dS k) or the block's rows (P^T dout, dS^T q).
+enum class Sum { keys, rows };
 
 }  // namespace
 
@@ -102,7 +109,6 @@ void score_all_keys(const float* k, int64_t ldk, int64_t cols, const float* qt, 
 ///   out[i][0 : 16 NV] (+)= alpha sum_{t < count} weight(i, t) x_t,
 /// weight(i, t) = w[t][i] or w[i][t], x_t the row t of x (row stride ldx) from
 /// its current column, the last vector masked by tail.
-enum class Sum { keys, rows };
 
 template <Sum kSum, int NR, int NV>
 void weigh(const float* w, int64_t count, const float* x, int64_t ldx, __mmask16 tail,
@@ -203,16 +209,11 @@ inline __m512 finite_shift(__m512 x) {
 }
 
 
-}  // namespace
-
-void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
-             const Scratch& w, float* u, float* m, float* l) {
-  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
-  float* st = w.s;  // keys x 32
-  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, st);
-
-  // Softmax down the keys, rows in lanes: the masked maximum, then P (0 off
-  // the runs) and its sums. A row without keys keeps m = -inf and l = 0.
+/// The forward's softmax of a block's scores st (keys x 32), down the keys
+/// with the rows in lanes: the masked maximum m, then P (0 off the runs) in
+/// place of the scores and its sums l. A row without keys keeps m = -inf
+/// and l = 0.
+void softmax_keys(const Block& b, float* st, float* m, float* l) {
   const BandMask mask(b.first, b.last);
   __m512 m0 = _mm512_set1_ps(-kInf), m1 = m0;
   for (int64_t c = 0; c < b.keys; ++c) {
@@ -240,26 +241,15 @@ void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float
   _mm512_storeu_ps(m + 16, m1);
   _mm512_storeu_ps(l, l0);
   _mm512_storeu_ps(l + 16, l1);
-  // u = P v: output rows r, summed over the keys (P^T is st: key c's row).
-  weigh_all<Sum::keys>(st, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
 }
 
-void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int64_t M,
-              float scale, const float* lse, const float* d, const Scratch& w, float* dq,
-              float* dk, int64_t ld_k, float* dv, int64_t ld_v) {
-  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
-  transpose_rows(dout.data, dout.ld, b.rows, M, w.dot);
-  float* pt = w.s;    // keys x 32: scores, then P
-  float* dst = w.ds;  // keys x 32: dP, then dS
-  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, pt);
-  score_all_keys(v.data, v.ld, b.keys, w.dot, M, 1.f, dst);
-
-  alignas(64) float lse_rows[kRows] = {}, d_rows[kRows] = {};  // padding rows: 0
-  std::copy(lse, lse + b.rows, lse_rows);
-  std::copy(d, d + b.rows, d_rows);
-  const __m512 shift0 = finite_shift(_mm512_load_ps(lse_rows));
-  const __m512 shift1 = finite_shift(_mm512_load_ps(lse_rows + 16));
-  const __m512 d0 = _mm512_load_ps(d_rows), d1 = _mm512_load_ps(d_rows + 16);
+/// The backward's P = exp(s - lse) in place of the scores pt and
+/// dS = P (dP - d) in place of dP (dst), both 0 off the runs; lse and d
+/// hold 32 entries (the padding rows' 0).
+void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* pt, float* dst) {
+  const __m512 shift0 = finite_shift(_mm512_load_ps(lse));
+  const __m512 shift1 = finite_shift(_mm512_load_ps(lse + 16));
+  const __m512 d0 = _mm512_load_ps(d), d1 = _mm512_load_ps(d + 16);
   const BandMask mask(b.first, b.last);
   for (int64_t c = 0; c < b.keys; ++c) {
     __mmask16 k0, k1;
@@ -273,12 +263,9 @@ void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int6
     _mm512_store_ps(dc, _mm512_maskz_mul_ps(k0, p0, _mm512_sub_ps(_mm512_load_ps(dc), d0)));
     _mm512_store_ps(dc + 16, _mm512_maskz_mul_ps(k1, p1, _mm512_sub_ps(_mm512_load_ps(dc + 16), d1)));
   }
-  // Key c's rows of dv and dk, summed over the block's rows (P^T and dS^T
-  // are pt's and dst's rows); then dq over the keys.
-  weigh_all<Sum::rows>(pt, b.keys, b.rows, dout.data, dout.ld, M, 1.f, true, dv, ld_v);
-  weigh_all<Sum::rows>(dst, b.keys, b.rows, q.data, q.ld, E, scale, true, dk, ld_k);
-  weigh_all<Sum::keys>(dst, b.rows, b.keys, k.data, k.ld, E, scale, false, dq, E);
 }
+
+}  // namespace
 
 #elif ATTNKIT_AVX2
 namespace {
@@ -344,8 +331,6 @@ void score_all_keys(const float* k, int64_t ldk, int64_t cols, const float* qt, 
 /// lanes); without, every vector is whole: the mask would take the sixteenth
 /// register, and the spill GCC then makes puts a store and a reload into
 /// every step's chain of FMAs (measured 1.6x slower at 3 rows by 4 vectors).
-enum class Sum { keys, rows };
-
 template <Sum kSum, int NR, int NV, bool kTail>
 void weigh(const float* w, int64_t count, const float* x, int64_t ldx, __m256i tail, float alpha,
            bool accumulate, float* out, int64_t ldo) {
@@ -490,17 +475,9 @@ void zero_keys(float* tile, int j, int64_t begin, int64_t end) {
   for (int64_t c = begin; c < end; ++c) _mm256_store_ps(tile + c * kRows + 8 * j, _mm256_setzero_ps());
 }
 
-}  // namespace
-
-void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
-             const Scratch& w, float* u, float* m, float* l) {
-  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
-  float* st = w.s;  // keys x 32
-  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, st);
-
-  // Softmax down the keys, one vector of 8 rows at a time: the masked
-  // maximum, then P (0 off the runs) and its sums. A row without keys keeps
-  // m = -inf and l = 0.
+/// softmax_keys as at AVX-512, one vector of 8 rows at a time over its own
+/// keys (LaneKeys).
+void softmax_keys(const Block& b, float* st, float* m, float* l) {
   for (int j = 0; j < kRowVectors; ++j) {
     const LaneKeys keys(b.first, b.last, j);
     float* sj = st + 8 * j;
@@ -521,26 +498,14 @@ void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float
     _mm256_storeu_ps(m + 8 * j, mj);
     _mm256_storeu_ps(l + 8 * j, lj);
   }
-  weigh_all<Sum::keys>(st, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
 }
 
-void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int64_t M,
-              float scale, const float* lse, const float* d, const Scratch& w, float* dq,
-              float* dk, int64_t ld_k, float* dv, int64_t ld_v) {
-  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
-  transpose_rows(dout.data, dout.ld, b.rows, M, w.dot);
-  float* pt = w.s;    // keys x 32: scores, then P
-  float* dst = w.ds;  // keys x 32: dP, then dS
-  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, pt);
-  score_all_keys(v.data, v.ld, b.keys, w.dot, M, 1.f, dst);
-
-  alignas(32) float lse_rows[kRows] = {}, d_rows[kRows] = {};  // padding rows: 0
-  std::copy(lse, lse + b.rows, lse_rows);
-  std::copy(d, d + b.rows, d_rows);
+/// softmax_grad_keys as at AVX-512, one vector of 8 rows at a time.
+void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* pt, float* dst) {
   for (int j = 0; j < kRowVectors; ++j) {
     const LaneKeys keys(b.first, b.last, j);
-    const __m256 shift = finite_shift(_mm256_load_ps(lse_rows + 8 * j));
-    const __m256 dj = _mm256_load_ps(d_rows + 8 * j);
+    const __m256 shift = finite_shift(_mm256_load_ps(lse + 8 * j));
+    const __m256 dj = _mm256_load_ps(d + 8 * j);
     float* pj = pt + 8 * j;
     float* dsj = dst + 8 * j;
     zero_keys(pt, j, 0, keys.lo());
@@ -554,12 +519,45 @@ void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int6
     zero_keys(pt, j, keys.hi(), b.keys);
     zero_keys(dst, j, keys.hi(), b.keys);
   }
+}
+
+}  // namespace
+
+#endif  // __AVX512F__ / ATTNKIT_AVX2
+
+#if ATTNKIT_BAND_KERNELS
+// The kernels, the same at every level: the queries (and output gradients)
+// transposed, the scores key by key, the softmax down the keys, the products.
+
+void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
+             const Scratch& w, float* u, float* m, float* l) {
+  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
+  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, w.s);  // keys x 32
+  softmax_keys(b, w.s, m, l);
+  // u = P v: output rows r, summed over the keys (P^T is w.s: key c's row).
+  weigh_all<Sum::keys>(w.s, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
+}
+
+void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int64_t M,
+              float scale, const float* lse, const float* d, const Scratch& w, float* dq,
+              float* dk, int64_t ld_k, float* dv, int64_t ld_v) {
+  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
+  transpose_rows(dout.data, dout.ld, b.rows, M, w.dot);
+  float* pt = w.s;    // keys x 32: scores, then P
+  float* dst = w.ds;  // keys x 32: dP, then dS
+  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, pt);
+  score_all_keys(v.data, v.ld, b.keys, w.dot, M, 1.f, dst);
+  alignas(64) float lse_rows[kRows] = {}, d_rows[kRows] = {};  // padding rows: 0
+  std::copy(lse, lse + b.rows, lse_rows);
+  std::copy(d, d + b.rows, d_rows);
+  softmax_grad_keys(b, lse_rows, d_rows, pt, dst);
+  // Key c's rows of dv and dk, summed over the block's rows (P^T and dS^T
+  // are pt's and dst's rows); then dq over the keys.
   weigh_all<Sum::rows>(pt, b.keys, b.rows, dout.data, dout.ld, M, 1.f, true, dv, ld_v);
   weigh_all<Sum::rows>(dst, b.keys, b.rows, q.data, q.ld, E, scale, true, dk, ld_k);
   weigh_all<Sum::keys>(dst, b.rows, b.keys, k.data, k.ld, E, scale, false, dq, E);
 }
-
-#endif  // __AVX512F__ / ATTNKIT_AVX2
+#endif  // ATTNKIT_BAND_KERNELS
 
 }  // namespace band
 ATTNKIT_KERNELS_END
