@@ -8,6 +8,17 @@ NAME:
   agglomerative-lm   section 1: full vs agglomerative attention x sinusoidal
                      vs convolutional positions, a universal-transformer
                      character model on the KJV corpus; 3 replicas (seeds 1-3).
+  agglomerative-controls
+                     section 1 again with the control it lacked: the same
+                     model without attention (`none`) beside full and
+                     agglomerative attention, each with sinusoidal and with
+                     convolutional positions; 4x section 1's steps, 3
+                     replicas, on KJV; whether validation flattened and each
+                     configuration's gap to `none`.
+  agglomerative-controls-gcide
+                     the same on a second corpus, dict-gcide
+                     (scripts/fetch-corpus gcide; --data default
+                     build/data/gcide).
   copy-clustered     section 2: the masked copy task at lengths 64-512 for
                      clustered and improved-clustered attention with 15-90
                      clusters, and full, causal-linear, agglomerative and
@@ -48,8 +59,9 @@ temporary directory, runs the script a second time over it (every run must
 then be skipped and the results must not change), and checks the results; it
 writes nothing into the repository.
 
---data: the corpus directory `scripts/fetch-corpus kjv --out DIR` wrote
-(default build/data/kjv, fetch-corpus's default).
+--data: the corpus directory `scripts/fetch-corpus CORPUS --out DIR` wrote
+(default build/data/CORPUS, fetch-corpus's default; CORPUS is kjv but for
+agglomerative-controls-gcide).
 """
 
 import argparse
@@ -72,7 +84,7 @@ def main():
     parser.add_argument("name", choices=sorted(SECTIONS))
     parser.add_argument("--smoke", action="store_true", help="a few steps on tiny data in a temporary directory")
     parser.add_argument("--out", help="run directories (default build/runs/NAME)")
-    parser.add_argument("--data", help="corpus directory (default build/data/kjv)")
+    parser.add_argument("--data", help="corpus directory (default build/data/kjv, or build/data/gcide)")
     parser.add_argument("--results", help="where NAME.json and NAME.png go (default docs/experiments)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each (2)")
     parser.add_argument("--replicas", default=None, help="seeds, comma-separated (default: the experiment's)")

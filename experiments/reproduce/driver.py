@@ -5,7 +5,8 @@ course of its own (speed, node-classify) has a main() and uses the parts they
 share: twice() and verdict() of the smoke, publish() of the results.
 
 Such a section is a module of sections/ with EXPERIMENT (its configuration),
-CORPUS (whether it trains on the KJV corpus), jobs(), collect(), table(),
+CORPUS (the corpus it trains on: a scripts/fetch-corpus name, True for kjv,
+False for none), jobs(), collect(), table(),
 plot() and smoke_check()."""
 
 import json
@@ -19,15 +20,24 @@ import paths
 import runner
 
 
+def corpus_name(section):
+    """The corpus a section trains on (scripts/fetch-corpus's name): CORPUS
+    is a name, True for the default (kjv), or False for none."""
+    if section.CORPUS is True:
+        return "kjv"
+    return section.CORPUS or None
+
+
 def run(section, args, attnkit, seeds, command):
     """Runs (or continues) every job, collects the finished ones into
     RESULTS/NAME.json, prints the table and draws the plot."""
     exp = section.EXPERIMENT
     out = paths.runs_directory(args)
-    data = paths.directory(args.data, "build", "data", "kjv") if section.CORPUS else None
+    corpus = corpus_name(section)
+    data = paths.directory(args.data, "build", "data", corpus) if corpus else None
     results_dir = paths.results_directory(args)
     if data and not os.path.exists(os.path.join(data, "meta.json")):
-        sys.exit(f"reproduce: no corpus at {data} (scripts/fetch-corpus kjv --out {data})")
+        sys.exit(f"reproduce: no corpus at {data} (scripts/fetch-corpus {corpus} --out {data})")
     jobs = section.jobs(exp, out, data, attnkit, seeds, smoke=False)
     print(f"reproduce {args.name}: {len(jobs)} runs (seeds {seeds}), budget {jobs[0]['steps']} steps each, "
           f"{args.jobs} at a time, runs in {out}", flush=True)

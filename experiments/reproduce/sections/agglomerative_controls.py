@@ -1,0 +1,113 @@
+"""agglomerative-controls (KJV) and agglomerative-controls-gcide: section 1 of
+docs/EXPERIMENTS.md again, with the control that section lacked. Beside full
+and agglomerative attention, each with sinusoidal and with convolutional
+positions, the same model without attention (`none`: each position's output
+is its own value), so that "agglomerative attention is as good as full
+attention" can be told from "the convolution does the work and attention is
+unused"; 3 seeds, a budget 4x section 1's, on two corpora. The runs,
+collection and plot are agglomerative-lm's; the table adds what says whether
+attention is used (each configuration's gap to `none` with the same
+positions) and whether validation had flattened."""
+
+from sections.agglomerative_lm import bpc_problem, collect as collect_runs, jobs, plot
+
+CORPUS = "kjv"
+
+CONV = ["--positions", "conv", "--conv-width", "8"]
+SINUSOIDAL = ["--positions", "sinusoidal"]
+
+# Flattened: less than this many bits per character gained on validation over
+# the last fifth of the steps (issue 29).
+FLAT_BPC = 0.005
+
+EXPERIMENT = {
+    "title": "Agglomerative attention with a no-attention control, character language model",
+    "paper": {
+        "source": "agglomerative-attention paper, Table 1 and Figure 2 (text8, 5 replicas)",
+        "test_bpc": {"full-sinusoidal": [2.271, 0.0048], "full-conv": [2.177, 0.0040],
+                     "agglomerative-sinusoidal": [2.52, 0.013], "agglomerative-conv": [2.183, 0.0035]},
+        "parameters": {"full-sinusoidal": 64200, "full-conv": 88500,
+                       "agglomerative-sinusoidal": 57000, "agglomerative-conv": 81400},
+        "epoch_seconds": {"full-sinusoidal": 75, "full-conv": 81,
+                          "agglomerative-sinusoidal": 54, "agglomerative-conv": 57},
+    },
+    "configurations": [
+        ("full-conv", "full", CONV),
+        ("agglomerative-conv", "agglomerative:classes=8", CONV),
+        ("none-conv", "none", CONV),
+        ("full-sinusoidal", "full", SINUSOIDAL),
+        ("agglomerative-sinusoidal", "agglomerative:classes=8", SINUSOIDAL),
+        ("none-sinusoidal", "none", SINUSOIDAL),
+    ],
+    # Section 1's model and schedule, 4x its steps: 4800 steps of 32 x 128
+    # characters (19.7 M characters, 5.4 passes over KJV's train split).
+    "model": ["--shared-weights", "--layers", "5", "--width", "64", "--heads", "8", "--ffn", "256",
+              "--dropout", "0.1"],
+    "trainer": ["--context", "128", "--batch", "32", "--steps", "4800", "--lr", "2e-3", "--min-lr", "1e-4",
+                "--warmup", "100", "--log-every", "50", "--eval-every", "400", "--eval-batches", "8",
+                "--checkpoint-every", "200"],
+    "smoke_model": ["--shared-weights", "--layers", "2", "--width", "16", "--heads", "8", "--ffn", "32",
+                    "--dropout", "0.1"],
+    "smoke_trainer": ["--context", "32", "--batch", "4", "--steps", "10", "--lr", "2e-3", "--min-lr", "1e-4",
+                      "--warmup", "2", "--log-every", "2", "--eval-every", "2", "--eval-batches", "2",
+                      "--checkpoint-every", "5"],
+    "seeds": [1, 2, 3],
+}
+
+
+def flattening(run):
+    """Validation bpc gained over the last fifth of a run's steps: the value
+    at the last evaluation at or before 80% of the steps minus the final one
+    (None with fewer than two evaluations)."""
+    valid = [(r["step"], r["valid_bpc"]) for r in run["curve"] if "valid_bpc" in r]
+    if len(valid) < 2:
+        return None
+    cut = 0.8 * valid[-1][0]
+    before = [bpc for step, bpc in valid if step <= cut]
+    return (before[-1] if before else valid[0][1]) - valid[-1][1]
+
+
+def collect(exp, jobs, data, command):
+    results = collect_runs(exp, jobs, data, command)
+    by_name = {c["name"]: c for c in results["configurations"]}
+    for c in results["configurations"]:
+        gains = [flattening(r) for r in c["runs"]]
+        c["valid_gain_last_fifth"] = gains
+        c["flattened"] = bool(gains) and all(g is not None and g < FLAT_BPC for g in gains)
+        control = by_name.get("none-" + c["name"].split("-", 1)[1])
+        c["gap_to_none"] = (control["test_bpc_mean"] - c["test_bpc_mean"]
+                            if control and control["n"] and c["n"] else None)
+    results["flat_bpc"] = FLAT_BPC
+    return results
+
+
+def table(results):
+    print("| configuration | parameters | test bpc ± s.e. (n) | below `none` (same positions) | "
+          "validation gain, last fifth | flattened | paper |")
+    print("|---|---:|---|---:|---|---|---|")
+    for c in results["configurations"]:
+        paper = c["paper_test_bpc"]
+        paper_bpc = f"{paper[0]} ± {paper[1]}" if paper else ""
+        if c["n"] == 0:
+            print(f"| {c['name']} | | no finished run | | | | {paper_bpc} |")
+            continue
+        se = f" ± {c['test_bpc_se']:.4f}" if c["test_bpc_se"] is not None else ""
+        gap = f"{c['gap_to_none']:.3f}" if c["gap_to_none"] is not None and not c["name"].startswith("none") else ""
+        gains = ", ".join("" if g is None else f"{g:.4f}" for g in c["valid_gain_last_fifth"])
+        print(f"| {c['name']} | {c['parameters']} | {c['test_bpc_mean']:.3f}{se} ({c['n']}) | {gap} | "
+              f"{gains} | {'yes' if c['flattened'] else 'no'} | {paper_bpc} |")
+
+
+def smoke_check(first):
+    problems = [p for p in (bpc_problem(c) for c in first["configurations"]) if p]
+    params = {c["name"]: c["parameters"] for c in first["configurations"]}
+    # `none` keeps every parameter of the block (the query and key maps go
+    # unused), so it has full attention's count.
+    if params.get("none-conv") != params.get("full-conv"):
+        problems.append(f"none and full should have the same parameters: {params}")
+    for c in first["configurations"]:
+        if c["runs"] and flattening(c["runs"][0]) is None:
+            problems.append(f"{c['name']}: fewer than two validation points")
+        if c["name"] != "none-conv" and c["name"].endswith("-conv") and c["gap_to_none"] is None:
+            problems.append(f"{c['name']}: no gap to none-conv")
+    return problems
