@@ -170,20 +170,33 @@ def plot(results, png):
     return plots.save(plt, fig, png, tight_layout=False, bbox_inches="tight")
 
 
+def per_length_rows(results, names, found, scale=100, digits=1, suffix=""):
+    """A row per name: its label (name + SUFFIX), then per length the values found
+    for (name, length) (values()), one per seed, as stats.per_seed(SCALE, DIGITS)."""
+    for name in names:
+        print(f"| {name}{suffix} | " + " | ".join(stats.per_seed(found.get((name, L)), scale, digits)
+                                                  for L in results["lengths"]) + " |")
+
+
+def accuracy_table(results):
+    """Test accuracy (%) per mechanism and length, one value per seed."""
+    print("| mechanism | " + " | ".join(f"L = {L}" for L in results["lengths"]) + " |")
+    print("|---|" + "---:|" * len(results["lengths"]))
+    per_length_rows(results, results["configurations"], values(results))
+
+
+def seconds_table(results):
+    """Training seconds per mechanism and length, one value per seed."""
+    print("| mechanism | " + " | ".join(f"s at L = {L}" for L in results["lengths"]) + " |")
+    print("|---|" + "---:|" * len(results["lengths"]))
+    per_length_rows(results, results["configurations"], values(results, lambda c: c["train_seconds"]), 1, 0)
+
+
 def table(results):
-    lengths = results["lengths"]
-    print("| mechanism | " + " | ".join(f"L = {L}" for L in lengths) + " |")
-    print("|---|" + "---:|" * len(lengths))
-    names = results["configurations"]
-    accuracy = values(results)  # one value per seed, in seed order
-    for name in names:
-        print(f"| {name} | " + " | ".join(stats.per_seed(accuracy.get((name, L))) for L in lengths) + " |")
+    """The accuracy table of docs/EXPERIMENTS.md, section 2, then the training seconds."""
+    accuracy_table(results)
     print()
-    print("| mechanism | " + " | ".join(f"s at L = {L}" for L in lengths) + " |")
-    print("|---|" + "---:|" * len(lengths))
-    seconds = values(results, lambda c: c["train_seconds"])
-    for name in names:
-        print(f"| {name} | " + " | ".join(stats.per_seed(seconds.get((name, L)), 1, 0) for L in lengths) + " |")
+    seconds_table(results)
 
 
 def smoke_check(first):

@@ -125,17 +125,30 @@ def collect(exp, jobs, data, command):
             "flags": exp["flags"], "configurations": configs}
 
 
+def spread(values, digits):
+    """The range of VALUES as printed with DIGITS decimals: 'low-high', or one
+    value when they print alike; whole values print whole ('2189')."""
+    if all(v == int(v) for v in values):
+        digits = 0
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}-{high}"
+
+
 def table(results):
-    print("| structure | test accuracy % (mean +- se) | per seed | edges/node | same-class edges | s/epoch |")
-    print("|---|---|---|---|---|---|")
+    """The table of docs/EXPERIMENTS.md, section 8: test accuracy (%), the
+    mean and each seed's; the evaluated structures' edges per node and
+    same-class share, and the seconds per epoch, as their range over the seeds."""
+    print("| structure | test accuracy % (mean, seeds) | edges per node | same-section edges | s per epoch |")
+    print("|---|---:|---:|---:|---:|")
     for c in results["configurations"]:
-        if not c["runs"]:
-            print(f"| {c['name']} | (no finished run) | | | | |")
+        runs = c["runs"]
+        if not runs:
+            print(f"| {c['name']} | (no finished run) | | | |")
             continue
-        se = f" +- {100 * c['test_accuracy_se']:.1f}" if c["test_accuracy_se"] is not None else ""
-        seeds = ", ".join(f"{100 * r['test_accuracy']:.1f}" for r in c["runs"])
-        print(f"| {c['name']} | {100 * c['test_accuracy']:.1f}{se} | {seeds} | {c['edges_per_node']:.2f} | "
-              f"{c['same_class']:.3f} | {c['seconds_per_epoch']:.2f} |")
+        seeds = " / ".join(f"{100 * r['test_accuracy']:.1f}" for r in runs)
+        print(f"| {c['name']} | {100 * c['test_accuracy']:.1f} ({seeds}) | "
+              f"{spread([r['edges_per_node'] for r in runs], 2)} | {spread([r['same_class'] for r in runs], 3)} | "
+              f"{spread([r['seconds_per_epoch'] for r in runs], 2)} |")
 
 
 def plot(results, png):

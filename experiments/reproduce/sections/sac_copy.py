@@ -5,7 +5,6 @@ copy-clustered."""
 import statistics
 
 import plots
-import stats
 from sections import copy_clustered
 from sections.copy_clustered import collect, jobs
 
@@ -51,15 +50,14 @@ def partner_recall(results):
 
 
 def table(results):
-    copy_clustered.table(results)
-    lengths = results["lengths"]
+    """The table of docs/EXPERIMENTS.md, section 6: test accuracy (%) per
+    mechanism and length, and below it, in the same table, the SAC runs'
+    partner recall (whole percents); then the training seconds."""
+    copy_clustered.accuracy_table(results)
+    sac = [name for name in results["configurations"] if name.startswith("sac")]
+    copy_clustered.per_length_rows(results, sac, partner_recall(results), digits=0, suffix=" partner recall")
     print()
-    print("| SAC run | " + " | ".join(f"partner recall at L = {L}" for L in lengths) + " |")
-    print("|---|" + "---:|" * len(lengths))
-    recall = partner_recall(results)
-    for name in results["configurations"]:
-        if name.startswith("sac"):
-            print(f"| {name} | " + " | ".join(stats.per_seed(recall.get((name, L))) for L in lengths) + " |")
+    copy_clustered.seconds_table(results)
 
 
 def plot(results, png):

@@ -121,22 +121,51 @@ def plot(results, png):
     return plots.save(plt, fig, png)
 
 
-def table(results):
-    contexts = sorted({r["context"] for r in results["model_step"]})
-    names = list(dict.fromkeys(r["attention"] for r in results["model_step"]))
-    step = {(r["attention"], r["context"]): r for r in results["model_step"]}
-    mem = {(r["attention"], r["context"]): r for r in results["model_memory"]}
-    print("| mechanism | " + " | ".join(f"{c}" for c in contexts) + " |")
-    print("|---|" + "---:|" * len(contexts))
+def kernels_table(figure):
+    """figure-clustered's measurements: forward+backward us per element per
+    length and mechanism, and full attention's time over clustered's."""
+    rows = figure["rows"]
+    names = list(dict.fromkeys(r["attention"] for r in rows))
+    us = {(r["L"], r["attention"]): r["us_per_element"] for r in rows}
+    ratio = "full" in names and "clustered" in names
+    print("| L | " + " | ".join(names) + (" | full / clustered |" if ratio else " |"))
+    print("|---:|" + "---:|" * (len(names) + ratio))
+    for length in sorted({r["L"] for r in rows}):
+        cells = [f"{us[(length, n)]:.1f}" if (length, n) in us else "" for n in names]
+        if ratio:
+            cells.append(f"{us[(length, 'full')] / us[(length, 'clustered')]:.1f}x"
+                         if (length, "full") in us and (length, "clustered") in us else "")
+        print(f"| {length:,} | " + " | ".join(cells) + " |")
+
+
+def per_context_table(rows, value, digits, ratio):
+    """One row per mechanism, one column per context: VALUE(row) with DIGITS
+    decimals; with RATIO, a last column of the longest context's value over
+    the shortest's."""
+    contexts = sorted({r["context"] for r in rows})
+    names = list(dict.fromkeys(r["attention"] for r in rows))
+    by = {(r["attention"], r["context"]): value(r) for r in rows}
+    ratio = ratio and len(contexts) > 1
+    print("| mechanism | " + " | ".join(f"{c:,}" for c in contexts) +
+          (f" | {contexts[-1]:,} / {contexts[0]:,} |" if ratio else " |"))
+    print("|---|" + "---:|" * (len(contexts) + ratio))
     for n in names:
-        cells = []
-        for c in contexts:
-            r, m = step.get((n, c)), mem.get((n, c))
-            cell = f"{r['us_per_token']:.1f} us" if r else ""
-            if m:
-                cell += f" / {m['kib_per_token']:.0f} KiB"
-            cells.append(cell)
+        cells = [f"{by[(n, c)]:.{digits}f}" if (n, c) in by else "" for c in contexts]
+        if ratio:
+            first, last = by.get((n, contexts[0])), by.get((n, contexts[-1]))
+            cells.append(f"{last / first:.2f}x" if first and last else "")
         print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+def table(results):
+    """The tables of docs/EXPERIMENTS.md, section 5: the kernels (figure-clustered),
+    a model's training step in us per token, and its memory in MiB (batch 1)."""
+    if results["figure_clustered"]:
+        kernels_table(results["figure_clustered"])
+        print()
+    per_context_table(results["model_step"], lambda r: r["us_per_token"], 1, ratio=True)
+    print()
+    per_context_table(results["model_memory"], lambda r: r["step_mib"], 1, ratio=False)
 
 
 def smoke_check(first):
