@@ -31,4 +31,8 @@ void add_cloze_command(CLI::App& app);
 /// node-classification dataset.
 void add_node_classify_command(CLI::App& app);
 
+/// `attnkit-experiments translate`: a recurrent encoder-decoder with one score
+/// function of the classic zoo (or none) on a bilingual dictionary's pairs.
+void add_translate_command(CLI::App& app);
+
 }  // namespace attnkit::cli

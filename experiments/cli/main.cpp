@@ -1,7 +1,7 @@
 // attnkit-experiments: the papers' experiments on top of the library (figures,
-// approximation reports, the cloze reader, node classification). The product's
-// commands are in `attnkit`; experiments/reproduce runs whole experiments with
-// both tools.
+// approximation reports, the cloze reader, node classification, the zoo's
+// translator). The product's commands are in `attnkit`; experiments/reproduce
+// runs whole experiments with both tools.
 #include <CLI/CLI.hpp>
 
 #include "app.h"
@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
                                                       {"figure-agglomerative", "--d-model", "--width"}},
                                                      "attnkit-experiments");
   CLI::App app{"attnkit-experiments: the experiments of the papers attnkit implements (figures, "
-               "approximation error, a cloze reader, node classification)"};
+               "approximation error, a cloze reader, node classification, a translator with the classic zoo's "
+               "scores)"};
   attnkit::cli::add_version_flag(app, "attnkit-experiments");
   app.require_subcommand(1);
   attnkit::cli::add_figure_agglomerative_command(app);
@@ -26,5 +27,6 @@ int main(int argc, char** argv) {
   attnkit::cli::add_approx_command(app);
   attnkit::cli::add_cloze_command(app);
   attnkit::cli::add_node_classify_command(app);
+  attnkit::cli::add_translate_command(app);
   return attnkit::cli::run(app, "attnkit-experiments", args);
 }
