@@ -2,7 +2,7 @@
 
     python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
                                        [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
-                                       [--collect-only] [--copy-runs DIR]
+                                       [--configurations A,B] [--collect-only] [--copy-runs DIR]
 
 NAME:
   agglomerative-lm   section 1: full vs agglomerative attention x sinusoidal
@@ -40,6 +40,14 @@ NAME:
                      is `attnkit-experiments node-classify`, which writes its own
                      result.json; re-running skips finished runs and resumes
                      interrupted ones from their checkpoints.
+  zoo-translate      the classic zoo: a recurrent encoder-decoder with each
+                     score function (additive, general, dot, scaled dot,
+                     location) and without attention, translating German
+                     dictionary entries into English character by character
+                     (scripts/fetch-corpus freedict-deu-eng; --data default
+                     build/data/freedict-deu-eng); 3 replicas. Each run is
+                     `attnkit-experiments translate` with its own result.json,
+                     as node-classify's.
 
 Every run lives in OUT/CONFIG/seed-S (default OUT: build/runs/NAME, outside
 git). A run whose directory holds a checkpoint continues it (`attnkit train
@@ -48,20 +56,23 @@ continued); a run with its test result (test.json) at the full budget is
 skipped. So re-running the command continues where it stopped (Ctrl-C makes
 the trainers checkpoint and exit). Runs go N at a time (--jobs, default 2),
 each on one thread, replica 1 of every configuration first.
+--configurations A,B runs only those configurations (say, the controls
+first when the budget is short); the results collect every finished run.
 
 At the end the results are collected into RESULTS/NAME.json and a plot
 RESULTS/NAME.png (default RESULTS: docs/experiments); the plot needs
 matplotlib (Debian: python3-matplotlib) and is skipped with a message without it.
 
 --smoke runs every configuration for a few steps of a tiny model on
-tests/data/genesis-1-2.txt (prepared with `attnkit data char-lm`) in a
+tests/data/genesis-1-2.txt (prepared with `attnkit data char-lm`; zoo-translate:
+the German number words of experiments/tests/data/numbers-deu-eng) in a
 temporary directory, runs the script a second time over it (every run must
 then be skipped and the results must not change), and checks the results; it
 writes nothing into the repository.
 
 --data: the corpus directory `scripts/fetch-corpus CORPUS --out DIR` wrote
 (default build/data/CORPUS, fetch-corpus's default; CORPUS is kjv but for
-agglomerative-controls-gcide).
+agglomerative-controls-gcide and zoo-translate).
 """
 
 import argparse
@@ -90,6 +101,8 @@ def main():
     parser.add_argument("--replicas", default=None, help="seeds, comma-separated (default: the experiment's)")
     parser.add_argument("--attnkit", help="the attnkit binary (default $ATTNKIT_BUILD_DIR/attnkit or build/attnkit); "
                         "attnkit-experiments is taken from the same directory")
+    parser.add_argument("--configurations", help="run only these configurations (comma-separated names); the "
+                        "results still collect every finished run")
     parser.add_argument("--collect-only", action="store_true",
                         help="run nothing: collect the finished runs into RESULTS/NAME.json and the plot")
     parser.add_argument("--copy-runs", help="approx-trained: copy-clustered's run directories, whose full-attention "

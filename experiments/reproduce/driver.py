@@ -39,10 +39,11 @@ def run(section, args, attnkit, seeds, command):
     if data and not os.path.exists(os.path.join(data, "meta.json")):
         sys.exit(f"reproduce: no corpus at {data} (scripts/fetch-corpus {corpus} --out {data})")
     jobs = section.jobs(exp, out, data, attnkit, seeds, smoke=False)
-    print(f"reproduce {args.name}: {len(jobs)} runs (seeds {seeds}), budget {jobs[0]['steps']} steps each, "
+    chosen = selected(jobs, args.configurations)
+    print(f"reproduce {args.name}: {len(chosen)} runs (seeds {seeds}), budget {jobs[0]['steps']} steps each, "
           f"{args.jobs} at a time, runs in {out}", flush=True)
-    print("the first run's command:", shlex.join(jobs[0]["train"]), flush=True)
-    ok = True if args.collect_only else runner.run_all(jobs, args.jobs)
+    print("the first run's command:", shlex.join(chosen[0]["train"]), flush=True)
+    ok = True if args.collect_only else runner.run_all(chosen, args.jobs)
     publish(section.collect(exp, jobs, data, command), results_dir, args.name, section.table, section.plot)
     return 0 if ok else 1
 
@@ -78,6 +79,21 @@ def smoke(section, args, attnkit, seeds, command):
 
 
 # ---------------------------------------------------------------- shared parts
+
+def selected(jobs, configurations):
+    """The jobs of the configurations named in CONFIGURATIONS (comma-separated;
+    None or empty: every job). The results still collect every configuration's
+    finished runs, so a budget can be spent one group at a time. Exits naming
+    the known configurations when a name is unknown."""
+    if not configurations:
+        return jobs
+    names = configurations.split(",")
+    known = list(dict.fromkeys(j["config"] for j in jobs))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"reproduce: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return [j for j in jobs if j["config"] in names]
+
 
 def twice(execute, collect, watched, check):
     """The smoke's two passes. execute() runs everything (False: a run

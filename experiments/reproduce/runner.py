@@ -27,7 +27,8 @@ from checkpoints import checkpoints, latest_header, read_json, result_step
 
 # The subcommands of attnkit-experiments (experiments/cli), the tool built
 # beside attnkit; every other subcommand is the product tool's.
-EXPERIMENT_SUBCOMMANDS = frozenset({"approx", "cloze", "figure-agglomerative", "figure-clustered", "node-classify"})
+EXPERIMENT_SUBCOMMANDS = frozenset({"approx", "cloze", "figure-agglomerative", "figure-clustered", "node-classify",
+                                    "translate"})
 
 
 def attnkit_command(binary, subcommand, args):

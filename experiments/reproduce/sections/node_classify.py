@@ -200,6 +200,7 @@ def main(exp, args, attnkit, seeds, command):
     print(f"reproduce node-classify: {len(planned)} runs (seeds {seeds}), {args.jobs} at a time, runs in {out}",
           flush=True)
     print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
-    ok = True if args.collect_only else runner.run_all(planned, args.jobs, run_job)
+    chosen = driver.selected(planned, args.configurations)
+    ok = True if args.collect_only else runner.run_all(chosen, args.jobs, run_job)
     driver.publish(collect(exp, planned, data, command), results_dir, "node-classify", table, plot)
     return 0 if ok else 1
