@@ -172,7 +172,8 @@ json by_source_length(const std::vector<experiments::TranslationExample>& exampl
   }
   json rows = json::array();
   for (const auto& [length, s] : sums)
-    rows.push_back({{"length", length}, {"examples", s[0]}, {"exact", s[1] / s[0]}, {"cer", s[2] / s[0]}});
+    rows.push_back({{"length", length}, {"examples", static_cast<int64_t>(s[0])}, {"exact", s[1] / s[0]},
+                    {"cer", s[2] / s[0]}});
   return rows;
 }
 

@@ -104,6 +104,22 @@ std::set<char32_t> char_set(const std::string& utf8) {
 
 }  // namespace
 
+std::vector<DictdEntry> read_dictd_directory(const std::string& data_dir) {
+  TORCH_CHECK(fs::is_directory(data_dir), "task translate: no directory '", data_dir,
+              "' (scripts/fetch-corpus freedict-deu-eng writes one)");
+  std::vector<fs::path> indexes;
+  for (const auto& file : fs::directory_iterator(data_dir))
+    if (file.path().extension() == ".index") indexes.push_back(file.path());
+  TORCH_CHECK(indexes.size() == 1, "task translate: '", data_dir,
+              "' must hold exactly one dictd database (NAME.index and NAME.dict), found ", indexes.size(),
+              " .index files");
+  auto dict = indexes[0];
+  dict.replace_extension(".dict");
+  TORCH_CHECK(fs::exists(dict), "task translate: ", indexes[0].string(), " has no ", dict.string(),
+              " beside it (the dictionary uncompressed: gunzip NAME.dict.dz)");
+  return parse_dictd(read_file(indexes[0]), read_file(dict));
+}
+
 std::vector<DictdEntry> parse_dictd(const std::string& index_text, const std::string& dict_text) {
   std::vector<DictdEntry> entries;
   std::istringstream index(index_text);
@@ -236,23 +252,7 @@ std::u32string CharVocabulary::text(const std::vector<int64_t>& ids) const {
 
 // --- The task -----------------------------------------------------------------
 TranslationTask::TranslationTask(const std::string& data_dir, const TranslationOptions& options)
-    : TranslationTask(
-          [&] {
-            std::vector<fs::path> indexes;
-            TORCH_CHECK(fs::is_directory(data_dir), "task translate: no directory '", data_dir,
-                        "' (scripts/fetch-corpus freedict-deu-eng writes one)");
-            for (const auto& file : fs::directory_iterator(data_dir))
-              if (file.path().extension() == ".index") indexes.push_back(file.path());
-            TORCH_CHECK(indexes.size() == 1, "task translate: '", data_dir,
-                        "' must hold exactly one dictd database (NAME.index and NAME.dict), found ",
-                        indexes.size(), " .index files");
-            auto dict = indexes[0];
-            dict.replace_extension(".dict");
-            TORCH_CHECK(fs::exists(dict), "task translate: ", indexes[0].string(), " has no ", dict.string(),
-                        " beside it (the dictionary uncompressed: gunzip NAME.dict.dz)");
-            return parse_dictd(read_file(indexes[0]), read_file(dict));
-          }(),
-          options) {}
+    : TranslationTask(read_dictd_directory(data_dir), options) {}
 
 TranslationTask::TranslationTask(const std::vector<DictdEntry>& entries, const TranslationOptions& options)
     : options_(options) {

@@ -55,6 +55,9 @@ struct DictdEntry {
 /// text. Throws naming the line of the index that is malformed or points
 /// outside the dictionary.
 std::vector<DictdEntry> parse_dictd(const std::string& index_text, const std::string& dict_text);
+/// parse_dictd of the one NAME.index / NAME.dict pair in `data_dir`; throws
+/// when there is none or more than one.
+std::vector<DictdEntry> read_dictd_directory(const std::string& data_dir);
 
 /// Decodes UTF-8; throws on a malformed sequence.
 std::u32string decode_utf8(const std::string& text);
@@ -124,9 +127,9 @@ TranslationScore score_translation(const std::u32string& output, const std::vect
 
 class TranslationTask {
  public:
-  /// Loads the one NAME.index / NAME.dict pair in `data_dir` (the directory
-  /// scripts/fetch-corpus freedict-deu-eng writes); throws when there is none,
-  /// more than one, or no example survives the filters in some split.
+  /// read_dictd_directory(data_dir) (the directory scripts/fetch-corpus
+  /// freedict-deu-eng writes); throws when no example survives the filters in
+  /// some split.
   TranslationTask(const std::string& data_dir, const TranslationOptions& options);
   TranslationTask(const std::vector<DictdEntry>& entries, const TranslationOptions& options);
 
