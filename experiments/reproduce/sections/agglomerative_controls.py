@@ -9,8 +9,10 @@ collection and plot are agglomerative-lm's; the table adds what says whether
 attention is used (each configuration's gap to `none` with the same
 positions) and whether validation had flattened."""
 
+import plots
+import stats
 from sections import agglomerative_lm
-from sections.agglomerative_lm import bpc_problem, collect as collect_runs, plot
+from sections.agglomerative_lm import bpc_problem, collect as collect_runs
 
 CORPUS = "kjv"
 
@@ -87,7 +89,36 @@ def collect(exp, jobs, data, command):
         c["gap_to_none"] = (control["test_bpc_mean"] - c["test_bpc_mean"]
                             if control and control["n"] and c["n"] else None)
     results["flat_bpc"] = FLAT_BPC
+    results["paired"] = paired_differences(by_name)
     return results
+
+
+# Test-bpc differences between configurations trained with the same seed:
+# the same batches in the same order (a batch is a pure function of the seed
+# and the step) and the same seed for the initial weights, so the difference
+# cancels what the data order adds to each run's spread. A minus B: positive
+# means A is worse.
+PAIRS = [("agglomerative-conv", "full-conv"), ("none-conv", "full-conv"), ("none-conv", "agglomerative-conv"),
+         ("agglomerative-sinusoidal", "full-sinusoidal"), ("none-sinusoidal", "full-sinusoidal"),
+         ("none-sinusoidal", "agglomerative-sinusoidal")]
+
+
+def paired_differences(by_name):
+    """For each pair of PAIRS whose both configurations have finished runs of
+    a common seed: the per-seed test-bpc differences and their mean ± s.e."""
+    out = []
+    for a, b in PAIRS:
+        if a not in by_name or b not in by_name:
+            continue
+        first = {r["seed"]: r["test_bpc"] for r in by_name[a]["runs"]}
+        second = {r["seed"]: r["test_bpc"] for r in by_name[b]["runs"]}
+        seeds = sorted(set(first) & set(second))
+        if not seeds:
+            continue
+        differences = [first[s] - second[s] for s in seeds]
+        mean, se = stats.mean_se(differences)
+        out.append({"a": a, "b": b, "seeds": seeds, "differences": differences, "mean": mean, "se": se})
+    return out
 
 
 def table(results):
@@ -105,6 +136,54 @@ def table(results):
         gains = ", ".join("" if g is None else f"{g:.4f}" for g in c["valid_gain_last_fifth"])
         print(f"| {c['name']} | {c['parameters']} | {c['test_bpc_mean']:.3f}{se} ({c['n']}) | {gap} | "
               f"{gains} | {'yes' if c['flattened'] else 'no'} | {paper_bpc} |")
+    if results.get("paired"):
+        print()
+        print("| test bpc, A minus B (same seed) | per seed | mean ± s.e. |")
+        print("|---|---|---|")
+        for p in results["paired"]:
+            per_seed = ", ".join(f"{d:+.4f}" for d in p["differences"])
+            se = f" ± {p['se']:.4f}" if p["se"] is not None else ""
+            print(f"| {p['a']} minus {p['b']} | {per_seed} | {p['mean']:+.4f}{se} |")
+
+
+# One colour per attention, solid for convolutional and dashed for sinusoidal positions.
+COLOURS = {"full": "#d62728", "agglomerative": "#2ca02c", "none": "#555555"}
+
+
+def plot(results, png):
+    """Left: validation bpc against the step (mean over the seeds), from the
+    second evaluation on, where the configurations separate. Right: each
+    configuration's test bpc, seeds as dots, the mean as a line."""
+    plt = plots.pyplot()
+    if plt is None:
+        return False
+    configs = [c for c in results["configurations"] if c["runs"]]
+    fig, (curves, tests) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [1.5, 1]})
+    for c in configs:
+        attention, positions = c["name"].split("-", 1)
+        steps, bpc = stats.mean_curve(c["runs"], "valid_bpc")
+        curves.plot(steps[1:], bpc[1:], "-o" if positions == "conv" else "--o", ms=3, lw=1.2,
+                    color=COLOURS[attention], label=f"{c['name']} (n={c['n']})")
+    curves.set_xlabel("step (batch {batch} x context {context} characters)".format(**results["budget"]))
+    curves.set_ylabel("validation bits per character")
+    curves.set_title("Validation, mean over the seeds", fontsize=9)
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=7)
+    for i, c in enumerate(configs):
+        attention = c["name"].split("-", 1)[0]
+        tests.hlines(c["test_bpc_mean"], i - 0.3, i + 0.3, color=COLOURS[attention], lw=3)
+        tests.scatter([i] * len(c["runs"]), [r["test_bpc"] for r in c["runs"]], color="k", s=10, zorder=3)
+    if configs:
+        values = [r["test_bpc"] for c in configs for r in c["runs"]]
+        tests.set_ylim(min(values) - 0.02, max(values) + 0.02)
+    tests.set_xticks(range(len(configs)))
+    tests.set_xticklabels([c["name"] for c in configs], fontsize=7, rotation=20, ha="right")
+    tests.set_ylabel("test bits per character")
+    tests.set_title("Test (lines: mean; dots: seeds)", fontsize=9)
+    corpus = ", ".join(results["corpus"]["sources"]) or results["corpus"]["dir"]
+    fig.suptitle(f"Full and agglomerative attention against no attention, character model on {corpus}",
+                 fontsize=10)
+    return plots.save(plt, fig, png, dpi=90)
 
 
 def smoke_check(first):
