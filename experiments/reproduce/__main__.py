@@ -1,5 +1,6 @@
 """Re-runs an experiment of docs/EXPERIMENTS.md with the attnkit and attnkit-experiments tools.
 
+    python3 experiments/reproduce --list
     python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
                                        [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
                                        [--configurations A,B] [--collect-only] [--copy-runs DIR]
@@ -92,7 +93,9 @@ from sections import SECTIONS  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", choices=sorted(SECTIONS))
+    parser.add_argument("name", nargs="?", choices=sorted(SECTIONS))
+    parser.add_argument("--list", action="store_true",
+                        help="name every experiment with its section of docs/EXPERIMENTS.md and its title")
     parser.add_argument("--smoke", action="store_true", help="a few steps on tiny data in a temporary directory")
     parser.add_argument("--out", help="run directories (default build/runs/NAME)")
     parser.add_argument("--data", help="corpus directory (default build/data/kjv, or build/data/gcide)")
@@ -108,6 +111,12 @@ def main():
     parser.add_argument("--copy-runs", help="approx-trained: copy-clustered's run directories, whose full-attention "
                                             "models it also swaps into (default build/runs/copy-clustered)")
     args = parser.parse_args()
+    if args.list:
+        for name, section in sorted(SECTIONS.items(), key=lambda item: (item[1].DOC_SECTION, item[0])):
+            print(f"{name:30s} section {section.DOC_SECTION:2d}: {section.EXPERIMENT['title']}")
+        return 0
+    if args.name is None:
+        parser.error("NAME is required (--list names them)")
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
 

@@ -63,6 +63,23 @@ class Stats(unittest.TestCase):
         self.assertEqual(stats.per_seed(None), "")
 
 
+class Sections(unittest.TestCase):
+    def test_list_names_every_experiment_with_its_section(self):
+        """`reproduce --list` (through scripts/reproduce) prints one line per
+        NAME: the name, its section of docs/EXPERIMENTS.md, its title."""
+        from sections import SECTIONS
+        with open(os.path.join(ROOT, "docs", "EXPERIMENTS.md")) as f:
+            doc_sections = {int(line.split(".")[0][3:]) for line in f if line.startswith("## ") and line[3].isdigit()}
+        out = subprocess.run([os.path.join(ROOT, "scripts", "reproduce"), "--list"], check=True,
+                             capture_output=True, text=True).stdout.splitlines()
+        self.assertEqual(len(out), len(SECTIONS))
+        for name, section in SECTIONS.items():
+            line = next((l for l in out if l.split()[0] == name), None)
+            self.assertIsNotNone(line, name)
+            self.assertIn(f"section {section.DOC_SECTION:2d}: {section.EXPERIMENT['title']}", line)
+            self.assertIn(section.DOC_SECTION, doc_sections, f"{name}: no section {section.DOC_SECTION} in the doc")
+
+
 class Checkpoints(unittest.TestCase):
     STEPS, BATCH = 4, 3
 

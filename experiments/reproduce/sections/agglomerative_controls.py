@@ -14,6 +14,9 @@ import stats
 from sections import agglomerative_lm
 from sections.agglomerative_lm import bpc_problem, collect as collect_runs
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 1
+
 CORPUS = "kjv"
 
 CONV = ["--positions", "conv", "--conv-width", "8"]

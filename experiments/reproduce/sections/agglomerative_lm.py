@@ -13,6 +13,9 @@ import plots
 import runner
 import stats
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 1
+
 CORPUS = True
 
 # Section 1 of docs/EXPERIMENTS.md. The paper (agglomerative attention, Table 1,

@@ -14,6 +14,9 @@ import runner
 import stats
 from sections import copy_clustered
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 3
+
 CORPUS = True
 
 # Section 3 of docs/EXPERIMENTS.md. The paper (clustered attention, the

@@ -11,6 +11,9 @@ import plots
 import runner
 import stats
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 2
+
 CORPUS = False
 
 # Section 2 of docs/EXPERIMENTS.md. The paper (clustered attention, appendix

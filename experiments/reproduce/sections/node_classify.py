@@ -21,6 +21,9 @@ import stats
 # desktop sections' largest component), a GAT-style network with dot-product
 # attention over the input graph's edges, full attention, the input edges plus
 # as many random edges as SAC adds, and SAC initialised from the input graph.
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 8
+
 EXPERIMENT = {
     "title": "SAC, node classification on the Debian package graph",
     "paper": {"source": "SAC paper, Table 3 (accuracy %, mean of 3 runs)",

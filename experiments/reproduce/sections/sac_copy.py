@@ -8,6 +8,9 @@ import plots
 from sections import copy_clustered
 from sections.copy_clustered import collect, jobs
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 6
+
 CORPUS = False
 
 # Section 6 of docs/EXPERIMENTS.md (the SAC issue, part 4.1): does SAC's edge

@@ -5,6 +5,9 @@ agglomerative-lm."""
 
 from sections.agglomerative_lm import bpc_problem, collect, jobs, plot
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 7
+
 CORPUS = True
 
 # Section 7 of docs/EXPERIMENTS.md (the SAC issue, part 4.2; the SAC paper's

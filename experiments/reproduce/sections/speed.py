@@ -16,6 +16,9 @@ import runner
 # and a whole model's training step (time and memory) per token for every
 # mechanism at contexts 512-16384. Timings: one thread, one command at a time;
 # the machine must be otherwise idle (the load average is recorded).
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 5
+
 EXPERIMENT = {
     "title": "Speed per element",
     "contexts": [512, 1024, 2048, 4096, 8192, 16384],

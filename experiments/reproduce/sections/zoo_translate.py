@@ -20,6 +20,9 @@ import plots
 import runner
 import stats
 
+# The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
+DOC_SECTION = 10
+
 CORPUS = "freedict-deu-eng"
 
 EXPERIMENT = {
