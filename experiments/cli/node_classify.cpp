@@ -201,15 +201,10 @@ struct Best {
 };
 
 void run(NodeFlags f, CLI::App* cmd) {
-  const auto resumed = train::open_or_resume(f.out, f.resume);
-  TORCH_CHECK(!f.resume || resumed, kCommand, ": --resume: '", f.out, "' holds no checkpoint to resume");
-  const std::string resumed_from = resumed ? resumed->path() : "";
-  json header;
-  if (resumed) {
-    TORCH_CHECK(resumed->kind() == kNodeClassifyKind, kCommand, ": --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit-experiments node-classify` (kind '", resumed->kind(), "')");
-    header = json::parse(resumed->header());
-    const json stored = with_current_names(header.at("settings"));
+  const OpenedRun opened(kCommand, kNodeClassifyKind, f.out, f.resume);
+  const std::string resumed_from = opened.resumed_from();
+  if (opened.resumed()) {
+    const json stored = with_current_names(opened.settings());
     const char* may_change = "--epochs, --patience, --threads and --eval-every";
     check_resume_flags(kCommand, stored, settings(f), *cmd, may_change);
     TORCH_CHECK(!f.structure_in_attention || stored.at("structure") == f.structure, kCommand,
@@ -218,10 +213,7 @@ void run(NodeFlags f, CLI::App* cmd) {
     apply_settings(stored, f);
   }
   TORCH_CHECK(!f.data.empty(), kCommand, ": --data (a dataset directory, e.g. from scripts/package-graph) is required");
-  if (f.threads > 0) {
-    attnkit::set_num_threads(f.threads);
-    at::set_num_threads(f.threads);
-  }
+  set_threads(f.threads);
   const std::string load_start = train::loadavg_line();
   const double wall_start = train::steady_seconds();
 
@@ -248,15 +240,9 @@ void run(NodeFlags f, CLI::App* cmd) {
   for (const auto& item : model->named_parameters())
     (item.key().rfind("edge_predictor.", 0) == 0 ? predictor_params : network_params).push_back(item.value());
 
-  int64_t start_epoch = 0;
-  double elapsed_before = 0;
-  Best best;
-  if (resumed) {
-    resumed->restore(*model, &optimizer, /*restore_generator=*/true);
-    start_epoch = resumed->step();
-    elapsed_before = header.at("elapsed").get<double>();
-    best = Best::from_json(header.at("best"));
-  }
+  const int64_t start_epoch = opened.restore(*model, &optimizer);
+  const double elapsed_before = opened.elapsed_before();
+  Best best = opened.resumed() ? Best::from_json(opened.header().at("best")) : Best{};
   train::RunDirectory dir(f.out, resumed_from, start_epoch);
   const auto metrics = dir.open_log("metrics.jsonl");
 

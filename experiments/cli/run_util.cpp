@@ -2,9 +2,34 @@
 
 #include <attnkit/runtime.h>
 #include <attnkit/train/clock.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 namespace attnkit::cli {
+
+OpenedRun::OpenedRun(const char* command, const char* kind, const std::string& out, bool resume)
+    : command_(command) {
+  TORCH_CHECK(!out.empty(), command, ": --out (the run directory) is required");
+  checkpoint_ = train::open_or_resume(out, resume);
+  TORCH_CHECK(!resume || checkpoint_, command, ": --resume: '", out, "' holds no checkpoint to resume");
+  if (!checkpoint_) return;
+  TORCH_CHECK(checkpoint_->kind() == kind, command, ": --resume: ", checkpoint_->path(),
+              " is not a checkpoint of `attnkit-experiments ", command, "` (kind '", checkpoint_->kind(), "')");
+  header_ = nlohmann::json::parse(checkpoint_->header());
+}
+
+const nlohmann::json& OpenedRun::settings() const {
+  TORCH_CHECK(checkpoint_, command_, ": a fresh run has no stored settings");
+  return header_.at("settings");
+}
+
+double OpenedRun::elapsed_before() const { return checkpoint_ ? header_.at("elapsed").get<double>() : 0.0; }
+
+int64_t OpenedRun::restore(torch::nn::Module& model, torch::optim::Optimizer* optimizer) const {
+  if (!checkpoint_) return 0;
+  checkpoint_->restore(model, optimizer, /*restore_generator=*/true);
+  return checkpoint_->step();
+}
 
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change) {
@@ -15,6 +40,12 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
       TORCH_CHECK(false, command, ": --resume: ", flag, ": checkpoint ", value.dump(), ", now ",
                   given.at(key).dump(), " (only ", may_change, " may change)");
   }
+}
+
+void set_threads(int threads) {
+  if (threads <= 0) return;
+  attnkit::set_num_threads(threads);
+  at::set_num_threads(threads);
 }
 
 nlohmann::json session_record(const std::string& resumed_from, const char* start_key, int64_t start,

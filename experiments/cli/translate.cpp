@@ -209,25 +209,15 @@ json attention_examples(const std::vector<experiments::TranslationExample>& exam
 }
 
 void run(TranslateFlags f, CLI::App* cmd) {
-  TORCH_CHECK(!f.out.empty(), "translate: --out (the run directory) is required");
-  const auto resumed = train::open_or_resume(f.out, f.resume);
-  TORCH_CHECK(!f.resume || resumed, "translate: --resume: '", f.out, "' holds no checkpoint to resume");
-  const std::string resumed_from = resumed ? resumed->path() : "";
-  json header;
-  if (resumed) {
-    TORCH_CHECK(resumed->kind() == kTranslateKind, "translate: --resume: ", resumed_from,
-                " is not a checkpoint of `attnkit-experiments translate` (kind '", resumed->kind(), "')");
-    header = json::parse(resumed->header());
-    const json stored = header.at("settings");
-    check_resume_flags("translate", stored, settings(f), *cmd, "--steps, --threads and --eval-every");
-    apply_settings(stored, f);
+  const OpenedRun opened("translate", kTranslateKind, f.out, f.resume);
+  const std::string resumed_from = opened.resumed_from();
+  if (opened.resumed()) {
+    check_resume_flags("translate", opened.settings(), settings(f), *cmd, "--steps, --threads and --eval-every");
+    apply_settings(opened.settings(), f);
   }
   TORCH_CHECK(!f.data.empty(), "translate: --data (a directory with a dictd database, "
               "scripts/fetch-corpus freedict-deu-eng) is required");
-  if (f.threads > 0) {
-    attnkit::set_num_threads(f.threads);
-    at::set_num_threads(f.threads);
-  }
+  set_threads(f.threads);
   const std::string load_start = train::loadavg_line();
   const double wall_start = train::steady_seconds();
 
@@ -243,13 +233,8 @@ void run(TranslateFlags f, CLI::App* cmd) {
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
 
-  int64_t start_step = 0;
-  double elapsed_before = 0;
-  if (resumed) {
-    resumed->restore(*model, &optimizer, /*restore_generator=*/true);
-    start_step = resumed->step();
-    elapsed_before = header.at("elapsed").get<double>();
-  }
+  const int64_t start_step = opened.restore(*model, &optimizer);
+  const double elapsed_before = opened.elapsed_before();
   train::RunDirectory dir(f.out, resumed_from, start_step);
   const auto metrics = dir.open_log("metrics.jsonl");
 
