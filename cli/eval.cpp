@@ -86,8 +86,8 @@ void add_eval_command(CLI::App& app) {
     }
     const bool partners = structure.partner_rows > 0;
     if (sac) {
-      std::printf("SAC structures (beam search): %.2f edges per node (self-edges included)",
-                  structure.edges_per_node());
+      std::printf("SAC structures (%s): %.2f edges per node (self-edges included)",
+                  run.model->sac_options().decode == "sample" ? "sampled" : "beam search", structure.edges_per_node());
       if (partners)
         std::printf("; %.1f%% of the scored positions see their partner, %.1f%% of their predicted edges "
                     "point at it",
@@ -116,7 +116,8 @@ void add_eval_command(CLI::App& app) {
                             {"threads", num_threads()}};
       if (pattern_edges_per_node > 0) doc["structure"] = {{"edges_per_node", pattern_edges_per_node}};
       if (sac) {
-        doc["structure"] = {{"edges_per_node", structure.edges_per_node()}};
+        doc["structure"] = {{"edges_per_node", structure.edges_per_node()},
+                            {"decode", run.model->sac_options().decode}};
         if (partners) {
           doc["structure"]["partner_recall"] = structure.partner_recall();
           doc["structure"]["partner_precision"] = structure.partner_precision();

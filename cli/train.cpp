@@ -78,8 +78,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--heads", f->heads, "Attention heads")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--ffn", f->ffn, "Hidden width of the feed-forward network")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dropout", f->dropout, "Dropout on every sub-layer output")->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  cmd->add_option("--positions", f->positions, "none, sinusoidal, learned, relative or conv")
-      ->check(CLI::IsMember({"none", "sinusoidal", "learned", "relative", "conv"}))->capture_default_str();
+  // (Checked by models::positions_from_string, whose error names the schemes.)
+  cmd->add_option("--positions", f->positions,
+                  "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, conv")
+      ->capture_default_str();
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
   cmd->add_flag("--untied", f->untied, "An output layer of its own instead of the embedding matrix");

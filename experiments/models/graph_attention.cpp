@@ -6,7 +6,12 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/dropout.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <map>
 #include <utility>
+#include <vector>
 
 namespace attnkit::experiments {
 
@@ -42,8 +47,12 @@ void validate(const GraphAttentionOptions& o) {
   TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, kModel, ": dropout must be in [0, 1), got ", o.dropout());
   TORCH_CHECK(o.samples() >= 1, kModel, ": samples must be >= 1, got ", o.samples());
   const auto structure = nn::MechanismSpec::parse(o.structure());
-  if (structure.name == "input") {
+  if (structure.name == "input" || structure.name == "self") {
     TORCH_CHECK(structure.options.empty(), kModel, ": structure '", o.structure(), "' takes no options");
+  } else if (structure.name == "input+oracle") {
+    for (const auto& [key, value] : structure.options)
+      TORCH_CHECK(key == "seed", kModel, ": structure '", o.structure(), "': unknown option '", key,
+                  "' (input+oracle takes seed)");
   } else if (structure.name == "input+random") {
     for (const auto& [key, value] : structure.options)
       TORCH_CHECK(key == "alpha" || key == "seed", kModel, ": structure '", o.structure(), "': unknown option '",
@@ -52,7 +61,7 @@ void validate(const GraphAttentionOptions& o) {
                 "': alpha must be >= 1");
   } else {
     TORCH_CHECK(false, kModel, ": unknown structure '", structure.name,
-                "'; expected input or input+random[:alpha=A,seed=S]");
+                "'; expected input, input+random[:alpha=A,seed=S], input+oracle[:seed=S] or self");
   }
   if (o.attention().empty()) return;
   const auto spec = nn::MechanismSpec::parse(o.attention());
@@ -78,7 +87,7 @@ GraphAttentionNetworkImpl::GraphAttentionNetworkImpl(const GraphAttentionOptions
   for (int64_t l = 0; l < options_.layers(); ++l)
     qkv_.push_back(register_module("qkv" + std::to_string(l), nn::Linear(options_.width(), 3 * options_.width())));
   output_ = register_module("output", nn::Linear(options_.width(), options_.classes()));
-  if (kind_ == "input+random") {
+  if (kind_ == "input+random" || kind_ == "input+oracle") {
     const auto spec = nn::MechanismSpec::parse(options_.structure());
     random_alpha_ = spec.get_int("alpha", 1);
     random_seed_ = static_cast<uint64_t>(spec.get_int("seed", 0));
@@ -100,7 +109,19 @@ void GraphAttentionNetworkImpl::build_structures(const torch::Tensor& nodes, con
     return;
   }
   if (kind_ == "input+random") {
-    sac_.edges = {edges::merge(graph, nn::random_structure(n, random_alpha_, random_seed_))};
+    sac_.edges = {edges::merge(graph, edges::random(n, random_alpha_, random_seed_))};
+    return;
+  }
+  if (kind_ == "input+oracle") {
+    TORCH_CHECK(oracle_.offsets.defined(), kModel, ": structure '", options_.structure(),
+                "' needs the labels: call set_labels first");
+    TORCH_CHECK(oracle_.num_queries() == n, kModel, ": the labels set are of ", oracle_.num_queries(),
+                " nodes, the graph has ", n);
+    sac_.edges = {edges::merge(graph, oracle_)};
+    return;
+  }
+  if (kind_ == "self") {
+    sac_.edges = {edges::local(n, 0)};
     return;
   }
   // SAC: the predictor reads the nodes without sending gradients into them.
@@ -158,6 +179,42 @@ torch::Tensor GraphAttentionNetworkImpl::forward(const torch::Tensor& features, 
     x = options_.residual() ? out + x : out;
   }
   return output_(x);
+}
+
+void GraphAttentionNetworkImpl::set_labels(const torch::Tensor& labels) {
+  TORCH_CHECK(kind_ == "input+oracle", kModel, ": labels are for structure input+oracle, this one is '", kind_, "'");
+  oracle_ = oracle_edges(labels, random_seed_);
+}
+
+EdgeList oracle_edges(const torch::Tensor& labels, uint64_t seed) {
+  TORCH_CHECK(labels.defined() && labels.dim() == 1 && labels.scalar_type() == torch::kInt64 && labels.numel() >= 1,
+              "oracle_edges: labels must be int64 (n) with n >= 1");
+  const auto l = labels.contiguous();
+  const int64_t n = l.numel();
+  const int64_t* label = l.data_ptr<int64_t>();
+  std::map<int64_t, std::vector<int64_t>> members;  // class -> its nodes, ascending
+  for (int64_t i = 0; i < n; ++i) members[label[i]].push_back(i);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto draws = torch::rand({n}, generator, torch::kFloat64).contiguous();
+  const double* u = draws.data_ptr<double>();
+  std::vector<int64_t> offsets{0}, columns;
+  columns.reserve(2 * n);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& same = members[label[i]];
+    const auto others = static_cast<int64_t>(same.size()) - 1;
+    if (others == 0) {
+      columns.push_back(i);
+    } else {
+      // The k-th of the class's other nodes, k uniform in [0, others).
+      const auto k = std::min<int64_t>(others - 1, static_cast<int64_t>(u[i] * static_cast<double>(others)));
+      const auto self = std::lower_bound(same.begin(), same.end(), i) - same.begin();
+      const int64_t j = same[k < self ? k : k + 1];
+      columns.push_back(std::min(i, j));
+      columns.push_back(std::max(i, j));
+    }
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  return {torch::tensor(offsets, torch::kInt64), torch::tensor(columns, torch::kInt64)};
 }
 
 int64_t GraphAttentionNetworkImpl::parameter_count() const {

@@ -15,7 +15,14 @@
 //                           SAC paper's equation 2)
 //   "input+random:alpha=A,seed=S"
 //                           the graph's edges plus A random destinations per node
-//                           (random_structure): the control for SAC's edge count
+//                           (edges::random): the control for SAC's edge count
+//   "input+oracle:seed=S"   the graph's edges plus, per node, one edge to another
+//                           node of its class drawn uniformly (oracle_edges:
+//                           needs the labels, set_labels): what SAC could at
+//                           best add with one correct edge per node, a ceiling
+//   "self"                  each node attends to itself only: a network that
+//                           sees its own features and no neighbour, the
+//                           features-only control (an MLP of the same layers)
 // An `attention` mechanism (the structure then stays "input") replaces that:
 //   "full"                  every node attends to every node (exact attention)
 //   "sac:alpha=A,..."       the graph's edges plus the edges an EdgePredictor
@@ -50,7 +57,8 @@ struct GraphAttentionOptions {
   TORCH_ARG(int64_t, heads) = 8;
   TORCH_ARG(int64_t, layers) = 2;
   TORCH_ARG(double, dropout) = 0.6;
-  /// The edges attended over: "input" or "input+random:alpha=A,seed=S" (above).
+  /// The edges attended over: "input", "input+random:alpha=A,seed=S",
+  /// "input+oracle:seed=S" or "self" (above).
   TORCH_ARG(std::string, structure) = "input";
   /// Empty (attention over `structure`'s edges), "full" or "sac:..." (above).
   TORCH_ARG(std::string, attention) = "";
@@ -67,6 +75,12 @@ struct GraphAttentionOptions {
 /// and throws the builder's error.
 void validate(const GraphAttentionOptions& options);
 
+/// The oracle's edges over labelled nodes (labels int64 (n)): node i sees
+/// itself and one other node of its class drawn uniformly from a generator
+/// seeded with `seed` (only itself when its class has no other node). A pure
+/// function of (labels, seed).
+EdgeList oracle_edges(const torch::Tensor& labels, uint64_t seed);
+
 class GraphAttentionNetworkImpl : public torch::nn::Module {
  public:
   explicit GraphAttentionNetworkImpl(const GraphAttentionOptions& options);
@@ -79,6 +93,10 @@ class GraphAttentionNetworkImpl : public torch::nn::Module {
   /// else 1.
   torch::Tensor forward(const torch::Tensor& features, const EdgeList& graph,
                         const torch::Tensor& distances = {});
+
+  /// "input+oracle": every node's label (int64 (n), all of them: the oracle
+  /// knows what the network is asked), before the first forward().
+  void set_labels(const torch::Tensor& labels);
 
   /// The structure of every row of the last forward() (B lists, each the one
   /// all layers attended over; "full": none, nothing was built).
@@ -97,9 +115,10 @@ class GraphAttentionNetworkImpl : public torch::nn::Module {
   void build_structures(const torch::Tensor& nodes, const EdgeList& graph, const torch::Tensor& distances);
 
   GraphAttentionOptions options_;
-  std::string kind_;  // input | full | input+random | sac
+  std::string kind_;  // input | input+random | input+oracle | self | full | sac
   int64_t random_alpha_ = 0;
-  uint64_t random_seed_ = 0;
+  uint64_t random_seed_ = 0;  // input+random, input+oracle
+  EdgeList oracle_;           // input+oracle: oracle_edges(labels, seed)
   nn::Linear input_{nullptr}, output_{nullptr};
   std::vector<nn::Linear> qkv_;
   nn::EdgePredictor edge_predictor_{nullptr};

@@ -2,8 +2,8 @@
 // "input" over a complete graph equals "full"; "input" sees only the graph
 // (a node's logits ignore nodes more than `layers` hops away); output shapes
 // per spec and mode; SAC's sampled structures keep every input edge;
-// "input+random" is the union of the graph and random_structure (checked
-// against a std::set union); gradients reach every network parameter, and
+// "input+random" is the union of the graph and edges::random (checked
+// against a std::set union); the oracle's edges and "self"; gradients reach every network parameter, and
 // sac_reinforce reaches the predictor's; validate() and forward() refusals;
 // a one-node graph.
 #include <attnkit/nn/sac.h>
@@ -56,7 +56,7 @@ torch::Tensor features(int64_t n, uint64_t seed = 5) {
 /// or an attention mechanism ("full", "sac...", anything else).
 GraphAttentionOptions options(const std::string& kind) {
   auto o = GraphAttentionOptions(kFeatures, kClasses).width(8).heads(2).layers(2).dropout(0);
-  return kind.rfind("input", 0) == 0 ? o.structure(kind) : o.attention(kind);
+  return kind.rfind("input", 0) == 0 || kind.rfind("self", 0) == 0 ? o.structure(kind) : o.attention(kind);
 }
 
 GraphAttentionNetwork make(const GraphAttentionOptions& o, uint64_t seed = 3) {
@@ -177,7 +177,7 @@ TEST(GraphAttention, SacSamplesStructuresThatKeepTheInputEdges) {
 }
 
 // "input+random:alpha=A,seed=S": every row is the union of the graph's row and
-// random_structure(n, A, S)'s row (the expectation built with std::set).
+// edges::random(n, A, S)'s row (the expectation built with std::set).
 TEST(GraphAttention, InputPlusRandomIsTheUnionWithRandomStructure) {
   const int64_t n = 8;
   const auto graph = small_graph();
@@ -190,7 +190,7 @@ TEST(GraphAttention, InputPlusRandomIsTheUnionWithRandomStructure) {
       EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, n, kClasses}));
       ASSERT_EQ(model->structures().size(), 1u);
       const auto got = rows_of(model->structures()[0]);
-      const auto g = rows_of(graph), r = rows_of(nn::random_structure(n, alpha, seed));
+      const auto g = rows_of(graph), r = rows_of(edges::random(n, alpha, seed));
       Rows want(n);
       for (int64_t i = 0; i < n; ++i) {
         std::set<int64_t> u(g[i].begin(), g[i].end());
@@ -210,6 +210,65 @@ TEST(GraphAttention, InputPlusRandomIsTheUnionWithRandomStructure) {
   auto other = make(options("input+random:alpha=1,seed=1"));
   other->forward(features(n), graph);
   EXPECT_FALSE(same_list(plain->structures()[0], other->structures()[0]));
+}
+
+// oracle_edges: each node sees itself and one other node of its class (itself
+// only when alone in it), drawn by the seed; "input+oracle" attends over the
+// union with the graph and needs the labels first.
+TEST(GraphAttention, TheOracleAddsOneEdgeToANodeOfTheSameClass) {
+  const auto labels = torch::tensor({0, 1, 0, 2, 1, 0, 1, 0}, torch::kInt64);  // class 2: node 3 alone
+  const auto a = oracle_edges(labels, 4), b = oracle_edges(labels, 4);
+  EXPECT_TRUE(same_list(a, b));
+  check_edge_list(a, 8, 8, 1);
+  const auto rows = rows_of(a);
+  bool other_seed_differs = false;
+  for (uint64_t seed = 5; seed < 12; ++seed) other_seed_differs |= !same_list(oracle_edges(labels, seed), a);
+  EXPECT_TRUE(other_seed_differs);
+  for (int64_t i = 0; i < 8; ++i) {
+    SCOPED_TRACE("node " + std::to_string(i));
+    ASSERT_TRUE(std::binary_search(rows[i].begin(), rows[i].end(), i));
+    if (i == 3) {
+      EXPECT_EQ(rows[i], std::vector<int64_t>{3});
+      continue;
+    }
+    ASSERT_EQ(rows[i].size(), 2u);
+    const auto j = rows[i][0] == i ? rows[i][1] : rows[i][0];
+    EXPECT_EQ(labels[j].item<int64_t>(), labels[i].item<int64_t>());
+  }
+  // Every other member of a class is drawn for some seed (class 0: nodes 0, 2, 5, 7).
+  std::set<int64_t> drawn;
+  for (uint64_t seed = 0; seed < 40; ++seed) {
+    const auto r = rows_of(oracle_edges(labels, seed))[0];
+    drawn.insert(r[1]);
+  }
+  EXPECT_EQ(drawn, (std::set<int64_t>{2, 5, 7}));
+
+  const auto graph = small_graph();
+  auto model = make(options("input+oracle:seed=4"));
+  expect_error([&] { model->forward(features(8), graph); }, {"needs the labels", "set_labels"});
+  model->set_labels(labels);
+  model->forward(features(8), graph);
+  EXPECT_TRUE(same_list(model->structures()[0], edges::merge(graph, a)));
+  expect_error([&] { make(options("input"))->set_labels(labels); }, {"labels are for structure input+oracle"});
+  expect_error([] { oracle_edges(torch::zeros({3}), 0); }, {"oracle_edges", "int64"});
+}
+
+// "self": every node attends to itself only, so a node's logits depend on its
+// own features and on no other node's, whatever the graph.
+TEST(GraphAttention, SelfSeesOnlyItsOwnFeatures) {
+  auto model = make(options("self"));
+  model->eval();
+  const auto x = features(8);
+  const auto logits = model->forward(x, small_graph());
+  EXPECT_EQ(rows_of(model->structures()[0]), rows_of(edges::local(8, 0)));
+  EXPECT_TRUE(torch::equal(model->forward(x, undirected(8, {{0, 7}, {2, 5}})), logits));
+  auto y = x.clone();
+  y[6] = 1 - y[6];
+  const auto moved = (model->forward(y, small_graph()) - logits).abs().amax(2)[0];
+  for (int64_t i = 0; i < 8; ++i) {
+    if (i == 6) EXPECT_GT(moved[i].item<double>(), 0);
+    else EXPECT_EQ(moved[i].item<double>(), 0) << "node " << i;
+  }
 }
 
 // The loss reaches every parameter of the network (dropout on, training mode).
@@ -270,7 +329,9 @@ TEST(GraphAttention, ValidateRefusesBadOptions) {
   expect_error([&] { validate(options("sparse")); },
                {"GraphAttentionNetwork", "unknown attention 'sparse'", "full or sac"});
   expect_error([&] { validate(options("input").structure("random")); },
-               {"GraphAttentionNetwork", "unknown structure 'random'", "input or input+random"});
+               {"GraphAttentionNetwork", "unknown structure 'random'", "input, input+random", "input+oracle", "self"});
+  expect_error([&] { validate(options("self:alpha=1")); }, {"'self:alpha=1'", "takes no options"});
+  expect_error([&] { validate(options("input+oracle:alpha=1")); }, {"unknown option 'alpha'", "takes seed"});
   // A mechanism replaces the structure's edges: it takes the input graph only.
   expect_error([&] { validate(options("full").structure("input+random")); },
                {"attention 'full'", "every pair", "structure 'input'", "got 'input+random'"});

@@ -229,8 +229,14 @@ EdgeList star(int64_t n);
 /// Sparse-transformer strided pattern (causal): j <= i and (i - j < stride or
 /// (i - j) % stride == 0).
 EdgeList strided(int64_t n, int64_t stride);
+/// Random destinations: node i sees itself and `per_node` keys drawn uniformly
+/// from [0, n) (duplicates merged), from a generator seeded with `seed`. A pure
+/// function of (n, per_node, seed): the control for a learned structure with
+/// as many edges (SAC's alpha), and SAC's structure without a predictor.
+EdgeList random(int64_t n, int64_t per_node, uint64_t seed);
 /// Builds a pattern by name: "full", "causal", "local", "segments", "bp-tree",
-/// "star", "strided"; `param` is the span, segment length or stride.
+/// "star", "strided", "random"; `param` is the span, segment length, stride or
+/// random destinations per node (drawn with seed 0).
 EdgeList by_name(const std::string& name, int64_t n, int64_t param);
 /// The union of two shared lists over the same L x S grid: row i holds the
 /// columns of row i of `a` and of `b`, sorted, each once. Per-head lists are

@@ -35,7 +35,7 @@ class Transformer(BridgedModule):
     source_vocab_size, layers (2), width (64), heads (4), ffn (256),
     dropout (0.1), attention (a spec, or one per block; "full"),
     cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
-    | "conv" | "none"), max_length (2048), relative_clip (16), conv_width (8),
+    | "conv" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
     norm ("pre" | "post"), tie_embeddings (True), shared_weights (False).
     """
 

@@ -3,6 +3,8 @@
 // "Sparse attention").
 #include <attnkit/ops.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -164,6 +166,26 @@ EdgeList strided(int64_t n, int64_t stride) {
   });
 }
 
+EdgeList random(int64_t n, int64_t per_node, uint64_t seed) {
+  TORCH_CHECK(n >= 1 && per_node >= 1, "edges::random: needs n >= 1 and per_node >= 1, got n = ", n,
+              ", per_node = ", per_node);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto drawn = torch::randint(n, {n, per_node}, generator, torch::kInt64).contiguous();
+  const int64_t* d = drawn.data_ptr<int64_t>();
+  std::vector<int64_t> offsets{0}, columns;
+  columns.reserve(n * (per_node + 1));
+  std::vector<int64_t> row;
+  for (int64_t i = 0; i < n; ++i) {
+    row.assign(d + i * per_node, d + (i + 1) * per_node);
+    row.push_back(i);
+    std::sort(row.begin(), row.end());
+    row.erase(std::unique(row.begin(), row.end()), row.end());
+    columns.insert(columns.end(), row.begin(), row.end());
+    offsets.push_back(static_cast<int64_t>(columns.size()));
+  }
+  return {torch::tensor(offsets, torch::kInt64), torch::tensor(columns, torch::kInt64)};
+}
+
 EdgeList by_name(const std::string& name, int64_t n, int64_t param) {
   if (name == "full") return full(n, n);
   if (name == "causal") return causal(n, n);
@@ -174,9 +196,10 @@ EdgeList by_name(const std::string& name, int64_t n, int64_t param) {
   if (name == "bp-tree") return bp_tree(n);
   if (name == "star") return star(n);
   if (name == "strided") return strided(n, param);
+  if (name == "random") return random(n, param, 0);
   TORCH_CHECK(false, "edges::by_name: unknown pattern '", name,
               "'; expected one of full, causal, local, local-causal, segments, "
-              "segments-causal, bp-tree, star, strided");
+              "segments-causal, bp-tree, star, strided, random");
 }
 
 EdgeList merge(const EdgeList& a, const EdgeList& b) {

@@ -22,7 +22,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
   const int64_t d = options.width(), H = options.heads();
   const auto [info, parsed] = nn::resolve_mechanism(spec);
   info_ = info;
-  if (options.positions() == Positions::relative) {
+  if (has(options.positions(), Positions::relative)) {
     kind_ = Kind::relative;
     relative_ = register_module(
         "self_attention",
@@ -164,9 +164,11 @@ void TransformerBlockImpl::set_attention(const std::string& spec) {
               kind_ == Kind::relative ? "relative-position blocks hold exact attention only"
                                       : "agglomerative blocks hold class projections instead of "
                                         "query/key projections, so their weights do not carry over");
-  TORCH_CHECK(!sac_ && info->name != "sac", "Transformer: cannot swap '", spec_, "' for '", spec,
+  // SAC to SAC (the model has checked that its predictor serves the new spec) keeps the structures' source.
+  TORCH_CHECK((sac_ != nullptr) == (info->name == "sac"), "Transformer: cannot swap '", spec_, "' for '", spec,
               "': SAC's structures come from an edge predictor trained with the model");
   self_->set_attention(spec);
+  if (sac_) sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   spec_ = spec;
   info_ = info;
 }

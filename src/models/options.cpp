@@ -37,11 +37,11 @@ const std::vector<std::pair<const char*, Architecture>>& architectures() {
   return t;
 }
 
+/// The single schemes, in the order to_string writes a set.
 const std::vector<std::pair<const char*, Positions>>& position_schemes() {
   static const std::vector<std::pair<const char*, Positions>> t{
-      {"none", Positions::none},         {"sinusoidal", Positions::sinusoidal},
-      {"learned", Positions::learned},   {"relative", Positions::relative},
-      {"conv", Positions::conv}};
+      {"conv", Positions::conv}, {"sinusoidal", Positions::sinusoidal},
+      {"learned", Positions::learned}, {"relative", Positions::relative}};
   return t;
 }
 
@@ -56,11 +56,30 @@ Architecture architecture_from_string(const std::string& name) {
   return from_table("architecture", name, architectures());
 }
 Positions positions_from_string(const std::string& name) {
-  return from_table("position scheme", name, position_schemes());
+  if (name == "none") return Positions::none;
+  Positions set = Positions::none;
+  for (size_t begin = 0;;) {
+    const size_t end = std::min(name.find('+', begin), name.size());
+    const auto part = name.substr(begin, end - begin);
+    TORCH_CHECK(part != "none", "position schemes '", name, "': 'none' stands alone");
+    const auto scheme = from_table("position scheme", part, position_schemes());
+    TORCH_CHECK(!has(set, scheme), "position schemes '", name, "' name ", to_string(scheme), " twice");
+    set = set | scheme;
+    if (end == name.size()) break;
+    begin = end + 1;
+  }
+  TORCH_CHECK(!(has(set, Positions::sinusoidal) && has(set, Positions::learned)), "position schemes '", name,
+              "' add two absolute tables; choose sinusoidal or learned");
+  return set;
 }
 Norm norm_from_string(const std::string& name) { return from_table("norm placement", name, norms()); }
 std::string to_string(Architecture value) { return to_text(value, architectures()); }
-std::string to_string(Positions value) { return to_text(value, position_schemes()); }
+std::string to_string(Positions value) {
+  std::string text;
+  for (const auto& [name, scheme] : position_schemes())
+    if (has(value, scheme)) text += (text.empty() ? "" : "+") + std::string(name);
+  return text.empty() ? "none" : text;
+}
 std::string to_string(Norm value) { return to_text(value, norms()); }
 
 // --- JSON -----------------------------------------------------------------------------------
@@ -146,11 +165,11 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
     const int64_t classes = spec.get_int("classes", 0) > 0 ? spec.get_int("classes", 0) : o.heads();
     TORCH_CHECK(o.width() % classes == 0, where, ": agglomerative attention with ", classes,
                 " classes needs a width divisible by them, got width ", o.width());
-    TORCH_CHECK(o.positions() != Positions::relative, where,
+    TORCH_CHECK(!has(o.positions(), Positions::relative), where,
                 ": relative positions need exact attention's scores; agglomerative attention "
                 "has none (use positions conv, the agglomerative paper's front end, or another)");
   }
-  TORCH_CHECK(o.positions() != Positions::relative || info->name == "full", where,
+  TORCH_CHECK(!has(o.positions(), Positions::relative) || info->name == "full", where,
               ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
               "need attention 'full', got '", text, "'");
 }

@@ -57,21 +57,16 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
   embedding_ = register_module("embedding", make_embedding(options_.vocab_size(), d));
   if (enc_dec && options_.source_vocab_size() > 0 && options_.source_vocab_size() != options_.vocab_size())
     source_embedding_ = register_module("source_embedding", make_embedding(options_.source_vocab_size(), d));
-  switch (options_.positions()) {
-    case Positions::learned:
-      position_table_ = register_parameter("positions", torch::randn({options_.max_length(), d}) * 0.02);
-      break;
-    case Positions::sinusoidal:
-      sinusoidal_ = register_module(
-          "sinusoidal", nn::SinusoidalPositionalEncoding(nn::SinusoidalPositionalEncodingOptions(d, options_.max_length())));
-      break;
-    case Positions::conv:
-      conv_ = register_module("conv", nn::Linear(d * w, d));
-      if (enc_dec) source_conv_ = register_module("source_conv", nn::Linear(d * w, d));
-      break;
-    case Positions::none:
-    case Positions::relative:  // inside the blocks
-      break;
+  // (Relative positions live inside the blocks.)
+  const auto positions = options_.positions();
+  if (has(positions, Positions::learned))
+    position_table_ = register_parameter("positions", torch::randn({options_.max_length(), d}) * 0.02);
+  if (has(positions, Positions::sinusoidal))
+    sinusoidal_ = register_module(
+        "sinusoidal", nn::SinusoidalPositionalEncoding(nn::SinusoidalPositionalEncodingOptions(d, options_.max_length())));
+  if (has(positions, Positions::conv)) {
+    conv_ = register_module("conv", nn::Linear(d * w, d));
+    if (enc_dec) source_conv_ = register_module("source_conv", nn::Linear(d * w, d));
   }
 
   // One block per layer, or with shared weights one block applied at every layer.
@@ -122,6 +117,10 @@ void TransformerImpl::predict_structures(const torch::Tensor& x) {
     sac_structures_.tokens = sample.tokens;
     sac_structures_.step_log_prob = sample.step_log_prob;
     sac_structures_.entropy = sample.entropy;
+  } else if (sac_options_.decode == "sample") {
+    torch::NoGradGuard no_grad;
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(sac_options_.seed);
+    sac_structures_.edges = edge_predictor_->sample_batch(nodes, generator).edges;
   } else {
     for (int64_t b = 0; b < nodes.size(0); ++b)
       sac_structures_.edges.push_back(edge_predictor_->beam_search(nodes[b], sac_options_.beam).edges);
@@ -134,18 +133,21 @@ torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens, bool source, i
   const int64_t N = tokens.size(0), L = tokens.size(1), d = options_.width();
   auto& table = source && source_embedding_ ? source_embedding_ : embedding_;
   auto x = table(tokens) * std::sqrt(double(d));
-  const bool tabled = options_.positions() == Positions::learned || options_.positions() == Positions::sinusoidal;
-  TORCH_CHECK(!tabled || offset + L <= options_.max_length(), kModel, ": position ", offset + L - 1,
-              " is beyond max_length ", options_.max_length(), " of the ", to_string(options_.positions()),
-              " position table");
-  if (options_.positions() == Positions::learned) x = x + position_table_.narrow(0, offset, L);
-  if (options_.positions() == Positions::sinusoidal) x = sinusoidal_(x, offset);
-  if (options_.positions() == Positions::conv) {
+  if (conv_) {
     const int64_t w = options_.conv_width();
     auto padded = torch::cat({torch::zeros({N, w - 1, d}, x.options()), x}, 1);
     x = causal_conv(source && source_conv_ ? source_conv_ : conv_, padded, w);
   }
-  return torch::dropout(x, options_.dropout(), is_training());
+  return torch::dropout(add_position_table(x, offset), options_.dropout(), is_training());
+}
+
+torch::Tensor TransformerImpl::add_position_table(const torch::Tensor& x, int64_t offset) {
+  if (!position_table_.defined() && !sinusoidal_) return x;
+  const int64_t L = x.size(1);
+  TORCH_CHECK(offset + L <= options_.max_length(), kModel, ": position ", offset + L - 1, " is beyond max_length ",
+              options_.max_length(), " of the ", position_table_.defined() ? "learned" : "sinusoidal",
+              " position table");
+  return position_table_.defined() ? x + position_table_.narrow(0, offset, L) : sinusoidal_(x, offset);
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
@@ -208,27 +210,38 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
 
 void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
   if (specs == options_.attention()) return;  // what it has (e.g. eval --attention with the trained spec)
-  for (const auto& spec : specs) {
-    const auto name = nn::resolve_mechanism(spec).second.name;
-    TORCH_CHECK(!edge_predictor_ && name != "sac", kModel, ": cannot swap attention ",
-                edge_predictor_ ? "out of" : "into",
-                " SAC: its structures come from an edge predictor trained with the model");
-    TORCH_CHECK(extra_nodes_.empty() && !adds_nodes(name), kModel, ": cannot swap '",
-                extra_nodes_.empty() ? name : extra_nodes_, "' ", extra_nodes_.empty() ? "in" : "out",
-                ": it adds nodes of its own, and the model's node set is fixed when it is built");
-  }
   auto changed = options_;
   changed.attention(specs);
   validate(changed);
+  // Block by block: SAC stays SAC under a spec its trained predictor serves
+  // (only the evaluation keys differ); nothing else becomes or stops being SAC.
+  const auto per_block = [&](const std::vector<std::string>& v, int64_t i) { return v.size() == 1 ? v[0] : v[i]; };
+  for (int64_t i = 0; i < options_.layers(); ++i) {
+    const auto before = nn::resolve_mechanism(per_block(options_.attention(), i)).second;
+    const auto after = nn::resolve_mechanism(per_block(specs, i)).second;
+    TORCH_CHECK((before.name == "sac") == (after.name == "sac"), kModel, ": cannot swap attention ",
+                before.name == "sac" ? "out of" : "into",
+                " SAC: its structures come from an edge predictor trained with the model");
+    TORCH_CHECK(before.name != "sac" || nn::SacOptions::from_spec(after).same_training(sac_options_), kModel,
+                ": cannot swap '", before.str(), "' for '", after.str(),
+                "': the edge predictor was trained under the first; only beam, decode and seed may change");
+    TORCH_CHECK(extra_nodes_.empty() && !adds_nodes(after.name), kModel, ": cannot swap '",
+                extra_nodes_.empty() ? after.name : extra_nodes_, "' ", extra_nodes_.empty() ? "in" : "out",
+                ": it adds nodes of its own, and the model's node set is fixed when it is built");
+  }
   auto swap = [&](std::vector<std::shared_ptr<TransformerBlockImpl>>& blocks) {
     for (size_t i = 0; i < blocks.size(); ++i) {
       if (options_.shared_weights() && i > 0) break;
-      blocks[i]->set_attention(specs.size() == 1 ? specs[0] : specs[i]);
+      blocks[i]->set_attention(per_block(specs, static_cast<int64_t>(i)));
     }
   };
   swap(encoder_blocks_);
   swap(decoder_blocks_);
   options_ = changed;
+  for (const auto& spec : specs) {
+    const auto parsed = nn::resolve_mechanism(spec).second;
+    if (parsed.name == "sac") sac_options_ = nn::SacOptions::from_spec(parsed);
+  }
 }
 
 // --- Decoding -----------------------------------------------------------------------------
@@ -261,14 +274,15 @@ torch::Tensor TransformerImpl::step(const torch::Tensor& tokens, DecodingState& 
               " streams, got ", tokens.size(0), " tokens");
   const int64_t N = tokens.size(0), d = options_.width(), t = state.position_;
   torch::Tensor x;
-  if (options_.positions() == Positions::conv) {
+  if (conv_) {
     // The convolution sees this embedding and the previous w - 1 (zeros before the start).
     const int64_t w = options_.conv_width();
     auto e = embedding_(tokens) * std::sqrt(double(d));
     if (!state.conv_window_.defined()) state.conv_window_ = torch::zeros({N, w - 1, d}, e.options());
     auto window = torch::cat({state.conv_window_, e.unsqueeze(1)}, 1);  // (N, w, d)
     state.conv_window_ = window.narrow(1, 1, w - 1);
-    x = torch::dropout(causal_conv(conv_, window, w).squeeze(1), options_.dropout(), is_training());
+    x = torch::dropout(add_position_table(causal_conv(conv_, window, w), t).squeeze(1), options_.dropout(),
+                       is_training());
   } else {
     x = embed(tokens.unsqueeze(1), false, t).squeeze(1);
   }
@@ -285,7 +299,7 @@ torch::Tensor TransformerImpl::generate(const torch::Tensor& prompt, const Gener
   TORCH_CHECK(g.temperature() >= 0 && std::isfinite(g.temperature()), kModel,
               ": generate: temperature must be finite and >= 0, got ", g.temperature());
   TORCH_CHECK(g.top_k() >= 0, kModel, ": generate: top_k must be >= 0, got ", g.top_k());
-  const bool tabled = options_.positions() == Positions::learned || options_.positions() == Positions::sinusoidal;
+  const bool tabled = position_table_.defined() || sinusoidal_;
   TORCH_CHECK(!tabled || prompt.size(1) + g.tokens() <= options_.max_length(), kModel, ": generate: ",
               prompt.size(1), " prompt + ", g.tokens(), " new tokens exceed max_length ", options_.max_length());
 

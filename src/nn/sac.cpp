@@ -18,6 +18,9 @@ SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
   o.max_distance = spec.get_int("max_distance", o.max_distance);
   o.hidden = spec.get_int("hidden", o.hidden);
   o.beam = spec.get_int("beam", o.beam);
+  o.decode = spec.get("decode", o.decode);
+  TORCH_CHECK(o.decode == "beam" || o.decode == "sample", "mechanism '", spec.str(),
+              "': option 'decode' must be beam or sample, got '", o.decode, "'");
   o.seed = static_cast<uint64_t>(spec.get_int("seed", static_cast<int64_t>(o.seed)));
   o.reward = spec.get("reward", o.reward);
   o.entropy = spec.get_double("entropy", o.entropy);
@@ -32,32 +35,17 @@ SacOptions SacOptions::from_spec(const MechanismSpec& spec) {
   return o;
 }
 
+bool SacOptions::same_training(const SacOptions& other) const {
+  return alpha == other.alpha && variant == other.variant && max_distance == other.max_distance &&
+         hidden == other.hidden && reward == other.reward && entropy == other.entropy;
+}
+
 EdgePredictorOptions SacOptions::predictor(int64_t width, int64_t heads) const {
   return EdgePredictorOptions(width, hidden)
       .alpha(alpha)
       .variant(variant)
       .heads(heads)
       .max_distance(max_distance);
-}
-
-EdgeList random_structure(int64_t n, int64_t alpha, uint64_t seed) {
-  TORCH_CHECK(n >= 1 && alpha >= 1, "random_structure: needs n >= 1 and alpha >= 1, got n = ", n,
-              ", alpha = ", alpha);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const auto drawn = torch::randint(n, {n, alpha}, generator, torch::kInt64).contiguous();
-  const int64_t* d = drawn.data_ptr<int64_t>();
-  std::vector<int64_t> offsets{0}, columns;
-  columns.reserve(n * (alpha + 1));
-  std::vector<int64_t> row;
-  for (int64_t i = 0; i < n; ++i) {
-    row.assign(d + i * alpha, d + (i + 1) * alpha);
-    row.push_back(i);
-    std::sort(row.begin(), row.end());
-    row.erase(std::unique(row.begin(), row.end()), row.end());
-    columns.insert(columns.end(), row.begin(), row.end());
-    offsets.push_back(static_cast<int64_t>(columns.size()));
-  }
-  return {torch::tensor(offsets, torch::kInt64), torch::tensor(columns, torch::kInt64)};
 }
 
 SacAttentionImpl::SacAttentionImpl(MechanismSpec spec)
@@ -68,7 +56,7 @@ torch::Tensor SacAttentionImpl::forward(const torch::Tensor& q, const torch::Ten
   detail::check_qkv("sac", q, k, v);
   check_supports(find_mechanism("sac"), q, k, v, args);
   if (structures_.empty())
-    return sparse_attention(q, k, v, random_structure(q.size(2), options_.alpha, options_.seed));
+    return sparse_attention(q, k, v, edges::random(q.size(2), options_.alpha, options_.seed));
   const int64_t N = q.size(0);
   TORCH_CHECK(static_cast<int64_t>(structures_.size()) == N, "sac: the model set ",
               structures_.size(), " structures for a batch of ", N, " sequences");

@@ -103,8 +103,8 @@ Trainer::Trainer(const TrainerOptions& options, const models::TransformerOptions
   models::validate(model_options_);
   const int64_t length = task_->sequence_length(options_.context());
   if (length > model_options_.max_length() &&
-      (model_options_.positions() == models::Positions::learned ||
-       model_options_.positions() == models::Positions::sinusoidal))
+      (has(model_options_.positions(), models::Positions::learned) ||
+       has(model_options_.positions(), models::Positions::sinusoidal)))
     throw std::invalid_argument("train: sequences of " + std::to_string(length) +
                                 " tokens exceed the model's max_length " +
                                 std::to_string(model_options_.max_length()));

@@ -53,6 +53,11 @@ run_refused("already holds checkpoints" ${CLI} train ${model} --steps 8 --out ${
 require_unchanged(${run} "${hashes_before}" "a fresh run into a used directory")
 run_refused("model width: checkpoint 32, now 64" ${CLI} train --width 64 --heads 2 --steps 9 --out ${run} --resume)
 require_unchanged(${run} "${hashes_before}" "a resume with other model flags")
+# Position schemes compose with '+'; the refusals name what is wrong.
+run_refused("unknown position scheme 'rotary'; expected one of conv, sinusoidal, learned, relative"
+            ${CLI} train --data ${data} --positions conv+rotary --steps 2 --out ${OUT_DIR}/positions-refused)
+run_refused("two absolute tables"
+            ${CLI} train --data ${data} --positions sinusoidal+learned --steps 2 --out ${OUT_DIR}/positions-refused)
 
 # A corrupted and a truncated newest checkpoint, in a copy of the run.
 foreach(damage flip truncate)

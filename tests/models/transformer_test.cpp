@@ -48,7 +48,8 @@ class DecodingEqualsForward : public ::testing::TestWithParam<std::string> {};
 // forward runs the blocked kernels, the steps one query at a time).
 TEST_P(DecodingEqualsForward, EveryPositionMatches) {
   for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
-    for (auto positions : {Positions::sinusoidal, Positions::conv, Positions::learned}) {
+    for (auto positions : {Positions::sinusoidal, Positions::conv, Positions::learned,
+                           Positions::conv | Positions::learned}) {
       for (auto norm : {Norm::pre, Norm::post}) {
         torch::manual_seed(3);
         Transformer model(small().attention({GetParam()}).positions(positions).norm(norm).conv_width(3));
@@ -85,6 +86,7 @@ TEST(Transformer, DecodingMatchesForRelativePositionsMixedBlocksAndSharedWeights
     const double tol = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
     std::vector<TransformerOptions> variants{
         small().positions(Positions::relative).relative_clip(3),
+        small().positions(Positions::conv | Positions::sinusoidal | Positions::relative).relative_clip(3).conv_width(2),
         small().layers(3).attention({"full", "causal-linear", "agglomerative:classes=2"}),
         small().layers(3).shared_weights(true).attention({"agglomerative"}).positions(Positions::conv),
         small().positions(Positions::none).tie_embeddings(false),
@@ -179,6 +181,54 @@ TEST(Transformer, BadTokensAndLengthsAreRefused) {
                {"exceed max_length 8"});
   auto state = model->start_decoding(2);
   expect_error([&] { model->step(torch::zeros({3}, torch::kLong), state); }, {"decodes 2 streams"});
+}
+
+TEST(Transformer, PositionSchemesComposeByName) {
+  EXPECT_EQ(positions_from_string("none"), Positions::none);
+  EXPECT_EQ(positions_from_string("learned+conv"), Positions::conv | Positions::learned);
+  EXPECT_EQ(to_string(positions_from_string("relative+learned+conv")), "conv+learned+relative");
+  for (const char* name : {"none", "sinusoidal", "learned", "relative", "conv", "conv+sinusoidal"})
+    EXPECT_EQ(to_string(positions_from_string(name)), name);
+  expect_error([] { positions_from_string("sinusoidal+learned"); }, {"two absolute tables"});
+  expect_error([] { positions_from_string("conv+conv"); }, {"conv twice"});
+  expect_error([] { positions_from_string("none+conv"); }, {"'none' stands alone"});
+  expect_error([] { positions_from_string("conv+"); }, {"unknown position scheme ''"});
+  expect_error([] { positions_from_string("rotary"); }, {"unknown position scheme 'rotary'", "conv, sinusoidal"});
+  const auto o = small().positions(Positions::conv | Positions::learned);
+  EXPECT_EQ(TransformerOptions::from_json(o.to_json()).positions(), o.positions());
+  // Relative positions stay exact attention's, whatever they are combined with.
+  expect_error([] {
+    Transformer(small().architecture(Architecture::encoder).positions(Positions::conv | Positions::relative)
+                    .attention({"sparse-local:span=2"}));
+  }, {"need attention 'full'"});
+}
+
+TEST(Transformer, ConvolutionThenTableIsTheirComposition) {
+  // conv+learned with a zero table computes what conv alone computes with the
+  // same weights; a table that is not zero changes the logits of every position.
+  for (auto architecture : {Architecture::decoder, Architecture::encoder}) {
+    torch::manual_seed(6);
+    Transformer conv(small().architecture(architecture).positions(Positions::conv).conv_width(3));
+    Transformer both(small().architecture(architecture).positions(Positions::conv | Positions::learned).conv_width(3));
+    conv->eval();
+    both->eval();
+    {
+      torch::NoGradGuard no_grad;
+      const auto source = conv->named_parameters();
+      for (auto& p : both->named_parameters()) {
+        if (p.key() == "positions") p.value().zero_();
+        else p.value().copy_(source[p.key()]);
+      }
+    }
+    const auto tokens = torch::randint(0, 11, {2, 9}, torch::kLong);
+    EXPECT_LE(rel_err(both->forward(tokens), conv->forward(tokens)), 1e-6) << to_string(architecture);
+    {
+      torch::NoGradGuard no_grad;
+      both->named_parameters()["positions"].normal_(0, 0.5);
+    }
+    const auto moved = (both->forward(tokens) - conv->forward(tokens)).abs().amax({0, 2});
+    EXPECT_GT(moved.min().item<double>(), 1e-4) << to_string(architecture);
+  }
 }
 
 TEST(Transformer, OptionsRoundTripThroughJson) {

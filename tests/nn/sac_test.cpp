@@ -1,5 +1,5 @@
 // SAC inside a model: the batched sampler against teacher forcing, the
-// REINFORCE baseline, random_structure, the "sac"
+// REINFORCE baseline, edges::random, the "sac"
 // per-head module over given structures, and the transformer that predicts
 // them (sampled in training, beam search in eval, no gradient into the
 // network from the predictor, swaps and mixed specs refused).
@@ -142,7 +142,7 @@ TEST(SacBatch, BaselineIsAMovingAverageKeptInABuffer) {
 }
 
 TEST(SacStructure, RandomStructureIsSeededWithSelfEdges) {
-  const auto a = random_structure(9, 2, 4), b = random_structure(9, 2, 4), c = random_structure(9, 2, 5);
+  const auto a = edges::random(9, 2, 4), b = edges::random(9, 2, 4), c = edges::random(9, 2, 5);
   EXPECT_TRUE(torch::equal(a.columns, b.columns) && torch::equal(a.offsets, b.offsets));
   EXPECT_FALSE(torch::equal(a.offsets, c.offsets) && torch::equal(a.columns, c.columns));
   check_edge_list(a, 9, 9, 1);
@@ -159,7 +159,7 @@ TEST(SacStructure, RandomStructureIsSeededWithSelfEdges) {
 }
 
 // Given structures, the module is sparse attention per sequence; without,
-// the functional form over random_structure.
+// the functional form over edges::random.
 TEST(SacStructure, ModuleAttendsOverTheStructuresItIsGiven) {
   auto module = std::dynamic_pointer_cast<SacAttentionImpl>(make_mechanism("sac:alpha=2,seed=3"));
   ASSERT_TRUE(module);
@@ -168,7 +168,7 @@ TEST(SacStructure, ModuleAttendsOverTheStructuresItIsGiven) {
        v = torch::randn({N, H, L, 5}, f64());
   EXPECT_LT(testing::rel_err(module->forward(q, k, v), attend("sac:alpha=2,seed=3", q, k, v)), 1e-15);
   std::vector<EdgeList> structures;
-  for (int64_t b = 0; b < N; ++b) structures.push_back(random_structure(L, 1 + b, 10 + b));
+  for (int64_t b = 0; b < N; ++b) structures.push_back(edges::random(L, 1 + b, 10 + b));
   module->set_structures(structures);
   const auto out = module->forward(q, k, v);
   for (int64_t b = 0; b < N; ++b) {
@@ -240,12 +240,64 @@ TEST(SacModel, PredictsOneStructurePerSequenceAndTrainsOnlyThePredictorByIt) {
   }
 }
 
+/// The columns of every structure of the model's last forward, in order.
+std::vector<torch::Tensor> structure_columns(models::Transformer& model) {
+  std::vector<torch::Tensor> columns;
+  for (const auto& e : model->sac_structures().edges) columns.push_back(e.columns.clone());
+  return columns;
+}
+
+bool same_structures(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!a[i].equal(b[i])) return false;
+  return true;
+}
+
+TEST(SacModel, EvaluatesWithBeamSearchOrASeededSampleOfTheSamePredictor) {
+  torch::manual_seed(8);
+  const std::string trained = "sac:alpha=2,hidden=8,max_distance=4,variant=all-connected";
+  models::Transformer model(sac_encoder(trained));
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto tokens = torch::randint(12, {4, 11}, torch::kInt64);
+  model->forward(tokens);
+  const auto beam = structure_columns(model);
+
+  // decode=sample: a pure function of the batch for a given seed, another
+  // structure for another seed, and not the beam's most probable one.
+  model->set_attention({trained + ",decode=sample,seed=3"});
+  EXPECT_EQ(model->sac_options().decode, "sample");
+  model->forward(tokens);
+  const auto sampled = structure_columns(model);
+  for (size_t i = 0; i < sampled.size(); ++i) check_edge_list(model->sac_structures().edges[i], 11, 11, 1);
+  model->forward(tokens);
+  EXPECT_TRUE(same_structures(structure_columns(model), sampled));
+  EXPECT_FALSE(same_structures(sampled, beam));
+  model->set_attention({trained + ",decode=sample,seed=4"});
+  model->forward(tokens);
+  EXPECT_FALSE(same_structures(structure_columns(model), sampled));
+
+  // Back to beam search: the structures it had.
+  model->set_attention({trained});
+  model->forward(tokens);
+  EXPECT_TRUE(same_structures(structure_columns(model), beam));
+
+  // A spec the predictor was not trained under is refused.
+  expect_error([&] { model->set_attention({"sac:alpha=3,hidden=8,max_distance=4,variant=all-connected"}); },
+               {"only beam, decode and seed may change"});
+  expect_error([] { models::Transformer(sac_encoder("sac:decode=greedy")); }, {"decode", "greedy"});
+}
+
 TEST(SacModel, RefusesWhatItCannotDo) {
   expect_error([] { models::Transformer(sac_encoder("sac").architecture(models::Architecture::decoder)); },
                {"sac"});
   expect_error([] { models::Transformer(sac_encoder("sac").attention({"sac:alpha=1", "sac:alpha=2"})); },
                {"share one edge predictor", "sac:alpha=1", "sac:alpha=2"});
-  EXPECT_NO_THROW(models::Transformer(sac_encoder("sac").attention({"full", "sac:alpha=2"})));
+  models::Transformer mixed(sac_encoder("sac").attention({"full", "sac:alpha=2"}));
+  // Its exact block may be swapped; its SAC block only for SAC under the same predictor.
+  EXPECT_NO_THROW(mixed->set_attention({"linear", "sac:alpha=2,beam=3"}));
+  expect_error([&] { mixed->set_attention({"sac:alpha=2", "sac:alpha=2"}); }, {"into SAC"});
   models::Transformer with(sac_encoder("sac")), without(sac_encoder("full"));
   EXPECT_NO_THROW(with->set_attention({"sac"}));  // what it has: nothing to swap
   expect_error([&] { with->set_attention({"full"}); }, {"out of SAC", "edge predictor"});

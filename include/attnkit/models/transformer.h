@@ -41,19 +41,33 @@ enum class Architecture {
   encoder_decoder,  ///< encoder over a source, causal decoder with cross-attention
 };
 
-enum class Positions {
-  none,
-  sinusoidal,  ///< fixed PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...), added
-  learned,     ///< a trained (max_length, width) table, added
-  relative,    ///< Shaw et al.: per-block relative key/value tables (exact attention only)
-  conv,        ///< causal 1-D convolution of width conv_width over the embeddings
-               ///< (the agglomerative paper's front end), no position table
+/// How a model sees positions: a set of schemes, composable with '+' in text
+/// ("conv+learned", "conv+relative"). In the embedding they apply in the order
+/// conv, then the absolute table (sinusoidal or learned: at most one);
+/// relative acts inside the blocks. "none" is the empty set.
+enum class Positions : unsigned {
+  none = 0,
+  sinusoidal = 1 << 0,  ///< fixed PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...), added
+  learned = 1 << 1,     ///< a trained (max_length, width) table, added
+  relative = 1 << 2,    ///< Shaw et al.: per-block relative key/value tables (exact attention only)
+  conv = 1 << 3,        ///< causal 1-D convolution of width conv_width over the embeddings
+                        ///< (the agglomerative paper's front end)
 };
+constexpr Positions operator|(Positions a, Positions b) {
+  return static_cast<Positions>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+/// True when the set `positions` holds `scheme` (a single scheme).
+constexpr bool has(Positions positions, Positions scheme) {
+  return (static_cast<unsigned>(positions) & static_cast<unsigned>(scheme)) != 0;
+}
 
 enum class Norm { pre, post };
 
 Architecture architecture_from_string(const std::string& name);  ///< decoder|encoder|encoder-decoder
-Positions positions_from_string(const std::string& name);  ///< none|sinusoidal|learned|relative|conv
+/// "none", or schemes joined by '+' from sinusoidal|learned|relative|conv, each
+/// once, with at most one of sinusoidal and learned (to_string writes them in
+/// that order).
+Positions positions_from_string(const std::string& name);
 Norm norm_from_string(const std::string& name);             ///< pre|post
 std::string to_string(Architecture value);
 std::string to_string(Positions value);
@@ -229,6 +243,9 @@ class TransformerImpl : public torch::nn::Module {
 
  private:
   torch::Tensor embed(const torch::Tensor& tokens, bool source, int64_t offset);
+  /// x (N, L, d) plus the absolute position table's rows offset..offset+L-1
+  /// (x itself without a table).
+  torch::Tensor add_position_table(const torch::Tensor& x, int64_t offset);
   torch::Tensor encode(const torch::Tensor& source, const torch::Tensor& source_lengths);
   torch::Tensor logits(const torch::Tensor& hidden);
   /// Points `block`'s self-attention probe at probe_ as `layer` (when a probe is set).

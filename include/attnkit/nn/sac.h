@@ -10,7 +10,7 @@
 //    per-head structure with variant=head-adaptive), and the trainer adds the
 //    predictor's REINFORCE loss (docs/TRAINING.md, "SAC").
 //  - alone (attend("sac", ...), a MultiheadAttention of its own, the bench):
-//    attention over random_structure(L, alpha, seed), the cost of SAC's
+//    attention over edges::random(L, alpha, seed), the cost of SAC's
 //    attention at alpha edges per node without the predictor.
 #pragma once
 
@@ -31,8 +31,14 @@ struct SacOptions {
   EdgePredictorVariant variant = EdgePredictorVariant::shared_structure;
   int64_t max_distance = 16;  ///< distance encoding clip (0: off)
   int64_t hidden = 64;        ///< the predictor's LSTM width
-  int64_t beam = 5;           ///< beam width at evaluation
-  uint64_t seed = 0;          ///< random_structure's seed when no predictor supplies one
+  int64_t beam = 5;           ///< beam width at evaluation (decode "beam")
+  /// The structure at evaluation: "beam" (the paper: beam search of width
+  /// `beam`, the most probable structure) or "sample" (one structure drawn
+  /// from the predictor per sequence, from a generator seeded with `seed` at
+  /// every forward, so a pure function of the batch).
+  std::string decode = "beam";
+  /// edges::random's seed when no predictor supplies one; the draws of decode "sample".
+  uint64_t seed = 0;
   /// REINFORCE credit: "sequence" (the paper: every step of a sequence gets
   /// its reward, the mean log-probability of the sequence's scored labels) or
   /// "edge" (each destination step gets the log-probability of its origin's
@@ -46,24 +52,23 @@ struct SacOptions {
 
   /// Reads a resolved "sac" spec (the registry has checked keys and numbers).
   static SacOptions from_spec(const MechanismSpec& spec);
+  /// True when `other` differs at most in the keys that act only at
+  /// evaluation (beam, decode, seed): a predictor trained under one serves the
+  /// other, so a trained model may be evaluated under either.
+  bool same_training(const SacOptions& other) const;
   /// The predictor of a model of `width` with `heads` heads.
   EdgePredictorOptions predictor(int64_t width, int64_t heads) const;
 };
 
-/// A structure over n nodes without a predictor: node i attends to itself and
-/// to alpha destinations drawn uniformly from [0, n) (duplicates merged), from
-/// a generator seeded with `seed`. A pure function of (n, alpha, seed).
-EdgeList random_structure(int64_t n, int64_t alpha, uint64_t seed);
-
 /// The per-head module of "sac": sparse_attention over the structures its
-/// model set, else over random_structure.
+/// model set, else over edges::random.
 class SacAttentionImpl : public MechanismImpl {
  public:
   explicit SacAttentionImpl(MechanismSpec spec);
 
   /// The structures of the following forward calls: one EdgeList per batch
   /// element (shared by the heads, or per head), over L nodes. Empty: back
-  /// to random_structure.
+  /// to edges::random.
   void set_structures(std::vector<EdgeList> structures) { structures_ = std::move(structures); }
   const std::vector<EdgeList>& structures() const { return structures_; }
 

@@ -1,6 +1,6 @@
 // "sac": attention over a structure that a learned edge predictor chooses per
 // sequence (the SAC paper; nn/sac.h). Alone, without a model to set the
-// structures, it attends over random_structure.
+// structures, it attends over edges::random.
 #include <attnkit/nn/sac.h>
 
 #include "nn/mechanisms/mechanism.h"
@@ -13,7 +13,7 @@ MechanismInfo sac_entry() {
   MechanismInfo m;
   m.name = "sac";
   m.summary = "SAC: attention over a structure that a learned edge predictor chooses per sequence "
-              "(in a model; alone: over random_structure)";
+              "(in a model; alone: over edges::random)";
   m.options = {
       MechanismOption::integer("alpha", d.alpha, 1, "predicted edges per node (plus the self-edge)"),
       MechanismOption::choice("variant", to_string(d.variant), {"shared", "all-connected", "head-adaptive"},
@@ -21,8 +21,10 @@ MechanismInfo sac_entry() {
       MechanismOption::integer("max_distance", d.max_distance, 0, "distance encoding clip (0: off)"),
       MechanismOption::integer("hidden", d.hidden, 1, "the edge predictor's LSTM width"),
       MechanismOption::integer("beam", d.beam, 1, "beam width of the structure at evaluation"),
+      MechanismOption::choice("decode", d.decode, {"beam", "sample"},
+                              "the structure at evaluation: beam search (the paper) or one sample"),
       MechanismOption::integer("seed", static_cast<int64_t>(d.seed), 0,
-                               "random_structure's seed when no predictor supplies one"),
+                               "edges::random's seed when no predictor supplies one; decode=sample's draws"),
       MechanismOption::choice("reward", d.reward, {"sequence", "edge"},
                               "REINFORCE credit: sequence (the paper) or edge (per edge's row)"),
       MechanismOption::real("entropy", d.entropy, 0,
@@ -36,7 +38,7 @@ MechanismInfo sac_entry() {
   };
   attend_over_edges(m, [](int64_t n, const MechanismSpec& spec) {
     const auto o = SacOptions::from_spec(spec);
-    return random_structure(n, o.alpha, o.seed);
+    return edges::random(n, o.alpha, o.seed);
   });
   return m;
 }

@@ -28,6 +28,7 @@ const std::vector<Pattern>& sparse_patterns() {
       {"bp-tree", nullptr, "binary-partition tree over t tokens: 2t - 1 nodes (BP-Transformer)"},
       {"star", nullptr, "t satellites and one relay node (Star-Transformer)"},
       {"strided", "stride", "causal strided pattern (Sparse Transformer)"},
+      {"random", "edges", "itself and `edges` keys drawn uniformly, seed 0 (the control for SAC)"},
   };
   return patterns;
 }
