@@ -28,6 +28,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
+
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -52,6 +54,7 @@ struct ClozeFlags {
   int64_t steps = 2000, batch = 32, embedding = 64, hidden = 64, paragraph = 80, query = 16;
   int64_t min_count = 5, stop_words = 100, eval_every = 100, valid_examples = 1000, test_examples = 4000;
   double lr = 2e-3, weight_decay = 0.01, clip = 5.0;
+  std::optional<double> gate_bias;
   uint64_t seed = 1;
   int threads = 0;
   bool unidirectional = false, shared_encoder = false, resume = false;
@@ -68,12 +71,15 @@ json settings(const ClozeFlags& f) {
               {"min_count", f.min_count}, {"stop_words", f.stop_words},
               {"lr", f.lr},               {"weight_decay", f.weight_decay},
               {"clip", f.clip},           {"seed", f.seed},
-              {"valid_examples", f.valid_examples}, {"test_examples", f.test_examples}};
+              {"valid_examples", f.valid_examples}, {"test_examples", f.test_examples},
+              {"gate_bias", f.gate_bias ? json(*f.gate_bias) : json(nullptr)}};
 }
 
 void apply_settings(const json& s, ClozeFlags& f) {
   s.at("data").get_to(f.data);
   s.at("readout").get_to(f.readout);
+  // (Checkpoints from before --gate-bias have no such key: the default.)
+  if (s.contains("gate_bias") && !s.at("gate_bias").is_null()) f.gate_bias = s.at("gate_bias").get<double>();
   s.at("batch").get_to(f.batch);
   s.at("embedding").get_to(f.embedding);
   s.at("hidden").get_to(f.hidden);
@@ -146,7 +152,8 @@ void run(ClozeFlags f, CLI::App* cmd) {
                            .bidirectional(!f.unidirectional)
                            .readout(models_readout)
                            .placeholder(experiments::WordVocabulary::kBlank)
-                           .shared_encoder(f.shared_encoder));
+                           .shared_encoder(f.shared_encoder)
+                           .gate_bias(f.gate_bias ? c10::optional<double>(*f.gate_bias) : c10::nullopt));
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(f.lr).weight_decay(f.weight_decay));
   int64_t parameters = 0;
@@ -270,6 +277,8 @@ void add_cloze_command(CLI::App& app) {
   cmd->add_option("--readout", f->readout, "none (final state), linear (C q, C = H^T H), gated "
                   "(C = sum f f^T, f = sigmoid(W h + b) * h) or softmax (H^T softmax(H q))")
       ->check(CLI::IsMember({"none", "linear", "gated", "softmax"}))->capture_default_str();
+  cmd->add_option("--gate-bias", f->gate_bias, "gated only: the gate's bias starts at this value (4: sigmoid = "
+                  "0.98, C starts near linear's); default: the layer's own initialisation");
   cmd->add_option("--steps", f->steps, "Optimiser steps of the whole run")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--batch", f->batch, "Examples per step")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--seed", f->seed, "Seed of the initial weights and of the training examples")->capture_default_str();

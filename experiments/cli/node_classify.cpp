@@ -20,6 +20,7 @@
 // it, flags given must match it (except --epochs, --patience, --threads and
 // --eval-every). Runs written before --structure existed (their settings hold
 // the structure in "attention") resume too.
+#include <attnkit/nn/registry.h>
 #include <attnkit/runtime.h>
 #include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
@@ -60,6 +61,7 @@ struct NodeFlags {
   // --structure: the edges attended over; --attention: empty (over the
   // structure's edges) or a mechanism that replaces them (full, sac).
   std::string data, structure = "input", attention, out;
+  std::string init_from;  // a run whose network weights start this one (a warm start)
   int64_t epochs = 200, width = 64, heads = 8, layers = 2, samples = 1, patience = 100, eval_every = 1;
   double dropout = 0.6, lr = 0.005, weight_decay = 5e-4, clip = 5.0;
   uint64_t seed = 1;
@@ -74,7 +76,8 @@ json settings(const NodeFlags& f) {
   return json{{"data", f.data},       {"structure", f.structure}, {"attention", f.attention}, {"width", f.width},
               {"heads", f.heads},     {"layers", f.layers},       {"samples", f.samples},
               {"dropout", f.dropout}, {"lr", f.lr},               {"weight_decay", f.weight_decay},
-              {"clip", f.clip},       {"seed", f.seed},           {"residual", f.residual}};
+              {"clip", f.clip},       {"seed", f.seed},           {"residual", f.residual},
+              {"init_from", f.init_from}};
 }
 
 /// A spec of --attention that names a structure (the old form of --structure).
@@ -109,6 +112,49 @@ void apply_settings(const json& s, NodeFlags& f) {
   s.at("clip").get_to(f.clip);
   s.at("seed").get_to(f.seed);
   f.residual = s.value("residual", false);
+  f.init_from = s.value("init_from", std::string());
+}
+
+experiments::GraphAttentionOptions model_options(const NodeFlags& f, const experiments::NodeGraph& graph) {
+  return experiments::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
+      .width(f.width)
+      .heads(f.heads)
+      .layers(f.layers)
+      .dropout(f.dropout)
+      .structure(f.structure)
+      .attention(f.attention)
+      .samples(f.samples)
+      .residual(f.residual);
+}
+
+/// --init-from: the network's weights (all but an edge predictor's) from the
+/// newest checkpoint of another node-classify run on the same graph with the
+/// same width, heads and layers: SAC warm-started from a trained GAT, as the
+/// SAC paper does. torch's generator is left as this run's seed set it.
+void warm_start(experiments::GraphAttentionNetwork& model, const NodeFlags& f, const experiments::NodeGraph& graph) {
+  const auto checkpoint = train::read_newest_checkpoint(f.init_from);
+  TORCH_CHECK(checkpoint.kind() == kNodeClassifyKind, kCommand, ": --init-from: ", checkpoint.path(),
+              " is not a checkpoint of `attnkit-experiments node-classify` (kind '", checkpoint.kind(), "')");
+  NodeFlags source;
+  apply_settings(with_current_names(json::parse(checkpoint.header()).at("settings")), source);
+  TORCH_CHECK(source.width == f.width && source.heads == f.heads && source.layers == f.layers, kCommand,
+              ": --init-from: ", f.init_from, " has width ", source.width, ", heads ", source.heads, ", layers ",
+              source.layers, "; this run ", f.width, ", ", f.heads, ", ", f.layers);
+  experiments::GraphAttentionNetwork trained(model_options(source, graph));
+  checkpoint.restore(*trained, nullptr, /*restore_generator=*/false);
+  const auto weights = trained->named_parameters();
+  torch::NoGradGuard no_grad;
+  int64_t copied = 0;
+  for (auto& p : model->named_parameters()) {
+    if (p.key().rfind("edge_predictor.", 0) == 0) continue;
+    const auto* q = weights.find(p.key());
+    TORCH_CHECK(q && q->sizes() == p.value().sizes(), kCommand, ": --init-from: ", f.init_from, " has ",
+                q ? "another shape for" : "no", " parameter '", p.key(), "'");
+    p.value().copy_(*q);
+    ++copied;
+  }
+  std::printf("warm start: %lld tensors of the network from %s (epoch %lld)\n", static_cast<long long>(copied),
+              checkpoint.path().c_str(), static_cast<long long>(checkpoint.step()));
 }
 
 /// What a structure looks like: edges per node (self-edges included), and the
@@ -218,17 +264,11 @@ void run(NodeFlags f, CLI::App* cmd) {
   const double wall_start = train::steady_seconds();
 
   const auto graph = experiments::load_node_graph(f.data);
-  const auto options = experiments::GraphAttentionOptions(graph.features.size(1), static_cast<int64_t>(graph.classes.size()))
-                           .width(f.width)
-                           .heads(f.heads)
-                           .layers(f.layers)
-                           .dropout(f.dropout)
-                           .structure(f.structure)
-                           .attention(f.attention)
-                           .samples(f.samples)
-                           .residual(f.residual);
   torch::manual_seed(f.seed);
-  experiments::GraphAttentionNetwork model(options);
+  experiments::GraphAttentionNetwork model(model_options(f, graph));
+  if (nn::MechanismSpec::parse(f.structure).name == "input+oracle") model->set_labels(graph.labels);
+  // A resumed run's checkpoint holds the weights the warm start gave it, trained since.
+  if (!f.init_from.empty() && !opened.resumed()) warm_start(model, f, graph);
   auto& predictor = model->edge_predictor();
   const bool sac = static_cast<bool>(predictor);
   const auto distances = sac && model->sac_options().max_distance > 0
@@ -384,12 +424,16 @@ void add_node_classify_command(CLI::App& app) {
       "--patience, --threads and --eval-every)");
   cmd->add_option("--data", f->data, "The dataset directory (nodes.tsv, edges.tsv, vocabulary.txt, meta.json)");
   cmd->add_option("--structure", f->structure,
-                  "The edges attended over: input (the graph's edges: GAT) or input+random:alpha=A,seed=S (plus A "
-                  "random ones per node)")
+                  "The edges attended over: input (the graph's edges: GAT), input+random:alpha=A,seed=S (plus A "
+                  "random ones per node), input+oracle:seed=S (plus one to a node of the same class: a ceiling) or "
+                  "self (each node itself only: the features-only control)")
       ->capture_default_str();
   cmd->add_option("--attention", f->attention,
                   "Not given: attention over the --structure's edges; full (every pair), or sac:alpha=A,... (the "
                   "graph's edges plus the predictor's; options as in `attnkit mechanisms`)");
+  cmd->add_option("--init-from", f->init_from,
+                  "A node-classify run directory whose network weights (not an edge predictor's) start this run: "
+                  "SAC warm-started from a trained GAT");
   cmd->add_option("--epochs", f->epochs, "Full-graph optimiser steps at most")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--patience", f->patience, "Stop when the validation accuracy has not improved for this many epochs")
       ->check(CLI::PositiveNumber)->capture_default_str();

@@ -72,8 +72,15 @@ void ReaderImpl::reset() {
   document_rnn = rnn("document_rnn");
   query_rnn = o.shared_encoder() ? document_rnn : rnn("query_rnn");
   gate = nullptr;
-  if (o.readout() == Readout::gated)
+  TORCH_CHECK(!o.gate_bias() || o.readout() == Readout::gated, "Reader: option 'gate_bias' is for the gated "
+              "read-out, got read-out ", to_string(o.readout()));
+  if (o.readout() == Readout::gated) {
     gate = register_module("gate", nn::GatedLinearAttention(nn::GatedLinearAttentionOptions(k)));
+    if (o.gate_bias()) {
+      torch::NoGradGuard no_grad;
+      gate->gate->bias.fill_(*o.gate_bias());
+    }
+  }
   from_readout = register_module("from_readout", nn::Linear(k, k));
   from_query = register_module("from_query", nn::Linear(k, k));
   output = register_module("output", torch::nn::Embedding(o.vocab(), k));

@@ -80,6 +80,10 @@ struct ReaderOptions {
   /// that h_t and q start in the same space; the document's states still do
   /// not depend on the query. False: two GRUs, as in the paper.
   TORCH_ARG(bool, shared_encoder) = false;
+  /// gated only: the gate's bias b starts at this value in every component
+  /// (4: sigmoid = 0.98, so C starts near linear's H^T H rather than at about
+  /// a quarter of it); unset: the linear layer's own initialisation.
+  TORCH_ARG(c10::optional<double>, gate_bias) = c10::nullopt;
 };
 
 class ReaderImpl : public torch::nn::Cloneable<ReaderImpl> {

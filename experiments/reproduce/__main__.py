@@ -24,6 +24,9 @@ NAME:
                      clustered and improved-clustered attention with 15-90
                      clusters, and full, causal-linear, agglomerative and
                      local sparse attention; one replica (seed 1).
+  copy-long          section 2 again at L = 512 with 4x the steps: full and
+                     improved-clustered attention with 15 and 90 clusters,
+                     validation every 1000 steps; 2 replicas.
   approx-trained     section 3: a bidirectional character model (masked-char)
                      trained with full attention on KJV, evaluated with
                      clustered and improved-clustered attention swapped in
@@ -33,6 +36,13 @@ NAME:
                      re-run, and a model's training step (time and memory
                      per token) for every mechanism at contexts 512-16384;
                      one command at a time on one thread (an idle machine).
+  sac-controls       section 7 again with what sac-lm lacked: every
+                     mechanism with the convolution alone and with a learned
+                     position table (full also with relative positions), no
+                     attention and random edges as controls, SAC at alphas 2
+                     and 4 with both rewards, decoded by beam search and by
+                     sampling; section 3's swaps into the trained full
+                     models; 3 replicas (SAC's variants: 1).
   node-classify      section 8: node classification on the Debian package
                      graph (scripts/package-graph, written to --data, default
                      build/data/package-graph, when missing): attention over
@@ -41,6 +51,15 @@ NAME:
                      is `attnkit-experiments node-classify`, which writes its own
                      result.json; re-running skips finished runs and resumes
                      interrupted ones from their checkpoints.
+  cloze-long         section 4 again in the paper's regime: 320-word
+                     paragraphs read into k = 64 (n / k = 5), read-outs
+                     none, linear, gated, gated with its gate opened at the
+                     start (--gate-bias 4), softmax; 3 replicas. Each run is
+                     `attnkit-experiments cloze` with its own result.json.
+  node-controls      section 8 again with its controls: the features alone
+                     (each node attends to itself), the input graph plus one
+                     same-class edge per node (an oracle), plus random edges,
+                     and SAC warm-started from the trained GAT; 3 replicas.
   zoo-translate      the classic zoo: a recurrent encoder-decoder with each
                      score function (additive, general, dot, scaled dot,
                      location) and without attention, translating German
@@ -132,7 +151,9 @@ def main():
     command = "python3 experiments/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     exp["copy_runs"] = paths.directory(args.copy_runs, "build", "runs", "copy-clustered")
-    if hasattr(section, "main"):  # a course of its own (measurements, runs that write their own results)
+    if hasattr(section, "run_job"):  # runs that write their own result.json
+        return driver.own_result_main(section, args, attnkit, seeds, command)
+    if hasattr(section, "main"):  # a course of its own (measurements)
         return section.main(exp, args, attnkit, seeds, command)
     if args.smoke:
         return driver.smoke(section, args, attnkit, seeds, command)

@@ -1,8 +1,10 @@
 """The course of an experiment. A section whose runs are `attnkit train`
 then measurements of the trained model (sections 1, 2, 3, 6 and 7 of
 docs/EXPERIMENTS.md) goes through run() or smoke() here; a section with a
-course of its own (speed, node-classify) has a main() and uses the parts they
-share: twice() and verdict() of the smoke, publish() of the results.
+course of its own has a main() (speed) and uses the parts they share:
+twice() and verdict() of the smoke, publish() of the results; a section whose
+runs write their own result.json (node-classify, zoo-translate, cloze-long)
+has run_job(), data() and smoke_data() for own_result_main().
 
 Such a section is a module of sections/ with EXPERIMENT (its configuration),
 CORPUS (the corpus it trains on: a scripts/fetch-corpus name, True for kjv,
@@ -93,6 +95,39 @@ def selected(jobs, configurations):
     if unknown:
         sys.exit(f"reproduce: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return [j for j in jobs if j["config"] in names]
+
+
+def own_result_main(section, args, attnkit, seeds, command):
+    """The course of a section whose runs write their own RUN/result.json
+    (node-classify, zoo-translate, cloze-long): every run with the section's
+    run_job (runner.own_result_run), then RESULTS/NAME.json, the table and the
+    plot. The section's data(args) prepares or checks the data and returns its
+    directory; --smoke: its smoke_data(tmp, attnkit) gives the fixture's, tiny runs go
+    twice in a temporary directory, then its smoke_check."""
+    exp, name = section.EXPERIMENT, args.name
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
+            fixture = section.smoke_data(tmp, attnkit)
+            planned = section.jobs(exp, os.path.join(tmp, "runs"), fixture, attnkit, seeds[:1], smoke=True)
+            first, problems = twice(lambda: runner.run_all(planned, args.jobs, section.run_job),
+                                    lambda: section.collect(exp, planned, fixture, command),
+                                    [(j["label"], os.path.join(j["dir"], "result.json")) for j in planned],
+                                    section.smoke_check)
+            section.table(first)
+            section.plot(first, os.path.join(tmp, f"{name}.png"))
+            return verdict(problems)
+    out = paths.runs_directory(args)
+    results_dir = paths.results_directory(args)
+    directory = section.data(args)
+    planned = section.jobs(exp, out, directory, attnkit, seeds, smoke=False)
+    budget = f", budget {planned[0]['steps']} steps each" if "steps" in planned[0] else ""
+    print(f"reproduce {name}: {len(planned)} runs (seeds {seeds}){budget}, {args.jobs} at a time, runs in {out}",
+          flush=True)
+    print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
+    chosen = selected(planned, args.configurations)
+    ok = True if args.collect_only else runner.run_all(chosen, args.jobs, section.run_job)
+    publish(section.collect(exp, planned, directory, command), results_dir, name, section.table, section.plot)
+    return 0 if ok else 1
 
 
 def twice(execute, collect, watched, check):

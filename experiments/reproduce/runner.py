@@ -161,6 +161,36 @@ class Runner:
         return True
 
 
+def own_result_run(done, summary):
+    """run(runner, job) for a job whose command writes RUN/result.json itself
+    (attnkit-experiments cloze, node-classify, translate): skipped when
+    done(result, job) holds, resumed (--resume) when the directory holds a
+    checkpoint; summary(result) says what the run measured."""
+    def run(job_runner, job):
+        run_dir, label = job["dir"], job["label"]
+        result_path = os.path.join(run_dir, "result.json")
+        result = read_json(result_path)
+        if result is not None and done(result, job):
+            job_runner.say(f"{label}: finished ({summary(result)}), skipped")
+            return True
+        if job_runner.stop.is_set():
+            return False
+        os.makedirs(run_dir, exist_ok=True)
+        resumed = bool(checkpoints(run_dir))
+        budget = f" (budget {job['steps']} steps)" if "steps" in job else ""
+        job_runner.say(f"{label}: {'resuming' if resumed else 'starting'}{budget}")
+        rc = session(run_dir, "train", job["train"] + (["--resume"] if resumed else []), "train.log")
+        result = read_json(result_path)
+        if rc != 0 or result is None or not done(result, job):
+            tool = f"{os.path.basename(job['train'][0])} {job['train'][1]}"
+            job_runner.say(f"{label}: {tool} exited {rc} without a finished result; see "
+                           f"{os.path.join(run_dir, 'train.log')} (re-run to continue)")
+            return False
+        job_runner.say(f"{label}: {summary(result)}")
+        return True
+    return run
+
+
 def run_all(jobs, n_jobs, run=Runner.run):
     """Runs the jobs n_jobs at a time, each with run(runner, job) (default:
     train, then measure). Ctrl-C reaches the trainers too (one process

@@ -28,7 +28,7 @@ endfunction()
 # `kind_attention` (as result.json stores them) and `kind_line` (how the
 # program's first line names them).
 function(kind_of kind)
-  if(kind MATCHES "^input")
+  if(kind MATCHES "^input" OR kind STREQUAL "self")
     set(kind_flags --structure ${kind} PARENT_SCOPE)
     set(kind_structure "${kind}" PARENT_SCOPE)
     set(kind_attention "" PARENT_SCOPE)
@@ -140,7 +140,7 @@ endforeach()
 set(model --data ${data} --width 8 --heads 2 --epochs 4 --eval-every 2 --threads 1)
 set(record_keys step loss accuracy valid_loss valid_accuracy test_loss test_accuracy edges_per_node same_class
                 elapsed)
-foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,hidden=8)
+foreach(kind input full input+random:alpha=1 input+oracle:seed=1 self sac:alpha=1,variant=all-connected,hidden=8)
   string(MAKE_C_IDENTIFIER "${kind}" name)
   set(run ${OUT_DIR}/${name})
   kind_of(${kind})
@@ -206,6 +206,11 @@ foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,h
       message(FATAL_ERROR "input: the structure (${edges_per_node}, ${same_class}) is not the input graph's "
                           "(${input_epn}, ${input_same})")
     endif()
+  elseif(kind STREQUAL "self")
+    # Only self-edges: no pair of distinct nodes to be of one class.
+    if(NOT edges_per_node MATCHES "^1(\\.0*)?$" OR NOT same_class MATCHES "^0(\\.0*)?$")
+      message(FATAL_ERROR "self: edges_per_node ${edges_per_node}, same_class ${same_class}; expected 1 and 0")
+    endif()
   elseif(kind STREQUAL "full")
     string(REGEX MATCH "^0\\.([0-9][0-9][0-9][0-9][0-9][0-9])" digits "${same_class}")
     set(digits "${CMAKE_MATCH_1}")  # before the MATCHES below resets CMAKE_MATCH_1
@@ -218,6 +223,10 @@ foreach(kind input full input+random:alpha=1 sac:alpha=1,variant=all-connected,h
     math(EXPR at_most "${whole} + 1")
     if(NOT edges_per_node GREATER input_epn OR edges_per_node GREATER at_most)
       message(FATAL_ERROR "${kind}: edges_per_node ${edges_per_node}, expected in (${input_epn}, ${at_most}]")
+    endif()
+    # The oracle's edges join nodes of one class: more of the structure's pairs are.
+    if(kind MATCHES "^input\\+oracle" AND NOT same_class GREATER input_same)
+      message(FATAL_ERROR "${kind}: same_class ${same_class}, not above the input graph's ${input_same}")
     endif()
   endif()
 endforeach()
@@ -297,6 +306,39 @@ read_checkpoint(${OUT_DIR}/straight-input/checkpoint-00000004.ckpt)
 if(seed2 STREQUAL payload_digest)
   message(FATAL_ERROR "seeds 1 and 2 end with the same checkpoint payload")
 endif()
+
+# --- A warm start ----------------------------------------------------------------------
+# --init-from copies the network's weights of another run's newest checkpoint:
+# with a learning rate of 1e-12 the run's first evaluation is the source's last.
+run_ok(${CLI} node-classify --data ${data} --width 8 --heads 2 --epochs 2 --eval-every 2 --threads 1
+       --structure input --lr 1e-12 --init-from ${OUT_DIR}/input --out ${OUT_DIR}/warm)
+require_contains("${out}" "warm start: 8 tensors of the network from ${OUT_DIR}/input/checkpoint-00000004.ckpt (epoch 4)"
+                 "--init-from's output")
+read_metrics(${OUT_DIR}/input 2)
+list(GET records 1 source_last)
+read_metrics(${OUT_DIR}/warm 1)
+foreach(key valid_accuracy test_accuracy)
+  string(JSON va GET "${source_last}" ${key})
+  string(JSON vb GET "${records}" ${key})
+  if(NOT va STREQUAL vb)
+    message(FATAL_ERROR "--init-from: ${key} ${vb} after 2 epochs at lr 1e-12, the source ended at ${va}")
+  endif()
+endforeach()
+file(READ ${OUT_DIR}/warm/result.json warm_result)
+string(JSON warm_from GET "${warm_result}" settings init_from)
+if(NOT warm_from STREQUAL "${OUT_DIR}/input")
+  message(FATAL_ERROR "--init-from is not in the run's settings: ${warm_result}")
+endif()
+# SAC from a trained GAT: the predictor starts fresh, the network does not.
+run_ok(${CLI} node-classify --data ${data} --width 8 --heads 2 --epochs 2 --eval-every 2 --threads 1
+       --attention sac:alpha=1,variant=all-connected,hidden=8 --init-from ${OUT_DIR}/input --out ${OUT_DIR}/warm-sac)
+require_contains("${out}" "warm start: 8 tensors of the network" "SAC's warm start")
+run_refused_with("--init-from: ${OUT_DIR}/input has width 8, heads 2, layers 2; this run 16, 2, 2"
+                 ${CLI} node-classify --data ${data} --width 16 --heads 2 --epochs 2 --init-from ${OUT_DIR}/input
+                 --out ${OUT_DIR}/warm-refused)
+run_refused_with("${OUT_DIR}/absent"
+                 ${CLI} node-classify --data ${data} --width 8 --heads 2 --epochs 2 --init-from ${OUT_DIR}/absent
+                 --out ${OUT_DIR}/warm-refused)
 
 # --- Refusals: a non-zero exit, a clear message, nothing changed -------------------------
 set(run ${OUT_DIR}/input)

@@ -174,6 +174,26 @@ TEST(Reader, GradientsReachEveryParameter) {
   }
 }
 
+TEST(Reader, AnOpenedGateStartsNearTheLinearReadout) {
+  // gate_bias b with the gate's weights at zero: f = sigmoid(b) h, so the
+  // gated read-out is sigmoid(b)^2 times the linear one.
+  torch::manual_seed(9);
+  const int64_t V = 20, N = 2, n = 7;
+  Reader gated(ReaderOptions(V).embedding(6).hidden(5).readout(Readout::gated).gate_bias(4.0));
+  EXPECT_TRUE(gated->gate->gate->bias.eq(4.0).all().item<bool>());
+  torch::NoGradGuard no_grad;
+  gated->gate->gate->weight.zero_();
+  const auto [H, final] = gated->encode_document(torch::randint(0, V, {N, n}, torch::kInt64));
+  const auto q = torch::randn({N, 10});
+  const double s = 1 / (1 + std::exp(-4.0));
+  EXPECT_TRUE(torch::allclose(gated->read(H, final, q), s * s * linear_readout(H, q) / n, 1e-5, 1e-6));
+  // Without it, the layer's own initialisation (|b| <= 1 / sqrt(k)).
+  Reader plain(ReaderOptions(V).embedding(6).hidden(5).readout(Readout::gated));
+  EXPECT_LE(plain->gate->gate->bias.abs().max().item<double>(), 1 / std::sqrt(10.0));
+  expect_error([] { Reader(ReaderOptions(V).readout(Readout::linear).gate_bias(4.0)); },
+               {"'gate_bias' is for the gated read-out", "linear"});
+}
+
 TEST(Reader, RefusesBadInput) {
   expect_error([] { attnkit::experiments::readout_from_string("attention"); },
                {"unknown read-out 'attention'", "none, linear, gated or softmax"});

@@ -4,12 +4,9 @@ writes its own result.json and may stop early, so the train-then-measure
 course of the other sections does not fit: its own job and main()."""
 
 import os
-import shlex
 import subprocess
-import tempfile
 
 import checkpoints
-import driver
 import paths
 import plots
 import runner
@@ -72,33 +69,17 @@ def jobs(exp, out, data, attnkit, seeds, smoke):
         for name, kind, extra in exp["configurations"]:
             run_dir = os.path.join(out, name, f"seed-{seed}")
             argv = runner.attnkit_command(attnkit, "node-classify", [
-                "--data", data, *(flag.format(seed=seed) for flag in kind), *flags, *extra,
+                "--data", data, *(flag.format(seed=seed, out=out) for flag in kind), *flags, *extra,
                 "--seed", str(seed), "--threads", "1", "--out", run_dir])
             planned.append({"dir": run_dir, "train": argv, "seed": seed, "config": name,
                             "label": f"{name} seed {seed}"})
     return planned
 
 
-def run_job(job_runner, job):
-    """One run: skipped when its result.json exists, resumed when it has a checkpoint."""
-    run_dir, label = job["dir"], job["label"]
-    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
-    if result is not None:
-        job_runner.say(f"{label}: finished (test accuracy {result['test_accuracy']:.4f}), skipped")
-        return True
-    if job_runner.stop.is_set():
-        return False
-    os.makedirs(run_dir, exist_ok=True)
-    resumed = bool(checkpoints.checkpoints(run_dir))
-    job_runner.say(f"{label}: {'resuming' if resumed else 'starting'}")
-    rc = runner.session(run_dir, "train", job["train"] + (["--resume"] if resumed else []), "train.log")
-    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
-    if rc != 0 or result is None:
-        job_runner.say(f"{label}: attnkit-experiments node-classify exited {rc} without a result; see "
-                    f"{os.path.join(run_dir, 'train.log')} (re-run to continue)")
-        return False
-    job_runner.say(f"{label}: test accuracy {result['test_accuracy']:.4f} (best epoch {result['best']['epoch']})")
-    return True
+# One run: skipped when its result.json exists, resumed when it has a checkpoint.
+run_job = runner.own_result_run(
+    lambda result, job: True,
+    lambda result: f"test accuracy {result['test_accuracy']:.4f}, best epoch {result['best']['epoch']}")
 
 
 def collect(exp, jobs, data, command):
@@ -179,31 +160,15 @@ def smoke_check(first):
     return problems
 
 
-def main(exp, args, attnkit, seeds, command):
-    """Every run (skipped when finished, resumed from its checkpoint), then
-    RESULTS/node-classify.json; the package graph is made in --data when
-    missing. --smoke: the fixture's graph, tiny runs, twice."""
-    if args.smoke:
-        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
-            data = os.path.join(tmp, "data")
-            prepare(data, SMOKE_GRAPH)
-            planned = jobs(exp, os.path.join(tmp, "runs"), data, attnkit, seeds[:1], smoke=True)
-            first, problems = driver.twice(lambda: runner.run_all(planned, args.jobs, run_job),
-                                           lambda: collect(exp, planned, data, command),
-                                           [(j["label"], os.path.join(j["dir"], "result.json")) for j in planned],
-                                           smoke_check)
-            table(first)
-            plot(first, os.path.join(tmp, "node-classify.png"))
-            return driver.verdict(problems)
-    out = paths.runs_directory(args)
-    data = paths.directory(args.data, "build", "data", "package-graph")
-    results_dir = paths.results_directory(args)
-    prepare(data, [])
-    planned = jobs(exp, out, data, attnkit, seeds, smoke=False)
-    print(f"reproduce node-classify: {len(planned)} runs (seeds {seeds}), {args.jobs} at a time, runs in {out}",
-          flush=True)
-    print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
-    chosen = driver.selected(planned, args.configurations)
-    ok = True if args.collect_only else runner.run_all(chosen, args.jobs, run_job)
-    driver.publish(collect(exp, planned, data, command), results_dir, "node-classify", table, plot)
-    return 0 if ok else 1
+def data(args):
+    """The package graph in --data (default build/data/package-graph), made there when missing."""
+    directory = paths.directory(args.data, "build", "data", "package-graph")
+    prepare(directory, [])
+    return directory
+
+
+def smoke_data(tmp, attnkit):
+    """The fixture's graph, prepared in the smoke's directory."""
+    directory = os.path.join(tmp, "data")
+    prepare(directory, SMOKE_GRAPH)
+    return directory

@@ -10,11 +10,8 @@ character error rate, both by source length, and the attention weights of a
 few test entries), so this section has its own course, as node-classify."""
 
 import os
-import shlex
-import tempfile
 
 import checkpoints
-import driver
 import paths
 import plots
 import runner
@@ -65,27 +62,10 @@ def jobs(exp, out, data, attnkit, seeds, smoke):
     return planned
 
 
-def run_job(job_runner, job):
-    """One run: skipped when its result.json is at the full budget, resumed when it has a checkpoint."""
-    run_dir, label = job["dir"], job["label"]
-    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
-    if result is not None and result["step"] == job["steps"]:
-        job_runner.say(f"{label}: finished (test exact match {result['test']['exact']:.4f}), skipped")
-        return True
-    if job_runner.stop.is_set():
-        return False
-    os.makedirs(run_dir, exist_ok=True)
-    resumed = bool(checkpoints.checkpoints(run_dir))
-    job_runner.say(f"{label}: {'resuming' if resumed else 'starting'} (budget {job['steps']} steps)")
-    rc = runner.session(run_dir, "train", job["train"] + (["--resume"] if resumed else []), "train.log")
-    result = checkpoints.read_json(os.path.join(run_dir, "result.json"))
-    if rc != 0 or result is None or result["step"] != job["steps"]:
-        job_runner.say(f"{label}: attnkit-experiments translate exited {rc} without a result at step "
-                       f"{job['steps']}; see {os.path.join(run_dir, 'train.log')} (re-run to continue)")
-        return False
-    job_runner.say(f"{label}: test exact match {result['test']['exact']:.4f}, character error rate "
-                   f"{result['test']['cer']:.4f}")
-    return True
+# One run: skipped when its result.json is at the full budget, resumed when it has a checkpoint.
+run_job = runner.own_result_run(
+    lambda result, job: result["step"] == job["steps"],
+    lambda result: f"test exact match {result['test']['exact']:.4f}, character error rate {result['test']['cer']:.4f}")
 
 
 def valid_gain_last_fifth(curve):
@@ -233,29 +213,13 @@ def smoke_check(first):
     return problems
 
 
-def main(exp, args, attnkit, seeds, command):
-    """Every run (skipped when finished, resumed from its checkpoint), then
-    RESULTS/zoo-translate.json. --smoke: the number-words fixture, tiny runs, twice."""
-    if args.smoke:
-        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
-            planned = jobs(exp, os.path.join(tmp, "runs"), SMOKE_DATA, attnkit, seeds[:1], smoke=True)
-            first, problems = driver.twice(lambda: runner.run_all(planned, args.jobs, run_job),
-                                           lambda: collect(exp, planned, SMOKE_DATA, command),
-                                           [(j["label"], os.path.join(j["dir"], "result.json")) for j in planned],
-                                           smoke_check)
-            table(first)
-            plot(first, os.path.join(tmp, "zoo-translate.png"))
-            return driver.verdict(problems)
-    out = paths.runs_directory(args)
-    data = paths.directory(args.data, "build", "data", CORPUS)
-    if not os.path.exists(os.path.join(data, "meta.json")):
-        raise SystemExit(f"reproduce: no dictionary at {data} (scripts/fetch-corpus {CORPUS} --out {data})")
-    results_dir = paths.results_directory(args)
-    planned = jobs(exp, out, data, attnkit, seeds, smoke=False)
-    print(f"reproduce zoo-translate: {len(planned)} runs (seeds {seeds}), budget {planned[0]['steps']} steps each, "
-          f"{args.jobs} at a time, runs in {out}", flush=True)
-    print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
-    chosen = driver.selected(planned, args.configurations)
-    ok = True if args.collect_only else runner.run_all(chosen, args.jobs, run_job)
-    driver.publish(collect(exp, planned, data, command), results_dir, "zoo-translate", table, plot)
-    return 0 if ok else 1
+def data(args):
+    """The dictionary (scripts/fetch-corpus freedict-deu-eng): --data, default build/data/freedict-deu-eng."""
+    directory = paths.directory(args.data, "build", "data", CORPUS)
+    if not os.path.exists(os.path.join(directory, "meta.json")):
+        raise SystemExit(f"reproduce: no dictionary at {directory} (scripts/fetch-corpus {CORPUS} --out {directory})")
+    return directory
+
+
+def smoke_data(tmp, attnkit):
+    return SMOKE_DATA
