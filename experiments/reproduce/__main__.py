@@ -32,6 +32,9 @@ NAME:
                      clustered and improved-clustered attention swapped in
                      (10-100 clusters), and their distance to full attention
                      on the model's own queries and keys per layer.
+  lookup             section 4's lookup table: `attnkit bench-lookup` at
+                     n = 100 to 100,000 states, k = 100, 1-1024 lookups; one
+                     command at a time on one thread (an idle machine).
   speed              section 5: figure-clustered and figure-agglomerative
                      re-run, and a model's training step (time and memory
                      per token) for every mechanism at contexts 512-16384;
@@ -153,8 +156,8 @@ def main():
     exp["copy_runs"] = paths.directory(args.copy_runs, "build", "runs", "copy-clustered")
     if hasattr(section, "run_job"):  # runs that write their own result.json
         return driver.own_result_main(section, args, attnkit, seeds, command)
-    if hasattr(section, "main"):  # a course of its own (measurements)
-        return section.main(exp, args, attnkit, seeds, command)
+    if hasattr(section, "commands"):  # measurements, one at a time
+        return driver.measurements_main(section, args, attnkit, command)
     if args.smoke:
         return driver.smoke(section, args, attnkit, seeds, command)
     return driver.run(section, args, attnkit, seeds, command)

@@ -1,10 +1,11 @@
 """The course of an experiment. A section whose runs are `attnkit train`
 then measurements of the trained model (sections 1, 2, 3, 6 and 7 of
-docs/EXPERIMENTS.md) goes through run() or smoke() here; a section with a
-course of its own has a main() (speed) and uses the parts they share:
-twice() and verdict() of the smoke, publish() of the results; a section whose
-runs write their own result.json (node-classify, zoo-translate, cloze-long)
-has run_job(), data() and smoke_data() for own_result_main().
+docs/EXPERIMENTS.md) goes through run() or smoke() here; a section of
+measurements (speed, lookup) has commands() for measurements_main(); a
+section whose runs write their own result.json (node-classify, zoo-translate,
+cloze-long, node-controls) has run_job(), data() and smoke_data() for
+own_result_main(). They share twice() and verdict() of the smoke and
+publish() of the results.
 
 Such a section is a module of sections/ with EXPERIMENT (its configuration),
 CORPUS (the corpus it trains on: a scripts/fetch-corpus name, True for kjv,
@@ -95,6 +96,31 @@ def selected(jobs, configurations):
     if unknown:
         sys.exit(f"reproduce: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return [j for j in jobs if j["config"] in names]
+
+
+def measurements_main(section, args, attnkit, command):
+    """The course of a section of measurements rather than training runs
+    (speed, lookup): the section's commands(exp, out, attnkit, smoke) run one
+    at a time (one whose JSON is there is skipped), then RESULTS/NAME.json, the
+    table and the plot; --smoke: tiny sizes, twice, then its smoke_check."""
+    exp, name = section.EXPERIMENT, args.name
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
+            planned = section.commands(exp, tmp, attnkit, smoke=True)
+            first, problems = twice(lambda: runner.run_in_turn(planned, tmp),
+                                    lambda: section.collect(exp, planned, tmp, command),
+                                    [(path, path) for _, _, path in planned], section.smoke_check)
+            section.table(first)
+            section.plot(first, os.path.join(tmp, f"{name}.png"))
+            return verdict(problems)
+    out = paths.runs_directory(args)
+    results_dir = paths.results_directory(args)
+    planned = section.commands(exp, out, attnkit, smoke=False)
+    print(f"reproduce {name}: {len(planned)} measurements, one at a time on one thread, in {out}; "
+          f"nothing else should run (load now {runner.loadavg()})", flush=True)
+    ok = True if args.collect_only else runner.run_in_turn(planned, out)
+    publish(section.collect(exp, planned, out, command), results_dir, name, section.table, section.plot)
+    return 0 if ok else 1
 
 
 def own_result_main(section, args, attnkit, seeds, command):

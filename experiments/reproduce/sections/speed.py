@@ -3,11 +3,8 @@
 
 import os
 import shlex
-import tempfile
 
 import checkpoints
-import driver
-import paths
 import plots
 import runner
 
@@ -181,24 +178,3 @@ def smoke_check(first):
         problems.append("a step time is not positive")
     return problems
 
-
-def main(exp, args, attnkit, seeds, command):
-    """The measurements one at a time (a measurement whose JSON is there is
-    skipped), collected into RESULTS/speed.json; --smoke: tiny sizes twice."""
-    if args.smoke:
-        with tempfile.TemporaryDirectory(prefix="reproduce-smoke-") as tmp:
-            planned = commands(exp, tmp, attnkit, smoke=True)
-            first, problems = driver.twice(lambda: runner.run_in_turn(planned, tmp),
-                                           lambda: collect(exp, planned, tmp, command),
-                                           [(path, path) for _, _, path in planned], smoke_check)
-            table(first)
-            plot(first, os.path.join(tmp, "speed.png"))
-            return driver.verdict(problems)
-    out = paths.runs_directory(args)
-    results_dir = paths.results_directory(args)
-    planned = commands(exp, out, attnkit, smoke=False)
-    print(f"reproduce {args.name}: {len(planned)} measurements, one at a time on one thread, in {out}; "
-          f"nothing else should run (load now {runner.loadavg()})", flush=True)
-    ok = True if args.collect_only else runner.run_in_turn(planned, out)
-    driver.publish(collect(exp, planned, out, command), results_dir, args.name, table, plot)
-    return 0 if ok else 1
