@@ -89,6 +89,13 @@ def by_length_bins(rows):
     return out
 
 
+def rounded_weights(examples):
+    """The attention examples with their weights to 3 decimals (a heat map's
+    resolution; the run's result.json keeps them whole)."""
+    return [dict(e, weights=[[round(w, 3) for w in row] for row in e["weights"]]) if "weights" in e else e
+            for e in examples]
+
+
 def collect(exp, jobs, data, command):
     configs = []
     for score in exp["configurations"]:
@@ -104,16 +111,18 @@ def collect(exp, jobs, data, command):
                          "valid_exact": r["valid"]["exact"], "parameters": r["parameters"],
                          "by_length": by_length_bins(r["test_by_source_length"]), "curve": curve,
                          "valid_gain_last_fifth": valid_gain_last_fifth(curve),
-                         "attention_examples": r["attention_examples"], "train_seconds": r["train_seconds"],
+                         "attention_examples": rounded_weights(r["attention_examples"]),
+                         "train_seconds": r["train_seconds"],
                          "loadavg": r["session"]["loadavg_end"]})
         exact, exact_se = stats.mean_se([r["test_exact"] for r in runs])
         cer, cer_se = stats.mean_se([r["test_cer"] for r in runs])
         gains = [r["valid_gain_last_fifth"] for r in runs]
         bins = []
         for i, (lo, hi) in enumerate(LENGTH_BINS):
-            values = [r["by_length"][i]["exact"] for r in runs if r["by_length"][i]["exact"] is not None]
-            mean, se = stats.mean_se(values)
-            bins.append({"lo": lo, "hi": hi, "exact": mean, "exact_se": se,
+            mean, se = stats.mean_se([r["by_length"][i]["exact"] for r in runs if r["by_length"][i]["exact"] is not None])
+            bin_cer, bin_cer_se = stats.mean_se([r["by_length"][i]["cer"] for r in runs
+                                                 if r["by_length"][i]["cer"] is not None])
+            bins.append({"lo": lo, "hi": hi, "exact": mean, "exact_se": se, "cer": bin_cer, "cer_se": bin_cer_se,
                          "examples": runs[0]["by_length"][i]["examples"] if runs else 0})
         configs.append({"name": score, "n": len(runs), "runs": runs, "parameters": runs[0]["parameters"] if runs else None,
                         "test_exact": exact, "test_exact_se": exact_se, "test_cer": cer, "test_cer_se": cer_se,
@@ -142,16 +151,17 @@ def table(results):
                           for r in c["runs"])
         print(f"| {c['name']} | {c['parameters']} | {_pm(c['test_exact'], c['test_exact_se'])} ({c['n']}) | "
               f"{_pm(c['test_cer'], c['test_cer_se'])} | {gains} | {'yes' if c['flattened'] else 'no'} |")
-    print()
     configs = [c for c in results["configurations"] if c["runs"]]
     if not configs:
         return
     bins = configs[0]["by_length"]
-    print("| source length | test entries | " + " | ".join(c["name"] for c in configs) + " |")
-    print("|---|---:|" + "---|" * len(configs))
-    for i, b in enumerate(bins):
-        cells = " | ".join(_pm(c["by_length"][i]["exact"], c["by_length"][i]["exact_se"]) for c in configs)
-        print(f"| {b['lo']}-{b['hi']} | {b['examples']} | {cells} |")
+    for key, what in (("exact", "exact match %"), ("cer", "character error rate %")):
+        print()
+        print(f"| source length ({what}) | test entries | " + " | ".join(c["name"] for c in configs) + " |")
+        print("|---|---:|" + "---|" * len(configs))
+        for i, b in enumerate(bins):
+            cells = " | ".join(_pm(c["by_length"][i][key], c["by_length"][i][key + "_se"]) for c in configs)
+            print(f"| {b['lo']}-{b['hi']} | {b['examples']} | {cells} |")
 
 
 def heat_map_example(results):
