@@ -1,10 +1,8 @@
 // SAC attention: see include/attnkit/nn/sac.h.
 #include <attnkit/nn/sac.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <ostream>
 
 #include "base/checks.h"

@@ -131,7 +131,7 @@ TEST(MultiheadTest, MechanismNamesAreTheDocumentedList) {
                                       "improved-clustered",
                                       "sparse-full", "sparse-causal", "sparse-local", "sparse-local-causal",
                                       "sparse-segments", "sparse-segments-causal", "sparse-bp-tree",
-                                      "sparse-star", "sparse-strided", "sac", "none"}));
+                                      "sparse-star", "sparse-strided", "sparse-random", "sac", "none"}));
 }
 
 /// `name` with small settings for every option it has (clusters, topk,

@@ -712,6 +712,7 @@ def _mechanism_options(name):
     return {"clustered": {"clusters": 3, "seed": 2}, "improved-clustered": {"clusters": 2, "topk": 3, "seed": 1},
             "sparse-local": {"span": 2}, "sparse-local-causal": {"span": 2}, "sparse-segments": {"segment": 3},
             "sparse-segments-causal": {"segment": 3}, "sparse-strided": {"stride": 2},
+            "sparse-random": {"edges": 2},
             "linear": {"feature_map": "identity", "normalize": False}, "sac": {"seed": 3}}.get(name, {})
 
 
@@ -754,6 +755,7 @@ def _gated_linear_closed_form(q, k, v):
     ("sparse-segments", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("segments", 7, 3))),
     ("sparse-segments-causal", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("segments-causal", 7, 3))),
     ("sparse-strided", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("strided", 7, 2))),
+    ("sparse-random", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("random", 7, 2))),
     ("sparse-bp-tree", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("bp-tree", 4))),
     ("sparse-star", lambda q, k, v: ops.sparse_attention(q, k, v, *ops.edge_pattern("star", 6))),
 ])
