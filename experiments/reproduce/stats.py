@@ -39,3 +39,24 @@ def wall_seconds(sessions):
 def per_seed(values, scale=100, digits=1):
     """'a / b / c' for several seeds, 'a' for one, '' for none."""
     return " / ".join(f"{scale * v:.{digits}f}" for v in values or [])
+
+
+def paired_differences(by_name, pairs, key):
+    """Same-seed differences of a run metric KEY, A minus B, for each (A, B)
+    of PAIRS whose configurations (BY_NAME: name -> {"runs": [{"seed", KEY}]})
+    have finished runs of a common seed: runs of one seed see the same data in
+    the same order, so the difference cancels what the data order adds to each
+    run's spread. [{a, b, seeds, differences, mean, se}]."""
+    out = []
+    for a, b in pairs:
+        if a not in by_name or b not in by_name:
+            continue
+        first = {r["seed"]: r[key] for r in by_name[a]["runs"]}
+        second = {r["seed"]: r[key] for r in by_name[b]["runs"]}
+        seeds = sorted(set(first) & set(second))
+        if not seeds:
+            continue
+        differences = [first[s] - second[s] for s in seeds]
+        mean, se = mean_se(differences)
+        out.append({"a": a, "b": b, "seeds": seeds, "differences": differences, "mean": mean, "se": se})
+    return out

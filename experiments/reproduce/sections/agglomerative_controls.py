@@ -92,7 +92,7 @@ def collect(exp, jobs, data, command):
         c["gap_to_none"] = (control["test_bpc_mean"] - c["test_bpc_mean"]
                             if control and control["n"] and c["n"] else None)
     results["flat_bpc"] = FLAT_BPC
-    results["paired"] = paired_differences(by_name)
+    results["paired"] = stats.paired_differences(by_name, PAIRS, "test_bpc")
     return results
 
 
@@ -104,24 +104,6 @@ def collect(exp, jobs, data, command):
 PAIRS = [("agglomerative-conv", "full-conv"), ("none-conv", "full-conv"), ("none-conv", "agglomerative-conv"),
          ("agglomerative-sinusoidal", "full-sinusoidal"), ("none-sinusoidal", "full-sinusoidal"),
          ("none-sinusoidal", "agglomerative-sinusoidal")]
-
-
-def paired_differences(by_name):
-    """For each pair of PAIRS whose both configurations have finished runs of
-    a common seed: the per-seed test-bpc differences and their mean ± s.e."""
-    out = []
-    for a, b in PAIRS:
-        if a not in by_name or b not in by_name:
-            continue
-        first = {r["seed"]: r["test_bpc"] for r in by_name[a]["runs"]}
-        second = {r["seed"]: r["test_bpc"] for r in by_name[b]["runs"]}
-        seeds = sorted(set(first) & set(second))
-        if not seeds:
-            continue
-        differences = [first[s] - second[s] for s in seeds]
-        mean, se = stats.mean_se(differences)
-        out.append({"a": a, "b": b, "seeds": seeds, "differences": differences, "mean": mean, "se": se})
-    return out
 
 
 def table(results):

@@ -123,27 +123,13 @@ def collect(exp, jobs, data, command):
             "k": 2 * int(runner.flag_value(flags, "--hidden")),
             "steps": int(runner.flag_value(flags, "--steps")), "seeds": sorted({j["seed"] for j in jobs}),
             "flat_accuracy": FLAT_ACCURACY, "baselines": baselines, "configurations": configs,
-            "paired": paired_differences({c["name"]: c for c in configs})}
+            "paired": stats.paired_differences({c["name"]: c for c in configs}, PAIRS, "test_accuracy")}
 
 
 # Same-seed differences of test accuracy, A minus B (the same examples in the
 # same order and the same initial weights where the models share them).
 PAIRS = [("linear", "none"), ("gated", "linear"), ("gated-open", "linear"), ("gated-open", "gated"),
          ("softmax", "linear")]
-
-
-def paired_differences(by_name):
-    out = []
-    for a, b in PAIRS:
-        first = {r["seed"]: r["test_accuracy"] for r in by_name[a]["runs"]}
-        second = {r["seed"]: r["test_accuracy"] for r in by_name[b]["runs"]}
-        seeds = sorted(set(first) & set(second))
-        if not seeds:
-            continue
-        differences = [first[s] - second[s] for s in seeds]
-        mean, se = stats.mean_se(differences)
-        out.append({"a": a, "b": b, "seeds": seeds, "differences": differences, "mean": mean, "se": se})
-    return out
 
 
 def percent(value, se=None):

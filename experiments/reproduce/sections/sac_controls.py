@@ -112,7 +112,7 @@ def collect(exp, jobs, data, command):
             c["swapped"][name] = {"n": len(values), "test_bpc_mean": mean, "test_bpc_se": se}
     by_name = {c["name"]: c for c in results["configurations"]}
     results["flat_bpc"] = FLAT_BPC
-    results["paired"] = paired_differences(by_name, pairs(exp))
+    results["paired"] = stats.paired_differences(by_name, pairs(exp), "test_bpc")
     return results
 
 
@@ -126,24 +126,6 @@ def pairs(exp):
     out += [(n, "full-learned") for n in names if n.endswith("-learned") and n != "full-learned"]
     out += [(n, "none-learned") for n in names if n.endswith("-learned") and n not in ("none-learned", "full-learned")]
     out += [("full-relative", "full-learned"), (SAC_MAIN, "random-learned"), ("sac-a4-edge-learned", "sac-a4-edge-conv")]
-    return out
-
-
-def paired_differences(by_name, wanted):
-    """Per-seed test-bpc differences (A minus B: positive means A is worse)
-    for each pair with finished runs of a common seed, with their mean ± s.e."""
-    out = []
-    for a, b in wanted:
-        if a not in by_name or b not in by_name:
-            continue
-        first = {r["seed"]: r["test_bpc"] for r in by_name[a]["runs"]}
-        second = {r["seed"]: r["test_bpc"] for r in by_name[b]["runs"]}
-        seeds = sorted(set(first) & set(second))
-        if not seeds:
-            continue
-        differences = [first[s] - second[s] for s in seeds]
-        mean, se = stats.mean_se(differences)
-        out.append({"a": a, "b": b, "seeds": seeds, "differences": differences, "mean": mean, "se": se})
     return out
 
 
