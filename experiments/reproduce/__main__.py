@@ -4,6 +4,7 @@
     python3 experiments/reproduce NAME [--smoke] [--out DIR] [--data DIR] [--jobs N]
                                        [--replicas 1,2,3] [--results DIR] [--attnkit PATH]
                                        [--configurations A,B] [--collect-only] [--copy-runs DIR]
+                                       [--records DIR]
 
 NAME:
   agglomerative-lm   section 1: full vs agglomerative attention x sinusoidal
@@ -79,6 +80,12 @@ continued); a run with its test result (test.json) at the full budget is
 skipped. So re-running the command continues where it stopped (Ctrl-C makes
 the trainers checkpoint and exit). Runs go N at a time (--jobs, default 2),
 each on one thread, replica 1 of every configuration first.
+A finished run leaves a record in experiments/records/NAME (--records): its
+measurements, its metric logs and its last checkpoint's header, committed
+with the results, so that a new checkout or machine neither loses it nor runs
+it again: a run directory that is missing or empty is first filled from its
+record (checkpoints and text logs are not kept, so a recorded run cannot be
+continued to a larger budget).
 --configurations A,B runs only those configurations (say, the controls
 first when the budget is short); the results collect every finished run.
 
@@ -128,6 +135,8 @@ def main():
                         "attnkit-experiments is taken from the same directory")
     parser.add_argument("--configurations", help="run only these configurations (comma-separated names); the "
                         "results still collect every finished run")
+    parser.add_argument("--records", help="the finished runs' records, restored into missing run directories and "
+                        "written for every finished run (default experiments/records/NAME)")
     parser.add_argument("--collect-only", action="store_true",
                         help="run nothing: collect the finished runs into RESULTS/NAME.json and the plot")
     parser.add_argument("--copy-runs", help="approx-trained: copy-clustered's run directories, whose full-attention "

@@ -31,8 +31,15 @@ def checkpoint_header(path):
 
 
 def latest_header(run_dir):
-    """The header of the run's newest checkpoint."""
-    return checkpoint_header(checkpoints(run_dir)[-1])
+    """The header of the run's newest checkpoint; in a run restored from its
+    record (records.py), which has no checkpoint, the header.json kept from it."""
+    files = checkpoints(run_dir)
+    if files:
+        return checkpoint_header(files[-1])
+    kept = read_json(os.path.join(run_dir, "header.json"))
+    if kept is None:
+        raise RuntimeError(f"{run_dir}: no checkpoint and no header.json")
+    return kept
 
 
 def trainer_options(header):

@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 import paths
+import records
 import runner
 
 
@@ -46,7 +47,8 @@ def run(section, args, attnkit, seeds, command):
     print(f"reproduce {args.name}: {len(chosen)} runs (seeds {seeds}), budget {jobs[0]['steps']} steps each, "
           f"{args.jobs} at a time, runs in {out}", flush=True)
     print("the first run's command:", shlex.join(chosen[0]["train"]), flush=True)
-    ok = True if args.collect_only else runner.run_all(chosen, args.jobs)
+    ok = with_records(args, out, jobs, lambda job: runner.finished(job) is not None,
+                      lambda: True if args.collect_only else runner.run_all(chosen, args.jobs))
     publish(section.collect(exp, jobs, data, command), results_dir, args.name, section.table, section.plot)
     return 0 if ok else 1
 
@@ -151,9 +153,28 @@ def own_result_main(section, args, attnkit, seeds, command):
           flush=True)
     print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
     chosen = selected(planned, args.configurations)
-    ok = True if args.collect_only else runner.run_all(chosen, args.jobs, section.run_job)
+    ok = with_records(args, out, planned, section.run_job.is_finished,
+                      lambda: True if args.collect_only else runner.run_all(chosen, args.jobs, section.run_job))
     publish(section.collect(exp, planned, directory, command), results_dir, name, section.table, section.plot)
     return 0 if ok else 1
+
+
+def with_records(args, out, jobs, is_finished, execute):
+    """execute() between the records' two steps (records.py): first every
+    job's record that its run directory lacks is restored, then the record of
+    every finished run is written (RECORDS: --records, default
+    experiments/records/NAME). Returns execute()'s result; the records are
+    written even when a run failed or Ctrl-C stopped them."""
+    kept = paths.records_directory(args)
+    restored = records.restore(kept, out, jobs)
+    if restored:
+        print(f"restored from {kept}: {', '.join(restored)}", flush=True)
+    try:
+        return execute()
+    finally:
+        saved = records.save(kept, out, jobs, is_finished)
+        if saved:
+            print(f"recorded in {kept}: {', '.join(saved)}", flush=True)
 
 
 def twice(execute, collect, watched, check):

@@ -19,3 +19,8 @@ def results_directory(args):
 def runs_directory(args):
     """The run directories: --out, default build/runs/NAME."""
     return directory(args.out, "build", "runs", args.name)
+
+
+def records_directory(args):
+    """The records of the finished runs (records.py): --records, default experiments/records/NAME."""
+    return directory(args.records, "experiments", "records", args.name)

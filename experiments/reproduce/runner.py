@@ -165,12 +165,17 @@ def own_result_run(done, summary):
     """run(runner, job) for a job whose command writes RUN/result.json itself
     (attnkit-experiments cloze, node-classify, translate): skipped when
     done(result, job) holds, resumed (--resume) when the directory holds a
-    checkpoint; summary(result) says what the run measured."""
+    checkpoint; summary(result) says what the run measured. Its attribute
+    is_finished(job) is that skip rule."""
+    def is_finished(job):
+        result = read_json(os.path.join(job["dir"], "result.json"))
+        return result is not None and done(result, job)
+
     def run(job_runner, job):
         run_dir, label = job["dir"], job["label"]
         result_path = os.path.join(run_dir, "result.json")
         result = read_json(result_path)
-        if result is not None and done(result, job):
+        if is_finished(job):
             job_runner.say(f"{label}: finished ({summary(result)}), skipped")
             return True
         if job_runner.stop.is_set():
@@ -188,6 +193,7 @@ def own_result_run(done, summary):
             return False
         job_runner.say(f"{label}: {summary(result)}")
         return True
+    run.is_finished = is_finished  # the records' test (records.save)
     return run
 
 

@@ -118,6 +118,45 @@ class Checkpoints(unittest.TestCase):
     def test_trainer_options_as_a_json_string(self):
         self.assertEqual(checkpoints.trainer_options({"trainer": '{"batch": 5}'}), {"batch": 5})
 
+    def test_record_round_trip(self):
+        """A finished run's record (records.py) brings it back into an empty
+        run directory: skipped as finished, the same measurements, metric
+        logs and header, no checkpoint; an unfinished run has no record, and
+        a directory that holds anything is not overwritten."""
+        import shutil
+        import records
+        with tempfile.TemporaryDirectory() as tmp:
+            out, kept = os.path.join(tmp, "out"), os.path.join(tmp, "records")
+            done = runner.replica(CLI, os.path.join(out, "a", "seed-7"), [], 7, self.STEPS, label="a")
+            undone = runner.replica(CLI, os.path.join(out, "b", "seed-7"), [], 7, self.STEPS, label="b")
+            shutil.copytree(self.run_dir, done["dir"])
+            shutil.copytree(self.run_dir, undone["dir"])  # trained, never measured
+            run(done["eval"])
+            is_finished = lambda job: runner.finished(job) is not None  # noqa: E731
+            self.assertEqual(records.save(kept, out, [done, undone], is_finished), ["a"])
+            self.assertEqual(records.save(kept, out, [done, undone], is_finished), [])  # nothing new
+            self.assertEqual(sorted(os.listdir(os.path.join(kept, "a", "seed-7"))),
+                             ["header.json", "metrics.jsonl", "test.json"])
+            self.assertFalse(os.path.exists(os.path.join(kept, "b")))
+
+            again = os.path.join(tmp, "again")
+            moved = [dict(j, dir=os.path.join(again, os.path.relpath(j["dir"], out))) for j in (done, undone)]
+            self.assertEqual(records.restore(kept, again, moved), ["a"])
+            self.assertEqual(runner.finished(moved[0]), runner.finished(done))
+            self.assertEqual(checkpoints.latest_header(moved[0]["dir"]), checkpoints.latest_header(done["dir"]))
+            self.assertEqual(checkpoints.read_jsonl(os.path.join(moved[0]["dir"], "metrics.jsonl")),
+                             checkpoints.read_jsonl(os.path.join(done["dir"], "metrics.jsonl")))
+            self.assertEqual(checkpoints.checkpoints(moved[0]["dir"]), [])
+            self.assertFalse(os.path.exists(moved[1]["dir"]))
+
+            os.remove(os.path.join(moved[0]["dir"], "test.json"))  # a directory with anything in it stays
+            self.assertEqual(records.restore(kept, again, moved), [])
+            self.assertIsNone(runner.finished(moved[0]))
+            with self.assertRaisesRegex(RuntimeError, "no checkpoint and no header.json"):
+                checkpoints.latest_header(tmp)
+            with self.assertRaisesRegex(ValueError, "not below"):
+                records.record_dir(kept, out, {"dir": tmp})
+
     def test_refuses_other_files(self):
         with tempfile.TemporaryDirectory() as tmp:
             for name, data in (("short.ckpt", b"ATNKCKPT\x01"), ("other.ckpt", b"NOTACKPT" + bytes(40))):
