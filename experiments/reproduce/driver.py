@@ -48,7 +48,7 @@ def run(section, args, attnkit, seeds, command):
           f"{args.jobs} at a time, runs in {out}", flush=True)
     print("the first run's command:", shlex.join(chosen[0]["train"]), flush=True)
     ok = with_records(args, out, jobs, lambda job: runner.finished(job) is not None,
-                      lambda: True if args.collect_only else runner.run_all(chosen, args.jobs))
+                      lambda after: True if args.collect_only else runner.run_all(chosen, args.jobs, after=after))
     publish(section.collect(exp, jobs, data, command), results_dir, args.name, section.table, section.plot)
     return 0 if ok else 1
 
@@ -154,23 +154,30 @@ def own_result_main(section, args, attnkit, seeds, command):
     print("the first run's command:", shlex.join(planned[0]["train"]), flush=True)
     chosen = selected(planned, args.configurations)
     ok = with_records(args, out, planned, section.run_job.is_finished,
-                      lambda: True if args.collect_only else runner.run_all(chosen, args.jobs, section.run_job))
+                      lambda after: True if args.collect_only else runner.run_all(chosen, args.jobs, section.run_job,
+                                                                                  after=after))
     publish(section.collect(exp, planned, directory, command), results_dir, name, section.table, section.plot)
     return 0 if ok else 1
 
 
 def with_records(args, out, jobs, is_finished, execute):
-    """execute() between the records' two steps (records.py): first every
-    job's record that its run directory lacks is restored, then the record of
-    every finished run is written (RECORDS: --records, default
-    experiments/records/NAME). Returns execute()'s result; the records are
-    written even when a run failed or Ctrl-C stopped them."""
+    """execute(after) between the records' steps (records.py): first every
+    job's record that its run directory lacks is restored; execute calls
+    after(job) as each run ends, which writes its record when it finished, so
+    that a session killed later keeps it; at the end every finished run's
+    record is written again (unchanged files are left alone), also after a
+    failure or Ctrl-C. RECORDS: --records, default experiments/records/NAME.
+    Returns execute()'s result."""
     kept = paths.records_directory(args)
     restored = records.restore(kept, out, jobs)
     if restored:
         print(f"restored from {kept}: {', '.join(restored)}", flush=True)
+
+    def after(job):
+        if records.save(kept, out, [job], is_finished):
+            print(f"{job['label']}: recorded in {kept}", flush=True)
     try:
-        return execute()
+        return execute(after)
     finally:
         saved = records.save(kept, out, jobs, is_finished)
         if saved:

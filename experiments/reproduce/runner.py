@@ -197,10 +197,11 @@ def own_result_run(done, summary):
     return run
 
 
-def run_all(jobs, n_jobs, run=Runner.run):
+def run_all(jobs, n_jobs, run=Runner.run, after=None):
     """Runs the jobs n_jobs at a time, each with run(runner, job) (default:
-    train, then measure). Ctrl-C reaches the trainers too (one process
-    group): they checkpoint and exit, and no further run starts."""
+    train, then measure), then after(job) when given (the job's record).
+    Ctrl-C reaches the trainers too (one process group): they checkpoint and
+    exit, and no further run starts."""
     stop = threading.Event()
 
     def on_sigint(signum, frame):
@@ -212,7 +213,12 @@ def run_all(jobs, n_jobs, run=Runner.run):
     try:
         runner = Runner(threading.Lock(), stop)
         with concurrent.futures.ThreadPoolExecutor(max_workers=n_jobs) as pool:
-            ok = all(list(pool.map(lambda job: run(runner, job), jobs)))
+            def one(job):
+                ok = run(runner, job)
+                if after is not None:
+                    after(job)
+                return ok
+            ok = all(list(pool.map(one, jobs)))
     finally:
         signal.signal(signal.SIGINT, previous)
     if stop.is_set():

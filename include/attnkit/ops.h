@@ -52,6 +52,38 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
                                     const SoftmaxAttentionFuncOptions& options = {});
 
 // ----------------------------------------------------------------------------
+// torch 2's scaled_dot_product_attention, for torch 1.13 users: the function
+// documented for torch 2.5 (torch.nn.functional.scaled_dot_product_attention),
+// computed by softmax_attention above. docs/API.md, "scaled_dot_product_attention".
+//
+//   query (..., Hq, L, E), key (..., Hk, S, E), value (..., Hv, S, Ev)
+//   -> (..., Hq, L, Ev); any rank >= 2, the batch dimensions broadcast.
+// Where it differs from our own ops: `is_causal` is top-left aligned (query i
+// sees key j iff j <= i), which equals our `causal` only when L == S; a
+// boolean mask marks the keys that take part (True), a floating one is added
+// to the scores. Our rule for a row with nothing visible holds: zeros and
+// zero gradients (torch's math backend gives NaN there).
+// ----------------------------------------------------------------------------
+struct ScaledDotProductAttentionFuncOptions {
+  /// Boolean (True: takes part) or floating (added; the query's dtype),
+  /// broadcastable to (..., Hq, L, S). Undefined: none.
+  TORCH_ARG(torch::Tensor, attn_mask) = {};
+  /// Only 0 for now: a positive value is refused (there is no attention
+  /// dropout in our kernels yet).
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Query i sees key j iff j <= i (top-left aligned); not with attn_mask.
+  TORCH_ARG(bool, is_causal) = false;
+  /// Multiplies q k^T. Unset means 1 / sqrt(E).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Query head h reads key head h / (Hq / Hk) and value head h / (Hq / Hv)
+  /// (grouped-query attention); Hk and Hv must divide Hq.
+  TORCH_ARG(bool, enable_gqa) = false;
+};
+torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value,
+                                           const ScaledDotProductAttentionFuncOptions& options = {});
+
+// ----------------------------------------------------------------------------
 // Linear attention (the cheap-linear-attention paper and its feature-map
 // generalisation; docs/MATH.md, "Linear attention"):
 //   out_l = phi(q_l)^T S / (phi(q_l) . z + eps)   (the division when normalize)

@@ -5,6 +5,7 @@
 
       import attnkit
       out = attnkit.softmax_attention(q, k, v, causal=True)
+      out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch 2's API
 
 * modules: ``attnkit.nn`` (MultiheadAttention with any mechanism, the zoo,
   Linear, the agglomerative and linear layers, DocumentMemory, one class per
@@ -36,7 +37,7 @@ if machine_isa() == "below baseline":
                       "(x86-64-v2: SSE4.2, SSSE3, POPCNT, CMPXCHG16B)")
 
 __all__ = [
-    "softmax_attention", "linear_attention", "gated_linear_attention",
+    "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
     "edge_pattern", "linear", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
@@ -50,5 +51,29 @@ clustered_attention = torch.ops.attnkit.clustered_attention
 sparse_attention = torch.ops.attnkit.sparse_attention
 edge_pattern = torch.ops.attnkit.edge_pattern
 linear = torch.ops.attnkit.linear
+
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                 scale=None, enable_gqa=False):
+    """torch 2's ``torch.nn.functional.scaled_dot_product_attention`` (as
+    documented for torch 2.5) over attnkit's exact kernel, for torch 1.13:
+    ``softmax(query key^T * scale + mask) value`` over ``(..., L, E)`` queries
+    and ``(..., S, E)`` keys, batch dimensions broadcast.
+
+    * ``attn_mask``: boolean (True: takes part) or of the query's dtype
+      (added to the scores), broadcastable to ``(..., L, S)``;
+    * ``is_causal``: query i sees key j iff j <= i (top-left aligned, unlike
+      ``softmax_attention(causal=True)`` when L != S); not with ``attn_mask``;
+    * ``scale``: default ``1 / sqrt(E)``;
+    * ``enable_gqa``: query head h reads key and value head ``h // (Hq // Hk)``;
+    * ``dropout_p``: only 0.0 (refused otherwise: no attention dropout yet).
+
+    A query row with no visible key gives zeros and zero gradients (torch's
+    math backend gives NaN there). docs/API.md says what each argument costs.
+    """
+    return torch.ops.attnkit.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                          scale=scale, enable_gqa=enable_gqa)
+
 
 from . import nn, models  # noqa: E402  (they need the library loaded above)

@@ -130,7 +130,7 @@ void TransformerImpl::predict_structures(const torch::Tensor& x) {
 }
 
 torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens, bool source, int64_t offset) {
-  const int64_t N = tokens.size(0), L = tokens.size(1), d = options_.width();
+  const int64_t N = tokens.size(0), d = options_.width();
   auto& table = source && source_embedding_ ? source_embedding_ : embedding_;
   auto x = table(tokens) * std::sqrt(double(d));
   if (conv_) {

@@ -23,6 +23,18 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .bias(bias.value_or(torch::Tensor())));
 }
 
+torch::Tensor scaled_dot_product_attention_op(const torch::Tensor& query, const torch::Tensor& key,
+                                              const torch::Tensor& value,
+                                              const c10::optional<torch::Tensor>& attn_mask, double dropout_p,
+                                              bool is_causal, c10::optional<double> scale, bool enable_gqa) {
+  return scaled_dot_product_attention(query, key, value, ScaledDotProductAttentionFuncOptions()
+                                                             .attn_mask(attn_mask.value_or(torch::Tensor()))
+                                                             .dropout_p(dropout_p)
+                                                             .is_causal(is_causal)
+                                                             .scale(scale)
+                                                             .enable_gqa(enable_gqa));
+}
+
 torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, c10::string_view feature_map,
                                   bool normalize, bool causal, double eps) {
@@ -88,6 +100,10 @@ TORCH_LIBRARY(attnkit, m) {
   m.def("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
         "Tensor? key_lengths=None, Tensor? bias=None) -> Tensor",
         &softmax_attention_op);
+  // torch 2.5's schema of torch.nn.functional.scaled_dot_product_attention.
+  m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+        "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",
+        &scaled_dot_product_attention_op);
   // The schemas' defaults are the *FuncOptions' (ops.h), written once there.
   const LinearAttentionFuncOptions lin;
   m.def(("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='" + to_string(lin.feature_map()) +

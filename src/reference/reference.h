@@ -23,6 +23,12 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
                                 torch::Tensor* weights = nullptr);
 
+/// torch 2.5's documented scaled_dot_product_attention (its "equivalent to"
+/// code, step by step), with our rule for rows with nothing visible (zeros).
+torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value,
+                                           const ScaledDotProductAttentionFuncOptions& o);
+
 /// "Linear attention": quadratic masked form when causal (obviously correct, O(L S)).
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const LinearAttentionFuncOptions& o);

@@ -179,6 +179,16 @@ def _op_cases():
     add("sparse L=1 strided", lambda q, k, v: ops.sparse_attention(T(q), T(k), T(v), o1, c1),
         transposed(1, 2, 1, 3), transposed(1, 2, 1, 3), transposed(1, 2, 1, 2))
 
+    # scaled_dot_product_attention (torch 2's API): a float mask with its
+    # gradient, is_causal with L != S (top-left), grouped-query heads, 3-D inputs
+    sdpa = ops.scaled_dot_product_attention
+    add("sdpa float mask scale", lambda q, k, v, m: sdpa(q, k, v, m, scale=0.8),
+        leaf(1, 2, 3, 4), leaf(1, 2, 5, 4), leaf(1, 2, 5, 2), leaf(3, 5))
+    add("sdpa is_causal L<S gqa", lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+        leaf(1, 4, 3, 4), leaf(1, 2, 5, 4), leaf(1, 1, 5, 2))
+    add("sdpa 3-D is_causal L>S strided", lambda q, k, v: sdpa(T(q), T(k), T(v), is_causal=True),
+        transposed(2, 5, 3), transposed(2, 3, 3), transposed(2, 3, 2))
+
     # linear
     add("linear-op 2d", lambda x, w, b: ops.linear(x, w, b), leaf(3, 5), leaf(4, 5), leaf(4))
     add("linear-op 3d no bias", lambda x, w: ops.linear(x, w), leaf(2, 3, 5), leaf(1, 5))
@@ -196,7 +206,7 @@ def test_op_gradcheck_float64(fn, inputs):
 
 def test_gradcheck_covers_every_op():
     """A new op must get cases above: the list of ops is closed."""
-    tested = {"softmax_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
+    tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
               "clustered_attention", "sparse_attention", "linear"}
     untensored = {"edge_pattern", "isa", "isa_description", "machine_isa", "set_max_isa"}
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored

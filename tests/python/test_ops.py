@@ -194,6 +194,54 @@ class LinearTest(unittest.TestCase):
             torch.ops.attnkit.linear(torch.randn(3, 6), torch.randn(4, 5))
 
 
+class ScaledDotProductAttentionTest(unittest.TestCase):
+    """attnkit.scaled_dot_product_attention from Python. Its conformance to
+    torch 2.5's documentation is tested in C++ (tests/ops/
+    scaled_dot_product_attention_test.cpp); here: the signature, and
+    agreement with torch 1.13's private _scaled_dot_product_attention, whose
+    arguments are a subset (a boolean mask, is_causal; no scale, no GQA)."""
+
+    def test_agrees_with_torch_1_13_private_function(self):
+        private = torch.nn.functional._scaled_dot_product_attention
+        torch.manual_seed(1)
+        for shape_q, shape_k, causal, mask_shape in (
+                ((2, 3, 5, 8), (2, 3, 7, 8), False, None),
+                ((2, 3, 5, 8), (2, 3, 7, 8), True, None),    # L < S: top-left, unlike our causal
+                ((2, 3, 7, 8), (2, 3, 4, 8), True, None),    # L > S
+                ((2, 3, 6, 8), (2, 3, 6, 8), True, None),
+                ((4, 5, 8), (4, 7, 8), False, (5, 7)),       # 3-D, a boolean (L, S) mask
+                ((2, 3, 5, 8), (2, 3, 7, 8), False, (2, 3, 5, 7))):
+            with self.subTest(q=shape_q, k=shape_k, causal=causal, mask=mask_shape):
+                q, k = torch.randn(shape_q, dtype=torch.double), torch.randn(shape_k, dtype=torch.double)
+                v = torch.randn(shape_k[:-1] + (3,), dtype=torch.double)
+                mask = None
+                if mask_shape:
+                    mask = torch.rand(mask_shape) < 0.7
+                    mask[..., 0] = True  # torch 1.13 gives NaN on a row with nothing visible, we give zeros
+                theirs, _ = private(q, k, v, mask, 0.0, False, causal)
+                for dtype, tol in ((torch.double, 1e-12), (torch.float, 2e-5)):
+                    ours = attnkit.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                                attn_mask=mask, is_causal=causal)
+                    torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=tol * theirs.abs().max().item())
+
+    def test_signature_and_gradients(self):
+        d = dict(dtype=torch.double, requires_grad=True)
+        q, k, v = torch.randn(1, 4, 3, 4, **d), torch.randn(1, 2, 5, 4, **d), torch.randn(1, 2, 5, 2, **d)
+        mask = torch.randn(3, 5, **d)
+        f = lambda q, k, v, m: attnkit.scaled_dot_product_attention(q, k, v, m, 0.0, False, scale=0.7,  # noqa: E731
+                                                                    enable_gqa=True)
+        self.assertTrue(torch.autograd.gradcheck(f, (q, k, v, mask)))
+        self.assertEqual(f(q, k, v, mask).shape, (1, 4, 3, 2))
+        self.assertEqual(attnkit.scaled_dot_product_attention.__module__, "attnkit")
+        with self.assertRaises(TypeError):  # scale is keyword-only, as in torch 2.5
+            attnkit.scaled_dot_product_attention(q, k, v, None, 0.0, False, 0.5)
+
+    def test_dropout_is_refused_with_a_clear_error(self):
+        q = torch.randn(1, 1, 3, 4)
+        with self.assertRaisesRegex(RuntimeError, "dropout_p = 0.1 is not supported yet"):
+            attnkit.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
 class TestIsa(unittest.TestCase):
     def test_isa_names_the_level_the_kernels_run_at(self):
         """attnkit.isa() is the machine's level lowered by ATTNKIT_MAX_ISA; it is
