@@ -25,6 +25,9 @@ namespace attnkit {
 
 // ----------------------------------------------------------------------------
 // Exact softmax attention:  out = softmax(scale * q k^T + bias + mask) v.
+// Grouped-query heads: k and v may have Hkv heads, a divisor of q's H; query
+// head h then reads key and value head h / (H / Hkv), with no copy of k or v
+// (multi-query: Hkv = 1).
 // ----------------------------------------------------------------------------
 struct SoftmaxAttentionFuncOptions {
   /// Multiplies q k^T. Unset means 1 / sqrt(E).

@@ -85,18 +85,28 @@ inline void check_dim(const char* op, const char* name, const torch::Tensor& t, 
 }
 
 /// q (N,H,L,E), k (N,H,S,E), v (N,H,S,M): ranks, dtypes and matching sizes.
+/// With grouped_heads, k and v may have fewer heads than q, a divisor of H
+/// (grouped-query attention), the same for both.
 inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
-                      const torch::Tensor& v) {
+                      const torch::Tensor& v, bool grouped_heads = false) {
   check_float_tensor(op, "q", q, 4);
   check_float_tensor(op, "k", k, 4);
   check_float_tensor(op, "v", v, 4);
   check_same_dtype(op, "k", k, "q", q);
   check_same_dtype(op, "v", v, "q", q);
   check_dim(op, "k", k, 0, q.size(0), "batch size N");
-  check_dim(op, "k", k, 1, q.size(1), "head count H");
+  if (grouped_heads) {
+    const int64_t H = q.size(1), Hkv = k.size(1);
+    TORCH_CHECK(Hkv == H || (Hkv > 0 && H % Hkv == 0), op, ": argument 'k' has head count ", Hkv,
+                ", which must divide q's head count ", H, " (grouped-query heads; shapes ", shape_str(q),
+                " and ", shape_str(k), ")");
+    check_dim(op, "v", v, 1, Hkv, "head count (k's)");
+  } else {
+    check_dim(op, "k", k, 1, q.size(1), "head count H");
+  }
   check_dim(op, "k", k, 3, q.size(3), "feature size E");
   check_dim(op, "v", v, 0, q.size(0), "batch size N");
-  check_dim(op, "v", v, 1, q.size(1), "head count H");
+  if (!grouped_heads) check_dim(op, "v", v, 1, q.size(1), "head count H");
   check_dim(op, "v", v, 2, k.size(2), "key count S");
   TORCH_CHECK(q.size(3) > 0 && v.size(3) > 0, op,
               ": feature sizes E and M must be positive, got E = ", q.size(3),

@@ -104,7 +104,8 @@ void forward_keys(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
                   const Accumulator& a) {
   const int64_t E = p.E, M = p.M, BQ = kForwardBlockQ, BK = kForwardBlockK;
   const Visibility visible = visibility_of(p, n);
-  const Strided kh = head_matrix(p.k, p.k_stride, n, h), vh = head_matrix(p.v, p.v_stride, n, h);
+  const int64_t g = p.kv_head(h);
+  const Strided kh = head_matrix(p.k, p.k_stride, n, g), vh = head_matrix(p.v, p.v_stride, n, g);
 
   std::fill(a.u, a.u + rows * M, 0.f);
   std::fill(a.m, a.m + rows, -kInf);
@@ -424,8 +425,8 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
   const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), 0, L, E, w.q);
-  const Rows k = rows_of(head_matrix(p.k, p.k_stride, n, h), 0, S, E, w.k);
-  const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, h), 0, S, M, w.v);
+  const Rows k = rows_of(head_matrix(p.k, p.k_stride, n, p.kv_head(h)), 0, S, E, w.k);
+  const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), 0, S, M, w.v);
   const Rows dout = rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
   const float* lse = p.lse + (n * p.H + h) * L;
   row_deltas(p, n, h, dout, 0, L, w.d);
@@ -504,8 +505,8 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& par
   for (int64_t n = Nb == 1 ? 0 : part.nb; n < (Nb == 1 ? p.N : part.nb + 1); ++n) {
     const Visibility visible = visibility_of(p, n);
     for (int64_t h = Hb == 1 ? 0 : part.hb; h < (Hb == 1 ? p.H : part.hb + 1); ++h) {
-      const Strided q = head_matrix(p.q, p.q_stride, n, h), k = head_matrix(p.k, p.k_stride, n, h);
-      const Strided v = head_matrix(p.v, p.v_stride, n, h);
+      const Strided q = head_matrix(p.q, p.q_stride, n, h), k = head_matrix(p.k, p.k_stride, n, p.kv_head(h));
+      const Strided v = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
       const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
       const float* lse = p.lse + (n * p.H + h) * p.L;
       for (int64_t i0 = part.i_begin; i0 < part.i_end; i0 += BQ) {

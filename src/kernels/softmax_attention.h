@@ -25,6 +25,10 @@
 namespace attnkit::kernels {
 
 /// q, k, v, out and the sizes come from QkvParams; out may have any strides.
+/// Grouped-query heads (kv_group > 1): k and v have H / kv_group heads; in
+/// the backward, dk and dv are still per *query* head, (N, H, S, E) and
+/// (N, H, S, M): each query head's share, which the caller sums over its group
+/// (so that every entry keeps one writer and a fixed order).
 struct SoftmaxAttentionParams : QkvParams {
   float* lse = nullptr;        // (N, H, L) contiguous: written by the forward, read by the backward
 

@@ -34,9 +34,17 @@ void check_input(const char* name, const torch::Tensor& t) {
               name == std::string("query") ? "L" : "S", ", features), got shape ", detail::shape_str(t));
 }
 
-/// Batch dimensions (all but the last two) broadcast together; the error names both shapes.
-std::vector<int64_t> broadcast_batch(const std::vector<int64_t>& a, const torch::Tensor& t, const char* name) {
-  const auto batch = t.sizes().slice(0, t.dim() - 2);
+/// The batch dimensions (all but the last two) of t; with `heads` > 0, its
+/// head dimension (-3) counted as `heads` (grouped-query heads, as the query's).
+std::vector<int64_t> batch_of(const torch::Tensor& t, int64_t heads = 0) {
+  std::vector<int64_t> batch(t.sizes().begin(), t.sizes().end() - 2);
+  if (heads > 0) batch.back() = heads;
+  return batch;
+}
+
+/// Batch dimensions broadcast together; the error names t's shape.
+std::vector<int64_t> broadcast_batch(const std::vector<int64_t>& a, const std::vector<int64_t>& batch,
+                                     const torch::Tensor& t, const char* name) {
   const int64_t rank = std::max<int64_t>(static_cast<int64_t>(a.size()), static_cast<int64_t>(batch.size()));
   std::vector<int64_t> out(rank);
   for (int64_t d = 0; d < rank; ++d) {
@@ -142,6 +150,7 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
               "dropout (it is planned inside the exact kernel); pass dropout_p=0.0, e.g. 0.0 when not training");
 
   auto k = key, v = value;
+  bool grouped = false;  // k and v keep their fewer heads: softmax_attention takes them as they are
   if (options.enable_gqa()) {
     TORCH_CHECK(query.dim() >= 3 && key.dim() >= 3 && value.dim() >= 3, kOp,
                 ": enable_gqa needs a head dimension (-3) in query, key and value, got shapes ",
@@ -153,12 +162,19 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
                   "' must divide the query's ", Hq, " (shapes ", detail::shape_str(query), " and ",
                   detail::shape_str(*t), ")");
     }
-    k = repeat_heads(key, Hq / key.size(-3));
-    v = repeat_heads(value, Hq / value.size(-3));
+    grouped = key.size(-3) == value.size(-3) && key.size(-3) != Hq;
+    if (!grouped) {  // key and value heads that differ: both repeated to the query's (copies)
+      k = repeat_heads(key, Hq / key.size(-3));
+      v = repeat_heads(value, Hq / value.size(-3));
+    }
   }
-  auto batch = broadcast_batch({}, query, "query");
-  batch = broadcast_batch(batch, k, "key");
-  batch = broadcast_batch(batch, v, "value");
+  // The batch dimensions; with grouped heads, those of all but the head dimension.
+  const int64_t as_query = grouped ? query.size(-3) : 0;
+  auto batch = broadcast_batch({}, batch_of(query), query, "query");
+  batch = broadcast_batch(batch, batch_of(k, as_query), k, "key");
+  batch = broadcast_batch(batch, batch_of(v, as_query), v, "value");
+  auto kv_batch = batch;
+  if (grouped) kv_batch.back() = k.size(-3);
 
   const int64_t L = query.size(-2), S = k.size(-2);
   const Masking m = masking(options, query, L, S, batch);
@@ -167,7 +183,7 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
   torch::Tensor bias = m.bias;
   if (bias.defined() && batch.size() > 2) bias = as_nhxy(bias, batch);
 
-  const auto out = softmax_attention(as_nhxy(query, batch), as_nhxy(k, batch), as_nhxy(v, batch),
+  const auto out = softmax_attention(as_nhxy(query, batch), as_nhxy(k, kv_batch), as_nhxy(v, kv_batch),
                                      SoftmaxAttentionFuncOptions().scale(options.scale()).causal(m.causal).bias(bias));
   auto out_shape = batch;
   out_shape.push_back(L);

@@ -42,7 +42,7 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
 
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
-  detail::check_qkv(kSoftmaxOp, q, k, v);
+  detail::check_qkv(kSoftmaxOp, q, k, v, /*grouped_heads=*/true);
   detail::check_scale(kSoftmaxOp, options.scale(), q.scalar_type());
   detail::check_lengths(kSoftmaxOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
   check_bias(kSoftmaxOp, options.bias(), q, k.size(2));
@@ -57,6 +57,23 @@ struct SoftmaxConstants {
   bool causal;
 };
 
+/// Query heads per key/value head (1 without grouped-query heads).
+int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
+  return k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+}
+
+/// The gradient of key or value heads that groups of `group` query heads
+/// share: `per_query_head` (N, H, S, X) summed over each group, its heads
+/// added in increasing order (one fixed order: bitwise the same on any
+/// thread count).
+torch::Tensor sum_over_groups(const torch::Tensor& per_query_head, int64_t group) {
+  const auto sizes = per_query_head.sizes();
+  const auto grouped = per_query_head.view({sizes[0], sizes[1] / group, group, sizes[2], sizes[3]});
+  auto sum = grouped.select(2, 0).clone(torch::MemoryFormat::Contiguous);
+  for (int64_t g = 1; g < group; ++g) sum.add_(grouped.select(2, g));
+  return sum;
+}
+
 /// The kernel reads strides, so views of q, k, v, out and a broadcast bias
 /// cost no copy.
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
@@ -65,6 +82,7 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
   detail::bind_qkv(p, q, k, v, out);
+  p.kv_group = kv_group(q, k);
   p.lse = lse.data_ptr<float>();
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
@@ -104,7 +122,16 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
         make_params(q, k, v, bias, key_lengths, c, out, lse);
-    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
+    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
+    // Grouped-query heads: the kernel writes each query head's share of dk
+    // and dv (kernels/softmax_attention.h), summed over each group below.
+    torch::Tensor dk_heads, dv_heads;
+    if (p.kv_group > 1) {
+      dk_heads = torch::empty({p.N, p.H, p.S, p.E}, k.options());
+      dv_heads = torch::empty({p.N, p.H, p.S, p.M}, v.options());
+      detail::bind(p.dk, p.dk_stride, dk_heads);
+      detail::bind(p.dv, p.dv_stride, dv_heads);
+    }
     // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
     // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
     torch::Tensor dbias;
@@ -117,6 +144,10 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
       std::copy(shape.begin(), shape.end(), p.dbias_shape);
     }
     kernels::softmax_attention_backward(p);
+    if (p.kv_group > 1) {
+      dk = sum_over_groups(dk_heads, p.kv_group);
+      dv = sum_over_groups(dv_heads, p.kv_group);
+    }
     tensor_list result = {dq, dk, dv};
     if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());
     result.push_back(torch::Tensor());  // the constants
@@ -184,8 +215,10 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
 };
 
 /// Why bfloat16 inputs cannot take the AMX kernel; empty when they can.
-std::string bf16_fallback_reason(const SoftmaxAttentionFuncOptions& options) {
+std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
+                                 const SoftmaxAttentionFuncOptions& options) {
   if (options.bias().defined()) return "a bias";
+  if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
   // the tile state, or when ATTNKIT_MAX_ISA caps it (kernels/common/isa.h).
@@ -200,7 +233,7 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
   check_arguments(q, k, v, options);
   // check_qkv and check_bias made q, k, v and the bias one floating dtype.
   if (q.scalar_type() == torch::kBFloat16) {
-    const std::string why = bf16_fallback_reason(options);
+    const std::string why = bf16_fallback_reason(q, k, options);
     if (why.empty()) return Dispatch::kernel("bf16 on AMX tiles");
     return Dispatch::kernel("bf16 converted to float32 (" + why + ")");
   }
@@ -220,7 +253,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
                     options.causal()};
   if (q.scalar_type() == torch::kBFloat16) {
-    if (bf16_fallback_reason(options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
+    if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.
     auto converted = options;
     converted.scale(c.scale);

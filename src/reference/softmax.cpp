@@ -10,7 +10,11 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 torch::Tensor* weights) {
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
+  const int64_t group = k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+  const auto keys = group > 1 ? k.repeat_interleave(group, 1) : k;
+  const auto values = group > 1 ? v.repeat_interleave(group, 1) : v;
+  auto scores = torch::matmul(q, keys.transpose(-2, -1)) * scale;
   if (o.bias().defined()) scores = scores + o.bias();
   const auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
   auto a = detail::masked_softmax(scores, visible);
@@ -19,7 +23,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const auto nan_row = (torch::isnan(scores) & visible).any(-1, /*keepdim=*/true);
   a = a.masked_fill(nan_row, std::numeric_limits<double>::quiet_NaN());
   if (weights) *weights = a;
-  return torch::matmul(a, v);
+  return torch::matmul(a, values);
 }
 
 }  // namespace attnkit::reference

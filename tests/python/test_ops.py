@@ -30,6 +30,20 @@ class OpsTest(unittest.TestCase):
         self.assertTrue(torch.equal(out[0], torch.zeros_like(out[0])))
         torch.testing.assert_close(out[1:], composite(q[1:], k[1:], v[1:]))
 
+    def test_grouped_query_heads_equal_repeated_keys_and_values(self):
+        # k and v with 2 heads for 6 query heads: the kernel reads them in place;
+        # the output is bitwise that of the repeated heads, the gradients their group sums.
+        q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 4)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.softmax_attention(*leaves, causal=True)
+        repeated = attnkit.softmax_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), causal=True)
+        self.assertTrue(torch.equal(out, repeated))
+        out.sum().backward()
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        attnkit.softmax_attention(*ref, causal=True).sum().backward()
+        for mine, theirs in zip(leaves, ref):
+            torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=0, atol=2e-5)
+
     def test_float32_bias_gradient_matches_float64(self):
         # The float32 kernel's bias gradient, summed over the broadcast heads,
         # against the float64 composite's; bound 1e-5 relative to the largest entry.

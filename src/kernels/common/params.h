@@ -22,6 +22,11 @@ struct QkvParams {
   int64_t out_stride[4] = {};
 
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  /// Grouped-query heads: k and v have H / kv_group heads, and query head h
+  /// reads key and value head kv_head(h). A kernel that takes kv_group > 1
+  /// says so in its header; the others are only ever given 1.
+  int64_t kv_group = 1;
+  int64_t kv_head(int64_t h) const { return h / kv_group; }
 };
 
 /// What a backward pass adds: the output gradient it reads and the input
