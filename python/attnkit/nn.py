@@ -114,8 +114,11 @@ class MultiheadAttention(BridgedModule):
     torch.nn.MultiheadAttention's conventions where they make sense:
     ``batch_first`` (default False: (L, N, E) inputs), ``key_padding_mask``
     ((N, S), True at padding; trailing padding only), ``attn_mask`` only as the
-    causal mask, or ``is_causal=True``. forward returns ``(output, None)``:
-    attention weights are never materialised (``need_weights=True`` is refused).
+    causal mask, or ``is_causal=True``. forward returns ``(output, weights)``:
+    ``weights`` is None unless ``need_weights=True`` (default False, unlike
+    torch's: the (L, S) matrix is formed only when asked), then the attention
+    weights (N, L, S) averaged over the heads (``average_attn_weights=False``:
+    (N, num_heads, L, S)), differentiable; only for exact attention ("full").
     """
 
     # embed_dim and num_heads (the width and heads of every other module) keep
@@ -135,11 +138,12 @@ class MultiheadAttention(BridgedModule):
         self._command("set_attention", attention=spec)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-                is_causal=False, key_lengths=None):
+                average_attn_weights=True, is_causal=False, key_lengths=None):
         what = "attnkit.nn.MultiheadAttention"
-        if need_weights:
-            raise ValueError(f"{what}: need_weights=True is not supported: attnkit never forms the "
-                             "(L, S) attention matrix (attnkit.nn.DotAttention returns weights)")
+        spec = self.attention_spec
+        if need_weights and spec.split(":", 1)[0] != "full":
+            raise ValueError(f"{what}: need_weights=True needs exact attention ('full'); '{spec}' forms "
+                             "no (L, S) weight matrix (swap in 'full' with set_attention to inspect one)")
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError(f"{what}: give key_padding_mask or key_lengths, not both")
         if not self.batch_first:
@@ -147,10 +151,24 @@ class MultiheadAttention(BridgedModule):
         if key_lengths is None:
             key_lengths = _lengths_from_padding(key_padding_mask, key.shape[0], key.shape[1], what)
         causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
-        if causal and _always_causal(self.attention_spec):
+        if causal and _always_causal(spec):
             causal = False  # a causal pattern is causal by construction and takes no flag
         out = self._call("forward", query, key, value, key_lengths, causal=causal)[0]
-        return (out if self.batch_first else out.transpose(0, 1)), None
+        weights = self._weights(query, key, key_lengths, causal, average_attn_weights) if need_weights else None
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def _weights(self, query, key, key_lengths, causal, average):
+        """The exact kernel's attention weights P (N, H, L, S), as its output
+        P V with V the identity: the same projections, scale, masks and rule
+        for rows with nothing visible (zeros) as the forward. (N, batch-first)."""
+        def project(x, proj):
+            return torch.ops.attnkit.linear(x, proj.weight, getattr(proj, "bias", None))
+        N, L, S, H = query.shape[0], query.shape[1], key.shape[1], self.num_heads
+        q = project(query, self.q_proj).view(N, L, H, -1).transpose(1, 2)
+        k = project(key, self.k_proj).view(N, S, H, -1).transpose(1, 2)
+        identity = torch.eye(S, dtype=q.dtype).expand(N, H, S, S)  # stride 0 over N and H: no copy
+        p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths)
+        return p.mean(1) if average else p
 
 
 class Attention(BridgedModule):

@@ -204,7 +204,8 @@ MODULE_ERRORS = [
      ("MultiheadAttention", "key_padding_mask", "-inf")),
     ("MHA padding rank", lambda: MHA(X, X, X, key_padding_mask=torch.zeros(5, dtype=torch.bool)), ValueError,
      ("MultiheadAttention", "key_padding_mask", "(N, S)")),
-    ("MHA need_weights", lambda: MHA(X, X, X, need_weights=True), ValueError, ("MultiheadAttention", "need_weights")),
+    ("MHA need_weights", lambda: ann.MultiheadAttention(8, 2, attention="linear", batch_first=True)(
+        X, X, X, need_weights=True), ValueError, ("MultiheadAttention", "need_weights", "'full'", "'linear'")),
     ("MHA mask and lengths", lambda: MHA(X, X, X, key_padding_mask=padding([5, 5], 5), key_lengths=lengths(5, 5)),
      ValueError, ("MultiheadAttention", "key_padding_mask", "key_lengths")),
     ("MHA key_lengths", lambda: MHA(X, X, X, key_lengths=lengths(6, 5)), RuntimeError, ("'key_lengths'", "6 larger")),
@@ -883,6 +884,24 @@ def test_multihead_full_matches_torch_multihead_attention():
     pad = padding([6, 3], 6)
     want = t(q, kv, kv, key_padding_mask=pad, need_weights=False)[0]
     assert rel_err(m(q, kv, kv, key_padding_mask=pad)[0], want) <= F64_TOL
+    # need_weights: the weights torch returns, averaged over the heads or per head, and
+    # differentiable; the output does not change when they are asked for.
+    for average in (True, False):
+        out, weights = m(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=average)
+        t_out, t_weights = t(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=average)
+        assert torch.equal(out, m(q, kv, kv, key_padding_mask=pad)[0])
+        assert weights.shape == t_weights.shape == ((2, 4, 6) if average else (2, 2, 4, 6))
+        assert rel_err(weights, t_weights) <= F64_TOL
+    assert m(q, kv, kv)[1] is None  # not asked: not formed
+    weights = m(q, kv, kv, need_weights=True)[1]
+    weights[:, :, 0].sum().backward()
+    assert m.q_proj.weight.grad is not None and torch.isfinite(m.q_proj.weight.grad).all()
+    # float32, causal (bottom-right, as the output's mask), sequence-first input
+    m32 = ann.MultiheadAttention(8, 2)
+    x = torch.randn(5, 2, 8)
+    w = m32(x, x, x, need_weights=True, is_causal=True)[1]
+    assert w.shape == (2, 5, 5) and torch.equal(w.triu(1), torch.zeros_like(w))
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 5))
 
 
 # ---------------------------------------------------------------------------------------
