@@ -1,8 +1,9 @@
 // torch 2's scaled_dot_product_attention over softmax_attention: its
 // arguments are translated into ours (a mask into an additive bias, is_causal
 // into our bottom-right `causal` or a top-left bias, the batch dimensions
-// into (N, H), grouped-query heads into repeated key and value heads), and
-// softmax_attention validates, dispatches and differentiates. docs/API.md,
+// into (N, H), grouped-query heads into softmax_attention's own, which reads
+// each key and value head for its group in place), and softmax_attention
+// validates, dispatches and differentiates. docs/API.md,
 // "scaled_dot_product_attention", says what each argument costs.
 #include <attnkit/ops.h>
 
