@@ -105,6 +105,18 @@ Bf16Path bf16_gemm_path() {
 
 bool bf16_gemm_native() { return bf16_gemm_path() != Bf16Path::float32; }
 
+bool onednn_runs_bf16_matmul() {
+  using dt = dnnl::memory::data_type;
+  try {
+    const dnnl::engine engine(dnnl::engine::kind::cpu, 0);  // not cpu_engine(): it decides the level
+    const dnnl::memory::desc square({16, 16}, dt::bf16, dnnl::memory::format_tag::ab);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(square, square, square), engine);
+    return true;
+  } catch (const dnnl::error&) {
+    return false;
+  }
+}
+
 const char* to_string(Bf16Path path) {
   switch (path) {
     case Bf16Path::amx: return "amx";

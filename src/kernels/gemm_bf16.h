@@ -41,6 +41,12 @@ Bf16Path bf16_gemm_isa_path();
 bool bf16_float32_forced();
 bool force_bf16_float32(bool on);
 
+/// True when oneDNN, at its effective ISA (which the level decision caps),
+/// can create a bf16 matmul: what torch's own bf16 products need, since
+/// torch asks the CPU, not oneDNN, whether to use it. Does not decide the
+/// level (safe inside isa::on_decision's function); call it after.
+bool onednn_runs_bf16_matmul();
+
 /// The path gemm_bf16 takes: float32 when forced, else the ISA's.
 Bf16Path bf16_gemm_path();
 /// True when bf16 products run natively (the ISA level and oneDNN's effective

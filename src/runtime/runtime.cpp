@@ -1,6 +1,7 @@
 // Runtime settings and the counting CPU allocator (include/attnkit/runtime.h).
 #include <attnkit/dispatch.h>
 #include <attnkit/runtime.h>
+#include <ATen/Context.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -19,11 +20,34 @@
 
 #include "base/memory.h"
 #include "kernels/common/gemm.h"
+#include "kernels/gemm_bf16.h"
 #include "kernels/common/isa.h"
 #include "kernels/common/threading.h"
 #include "kernels/peak.h"
 
 namespace attnkit {
+
+namespace {
+
+// Torch's own bf16 products (matmul, linear, convolution) run on the same
+// oneDNN as ours (Debian links both to libdnnl.so.2) whenever the CPU has
+// AVX-512: torch asks the CPU, not oneDNN, whether oneDNN can take bf16. A cap
+// below avx512 (ATTNKIT_MAX_ISA=avx2, or the user's ONEDNN_MAX_CPU_ISA) leaves
+// oneDNN without bf16 matmul, and torch would throw "could not create a
+// primitive descriptor iterator" at its first bf16 product. So once the level
+// is decided, torch is kept off such a oneDNN: it takes its own kernels, as
+// it does on a CPU without AVX-512. (On such a CPU nothing is changed: torch
+// still uses oneDNN for float32 convolutions there.)
+void keep_torch_off_a_onednn_without_bf16() {
+  const auto machine = kernels::isa::machine();
+  if (machine && *machine >= kernels::isa::Level::avx512 && !kernels::onednn_runs_bf16_matmul())
+    at::globalContext().setUserEnabledMkldnn(false);
+}
+
+[[maybe_unused]] const bool g_torch_follows_the_cap =
+    (kernels::isa::on_decision(keep_torch_off_a_onednn_without_bf16), true);
+
+}  // namespace
 
 std::string version() { return ATTNKIT_VERSION; }
 

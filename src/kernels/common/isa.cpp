@@ -115,6 +115,7 @@ std::optional<Level> detect() { return Level::baseline; }
 struct Decision {
   std::mutex mutex;
   std::optional<Level> requested_cap;  // set_max()
+  void (*hook)() = nullptr;            // on_decision()
   std::atomic<int> level{-1};
   std::string description;             // written once, before `level`
 };
@@ -187,8 +188,16 @@ Level current() {
   // Capping oneDNN below what the CPU has makes it run what a smaller CPU runs.
   if (level < *best) d.description += "; " + cap_onednn(level);
   d.description += ")";
+  if (d.hook) d.hook();
   d.level.store(static_cast<int>(level), std::memory_order_release);
   return level;
+}
+
+void on_decision(void (*hook)()) {
+  Decision& d = decision();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  d.hook = hook;
+  if (d.level.load() >= 0) hook();
 }
 
 bool set_max(Level cap) {

@@ -72,6 +72,14 @@ Level current();
 /// cap replaces ATTNKIT_MAX_ISA's), false once the level has been decided.
 bool set_max(Level cap);
 
+/// Registers a function that runs once, right after the level is decided and
+/// oneDNN capped, before any caller sees the level (or at once when it has
+/// been decided already). The torch layer registers one at load
+/// (src/runtime/runtime.cpp: torch's own bf16 products share our oneDNN and
+/// its cap). The function must not call current() (the decision holds its
+/// lock) and must not throw. At most one function.
+void on_decision(void (*hook)());
+
 /// How current() was decided, e.g. "avx2 (CPU: avx2)" or
 /// "avx2 (capped by ATTNKIT_MAX_ISA=avx2; CPU: amx; oneDNN capped to avx2)".
 std::string describe();
