@@ -52,6 +52,7 @@ struct ModelConfig {
   std::string architecture = "decoder";
   std::string positions = "sinusoidal";
   int64_t layers = 4, width = 256, heads = 4, ffn = 1024, vocab = 27;
+  int64_t kv_heads = 0;  // 0: as many as heads
   double dropout = 0.1;
   // train
   int64_t context = 512, batch = 16;
@@ -81,6 +82,7 @@ models::TransformerOptions model_options(const ModelConfig& c, const std::string
       .layers(c.layers)
       .width(c.width)
       .heads(c.heads)
+      .kv_heads(c.kv_heads)
       .ffn(c.ffn)
       .dropout(c.dropout)
       .attention({spec})
@@ -205,8 +207,9 @@ class TorchBaselineImpl : public torch::nn::Module {
       Block b;
       const std::string n = "block_" + std::to_string(i) + "_";
       b.q = register_module(n + "q", torch::nn::Linear(d, d));
-      b.k = register_module(n + "k", torch::nn::Linear(d, d));
-      b.v = register_module(n + "v", torch::nn::Linear(d, d));
+      const int64_t kv_width = (c.kv_heads > 0 ? c.kv_heads : c.heads) * (d / c.heads);
+      b.k = register_module(n + "k", torch::nn::Linear(d, kv_width));
+      b.v = register_module(n + "v", torch::nn::Linear(d, kv_width));
       b.out = register_module(n + "out", torch::nn::Linear(d, d));
       b.ff1 = register_module(n + "ff1", torch::nn::Linear(d, c.ffn));
       b.ff2 = register_module(n + "ff2", torch::nn::Linear(c.ffn, d));
@@ -228,11 +231,16 @@ class TorchBaselineImpl : public torch::nn::Module {
     if (causal_model(c_))
       mask = torch::full({L, L}, -std::numeric_limits<float>::infinity()).triu(1);
     auto heads = [&](const torch::Tensor& t) { return t.view({N, L, H, dh}).transpose(1, 2); };
+    // Grouped-query heads: each key/value head repeated over its group.
+    const int64_t Hk = c_.kv_heads > 0 ? c_.kv_heads : H;
+    auto kv_heads = [&](const torch::Tensor& t) {
+      return t.view({N, L, Hk, dh}).transpose(1, 2).repeat_interleave(H / Hk, 1);
+    };
     for (auto& b : blocks_) {
       auto h = b.norm_self(x);
-      auto scores = torch::matmul(heads(b.q(h)), heads(b.k(h)).transpose(-2, -1)) / std::sqrt(double(dh));
+      auto scores = torch::matmul(heads(b.q(h)), kv_heads(b.k(h)).transpose(-2, -1)) / std::sqrt(double(dh));
       if (mask.defined()) scores = scores + mask;
-      auto a = torch::matmul(torch::softmax(scores, -1), heads(b.v(h)));
+      auto a = torch::matmul(torch::softmax(scores, -1), kv_heads(b.v(h)));
       x = x + torch::dropout(b.out(a.transpose(1, 2).reshape({N, L, d})), p, is_training());
       x = x + torch::dropout(b.ff2(torch::relu(b.ff1(b.norm_ff(x)))), p, is_training());
     }
@@ -277,7 +285,7 @@ std::string millions(int64_t n) { return fmt(n / 1e6, 2) + "M"; }
 std::string model_line(const ModelConfig& c) {
   std::ostringstream o;
   o << "model: " << c.architecture << ", " << c.layers << " layers, width " << c.width << ", " << c.heads
-    << " heads, ffn " << c.ffn << ", vocab " << c.vocab << ", dropout " << c.dropout << ", "
+    << " heads" << (c.kv_heads > 0 ? " (" + std::to_string(c.kv_heads) + " key/value heads)" : "") << ", ffn " << c.ffn << ", vocab " << c.vocab << ", dropout " << c.dropout << ", "
     << c.positions << " positions\n";
   return o.str();
 }
@@ -381,7 +389,10 @@ nlohmann::json run_generate(const ModelConfig& c, const std::vector<std::string>
             << "built by stepping (prefill), then " << c.steps << " steps are timed\n" << model_line(c);
   std::cout << std::left << std::setw(34) << "attention" << std::right << std::setw(9) << "context"
             << std::setw(14) << "prefill tok/s" << std::setw(13) << "step ms med" << std::setw(10)
-            << "tokens/s" << "\n";
+            << "tokens/s" << std::setw(11) << "state MiB" << "\n";
+  // The decoding state's size (the KV cache, for exact attention): tensor
+  // bytes held after the context was stepped, over those held before.
+  memory::install_counting_allocator();
   nlohmann::json out;
   out["steps"] = c.steps;
   out["results"] = nlohmann::json::array();
@@ -395,11 +406,13 @@ nlohmann::json run_generate(const ModelConfig& c, const std::vector<std::string>
     for (const int64_t context : c.contexts) {
       // (context, 1): row t is the token of position t, a contiguous (1).
       auto prompt = random_batch(c, 1, context, c.seed).input.t().contiguous();
+      const int64_t held_before = memory::current_bytes();
       auto state = model->start_decoding(1);
       torch::Tensor logits;
       const double t0 = wall_now_ms();
       for (int64_t t = 0; t < context; ++t) logits = model->step(prompt[t], state);
       const double prefill_ms = wall_now_ms() - t0;
+      const double state_mib = double(memory::current_bytes() - held_before) / (1 << 20);
       std::vector<double> step_ms;
       for (int64_t i = 0; i < c.steps; ++i) {
         auto next = logits.argmax(-1);  // greedy: what a decoding loop feeds back
@@ -413,12 +426,14 @@ nlohmann::json run_generate(const ModelConfig& c, const std::vector<std::string>
       const double prefill_tokens_per_s = context / (prefill_ms * 1e-3);
       std::cout << std::left << std::setw(34) << spec << std::right << std::setw(9) << context
                 << std::setw(14) << fmt(prefill_tokens_per_s, 0) << std::setw(13)
-                << fmt(median(step_ms), 3) << std::setw(10) << fmt(tokens_per_s, 0) << "\n";
+                << fmt(median(step_ms), 3) << std::setw(10) << fmt(tokens_per_s, 0) << std::setw(11)
+                << fmt(state_mib, 1) << "\n";
       out["results"].push_back({{"attention", spec},
                                 {"context", context},
                                 {"prefill_ms", prefill_ms},
                                 {"prefill_tokens_per_s", prefill_tokens_per_s},
                                 {"step_ms_median", median(step_ms)},
+                                {"state_mib", state_mib},
                                 {"tokens_per_s", tokens_per_s}});
       rates.push_back(tokens_per_s);
     }
@@ -546,7 +561,8 @@ std::vector<std::string> child_args(const ModelConfig& c, const std::string& mod
           "--architecture",  c.architecture,    "--positions",
           c.positions,       "--layers",        std::to_string(c.layers),
           "--width",         std::to_string(c.width), "--heads",
-          std::to_string(c.heads), "--ffn",     std::to_string(c.ffn),
+          std::to_string(c.heads), "--kv-heads", std::to_string(c.kv_heads),
+          "--ffn",           std::to_string(c.ffn),
           "--vocab",         std::to_string(c.vocab), "--dropout",
           dropout.str(),     "--max-length",    std::to_string(max_length),
           "--threads",       std::to_string(num_threads()), "--seed",
@@ -609,7 +625,8 @@ void run_model_bench(const ModelConfig& c) {
   nlohmann::json doc;
   doc["command"] = "bench-model";
   doc["model"] = {{"architecture", c.architecture}, {"positions", c.positions}, {"layers", c.layers},
-                  {"width", c.width},               {"heads", c.heads},         {"ffn", c.ffn},
+                  {"width", c.width},               {"heads", c.heads},         {"kv_heads", c.kv_heads},
+                  {"ffn", c.ffn},
                   {"vocab", c.vocab},               {"dropout", c.dropout}};
   doc["load_average_start"] = load_average();
   auto save = [&] {
@@ -671,6 +688,9 @@ void add_bench_model_command(CLI::App& app) {
   cmd->add_option("--layers", c->layers, "Blocks")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--width", c->width, "Model width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", c->heads, "Attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--kv-heads", c->kv_heads,
+                  "Key/value heads, a divisor of --heads (grouped-query attention); 0: as many as --heads")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--ffn", c->ffn, "Feed-forward hidden width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--vocab", c->vocab, "Vocabulary size")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dropout", c->dropout, "Dropout")->check(CLI::Range(0.0, 0.999))->capture_default_str();
@@ -702,6 +722,8 @@ void add_bench_model_command(CLI::App& app) {
     if (!memory_contexts->empty()) c->memory_contexts = parse_positive_list("--memory-contexts", *memory_contexts);
     c->baseline = !*no_baseline;
     if (c->width % c->heads != 0) throw CLI::ValidationError("--width", "must be a multiple of --heads");
+    if (c->kv_heads > 0 && c->heads % c->kv_heads != 0)
+      throw CLI::ValidationError("--kv-heads", "must divide --heads (" + std::to_string(c->heads) + ")");
     if (c->child.empty() && wants(*c, "generate") && c->architecture != "decoder")
       throw CLI::ValidationError("--what", "generate needs --architecture decoder");
     if (!c->child.empty() && (c->attention.size() != 1 || c->max_length == 0))

@@ -14,7 +14,8 @@ std::string describe_mechanisms() {
   std::ostringstream o;
   o << "Mechanisms (spec: NAME[:key=value,...]).\n"
     << "supports: c = causal flag, p = key_lengths (padding), x = L != S, m = M != E,\n"
-    << "          d = incremental decoding state\n\n";
+    << "          d = incremental decoding state, g = grouped-query heads (k, v with fewer heads),\n"
+    << "          a = ALiBi slopes\n\n";
   for (const auto& m : nn::mechanisms()) {
     const auto& s = m.supports;
     std::string sup;
@@ -23,6 +24,8 @@ std::string describe_mechanisms() {
     sup += s.cross ? 'x' : '-';
     sup += s.value_dim ? 'm' : '-';
     sup += s.decoding_state ? 'd' : '-';
+    sup += s.grouped_heads ? 'g' : '-';
+    sup += s.alibi ? 'a' : '-';
     o << "  " << m.name << std::string(m.name.size() < 24 ? 24 - m.name.size() : 1, ' ') << sup
       << "  " << m.summary << "\n";
     for (const auto& opt : m.options)

@@ -23,7 +23,7 @@ struct TrainFlags {
   std::string task = "char-lm", data, architecture, positions = "sinusoidal", norm = "pre", display = "auto";
   std::string dtype = "float32";
   std::vector<std::string> attention;
-  int64_t layers = 0, width = 0, heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
+  int64_t layers = 0, width = 0, heads = 0, kv_heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
   double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0;
   uint64_t seed = 0;
@@ -49,7 +49,7 @@ void add_train_command(CLI::App& app) {
   auto f = std::make_shared<TrainFlags>();
   const models::TransformerOptions m;
   const train::TrainerOptions t;
-  f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->ffn = m.ffn();
+  f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->kv_heads = m.kv_heads(); f->ffn = m.ffn();
   f->dropout = m.dropout(); f->conv_width = m.conv_width();
   f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
   f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
@@ -76,11 +76,16 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--layers", f->layers, "Blocks")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--width", f->width, "Model width d")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--heads", f->heads, "Attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--kv-heads", f->kv_heads,
+                  "Key/value heads, a divisor of --heads (grouped-query attention; 1: multi-query); "
+                  "0: as many as --heads")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--ffn", f->ffn, "Hidden width of the feed-forward network")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dropout", f->dropout, "Dropout on every sub-layer output")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   // (Checked by models::positions_from_string, whose error names the schemes.)
   cmd->add_option("--positions", f->positions,
-                  "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, conv")
+                  "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, "
+                  "conv, alibi (linear distance penalties in exact attention's kernel)")
       ->capture_default_str();
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
@@ -162,7 +167,7 @@ void add_train_command(CLI::App& app) {
           !f->architecture.empty() ? f->architecture : f->task == "char-lm" ? "decoder" : "encoder"));
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
-          .layers(f->layers).width(f->width).heads(f->heads).ffn(f->ffn).dropout(f->dropout)
+          .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
           .conv_width(f->conv_width).tie_embeddings(!f->untied).shared_weights(f->shared_weights);
       if (!f->attention.empty()) model.attention(f->attention);
       trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
@@ -185,6 +190,7 @@ void add_train_command(CLI::App& app) {
       if (given("--layers")) model.layers(f->layers);
       if (given("--width")) model.width(f->width);
       if (given("--heads")) model.heads(f->heads);
+      if (given("--kv-heads")) model.kv_heads(f->kv_heads);
       if (given("--ffn")) model.ffn(f->ffn);
       if (given("--dropout")) model.dropout(f->dropout);
       if (given("--conv-width")) model.conv_width(f->conv_width);

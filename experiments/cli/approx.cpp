@@ -61,7 +61,13 @@ std::vector<LayerInputs> model_inputs(const ApproxConfig& c, train::LoadedRun& r
   std::vector<LayerInputs> layers;
   run.model->set_attention_probe(
       [&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-        layers.push_back({layer, q.contiguous(), k.contiguous(), v.contiguous()});
+        // Grouped-query heads reach a grouped mechanism as they are; the
+        // mechanisms compared here may not read groups: full heads for all.
+        const int64_t group = q.size(1) / k.size(1);
+        auto full_heads = [group](const torch::Tensor& x) {
+          return (group > 1 ? x.repeat_interleave(group, 1) : x).contiguous();
+        };
+        layers.push_back({layer, q.contiguous(), full_heads(k), full_heads(v)});
       });
   run.model->eval();
   run.model->forward(batches.front().input);

@@ -38,7 +38,18 @@ struct SoftmaxAttentionFuncOptions {
   TORCH_ARG(torch::Tensor, key_lengths) = {};
   /// Additive score bias broadcastable to (N, H, L, S); -inf entries hide keys.
   TORCH_ARG(torch::Tensor, bias) = {};
+  /// ALiBi (Press et al., 2022): floating (H), one slope per query head; the
+  /// scores get -slope_h |i + S - L - j|, a penalty linear in the distance,
+  /// computed inside the kernel (no L x S tensor). Query i sits at position
+  /// i + S - L of the keys, the causal mask's bottom-right alignment, so one
+  /// query over a decoding cache is at its end. Constants: no gradient.
+  /// alibi_slopes(H) gives the paper's geometric slopes. Undefined: none.
+  TORCH_ARG(torch::Tensor, alibi_slopes) = {};
 };
+/// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
+/// heads is a power of two; otherwise the paper's rule (those of the largest
+/// power of two below, then every other slope of twice that). float32 (heads).
+torch::Tensor alibi_slopes(int64_t heads);
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
                                 const SoftmaxAttentionFuncOptions& options = {});
@@ -47,8 +58,8 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// bias, which may require grad); for bfloat16 the kernel too, its reason
 /// naming how: "bf16 on AMX tiles" (bf16 products with float32 accumulation
 /// and softmax, bf16 outputs), or the float32 kernel on converted inputs with
-/// the outputs rounded to bf16 (with a bias, or where AMX is unavailable or
-/// ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
+/// the outputs rounded to bf16 (with a bias, ALiBi slopes or grouped heads,
+/// or where AMX is unavailable or ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
 /// the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v,

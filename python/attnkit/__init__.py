@@ -39,7 +39,7 @@ if machine_isa() == "below baseline":
 __all__ = [
     "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
-    "edge_pattern", "linear", "library_path", "mechanisms", "nn", "models",
+    "edge_pattern", "linear", "alibi_slopes", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
 ]
 
@@ -51,6 +51,7 @@ clustered_attention = torch.ops.attnkit.clustered_attention
 sparse_attention = torch.ops.attnkit.sparse_attention
 edge_pattern = torch.ops.attnkit.edge_pattern
 linear = torch.ops.attnkit.linear
+alibi_slopes = torch.ops.attnkit.alibi_slopes
 
 
 

@@ -21,7 +21,7 @@ from ._bridge import BridgedModule
 __all__ = ["Transformer"]
 
 # TransformerOptions' keys (src/models/options.cpp) with their C++ defaults.
-_OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "ffn",
+_OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "kv_heads", "ffn",
             "dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
             "conv_width", "norm", "tie_embeddings", "shared_weights")
 
@@ -32,10 +32,11 @@ class Transformer(BridgedModule):
 
     Options (the C++ TransformerOptions, same names and defaults):
     architecture ("decoder" | "encoder" | "encoder-decoder"), vocab_size,
-    source_vocab_size, layers (2), width (64), heads (4), ffn (256),
+    source_vocab_size, layers (2), width (64), heads (4), kv_heads (0: as many as
+    heads; a divisor of heads for grouped-query attention, 1 for multi-query), ffn (256),
     dropout (0.1), attention (a spec, or one per block; "full"),
     cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
-    | "conv" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
+    | "conv" | "alibi" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
     norm ("pre" | "post"), tie_embeddings (True), shared_weights (False).
     """
 

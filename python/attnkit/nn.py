@@ -119,13 +119,20 @@ class MultiheadAttention(BridgedModule):
     torch's: the (L, S) matrix is formed only when asked), then the attention
     weights (N, L, S) averaged over the heads (``average_attn_weights=False``:
     (N, num_heads, L, S)), differentiable; only for exact attention ("full").
+    ``kv_heads`` (a divisor of num_heads; 0: as many) gives grouped-query
+    attention: k_proj and v_proj project to kv_heads heads, each serving
+    num_heads / kv_heads query heads (read in place by exact attention,
+    repeated for mechanisms that do not read groups). ``alibi=True`` adds
+    ALiBi's distance penalties (attnkit.alibi_slopes(num_heads)) inside the
+    kernel, for mechanisms that take them ("full").
     """
 
     # embed_dim and num_heads (the width and heads of every other module) keep
     # torch.nn.MultiheadAttention's names: a drop-in replacement (docs/API.md).
-    def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False):
-        super().__init__("MultiheadAttention", {"width": embed_dim, "heads": num_heads,
-                                                "bias": bias, "attention": attention})
+    def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False, kv_heads=0,
+                 alibi=False):
+        super().__init__("MultiheadAttention", {"width": embed_dim, "heads": num_heads, "kv_heads": kv_heads,
+                                                "alibi": alibi, "bias": bias, "attention": attention})
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
     @property
@@ -164,10 +171,14 @@ class MultiheadAttention(BridgedModule):
         def project(x, proj):
             return torch.ops.attnkit.linear(x, proj.weight, getattr(proj, "bias", None))
         N, L, S, H = query.shape[0], query.shape[1], key.shape[1], self.num_heads
+        Hk = json.loads(self._bridge.settings())["kv_heads"] or H  # grouped heads: the kernel reads groups
         q = project(query, self.q_proj).view(N, L, H, -1).transpose(1, 2)
-        k = project(key, self.k_proj).view(N, S, H, -1).transpose(1, 2)
-        identity = torch.eye(S, dtype=q.dtype).expand(N, H, S, S)  # stride 0 over N and H: no copy
-        p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths)
+        k = project(key, self.k_proj).view(N, S, Hk, -1).transpose(1, 2)
+        identity = torch.eye(S, dtype=q.dtype).expand(N, Hk, S, S)  # stride 0 over N and H: no copy
+        settings = json.loads(self._bridge.settings())
+        slopes = torch.ops.attnkit.alibi_slopes(H) if settings.get("alibi") else None
+        p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths,
+                                                alibi_slopes=slopes)
         return p.mean(1) if average else p
 
 

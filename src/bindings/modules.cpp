@@ -191,6 +191,8 @@ const std::map<std::string, Factory>& factories() {
        [](Settings& s) {
          nn::MultiheadAttention m(
              nn::MultiheadAttentionOptions(s.require<int64_t>("width"), s.require<int64_t>("heads"))
+                 .kv_heads(s.get<int64_t>("kv_heads", 0))
+                 .alibi(s.get<bool>("alibi", false))
                  .bias(s.get<bool>("bias", true))
                  .attention(s.get<std::string>("attention", "full")));
          Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
@@ -206,6 +208,8 @@ const std::map<std::string, Factory>& factories() {
          b.settings = [m] {
            return json{{"width", m->options.width()},
                        {"heads", m->options.heads()},
+                       {"kv_heads", m->options.kv_heads()},
+                       {"alibi", m->options.alibi()},
                        {"bias", m->options.bias()},
                        {"attention", m->options.attention()}}
                .dump();
@@ -450,7 +454,9 @@ std::string mechanisms_json() {
                      {"key_lengths", m.supports.key_lengths},
                      {"cross", m.supports.cross},
                      {"value_dim", m.supports.value_dim},
-                     {"decoding_state", m.supports.decoding_state}}},
+                     {"decoding_state", m.supports.decoding_state},
+                     {"grouped_heads", m.supports.grouped_heads},
+                     {"alibi", m.supports.alibi}}},
                    {"inputs", m.inputs},
                    {"approximates_exact", m.approximates_exact},
                    {"always_causal", m.always_causal},

@@ -60,6 +60,19 @@ void add_bias(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
   }
 }
 
+/// Adds what the scores get besides scale q k^T to the block of rows
+/// [i0, i0 + rows) x keys [j0, j0 + cols), s[r * lds + c]: the bias tensor's
+/// entries and ALiBi's penalty -slope_h |i + S - L - j|.
+void add_score_terms(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0, int64_t rows,
+                     int64_t j0, int64_t cols, float* s, int64_t lds) {
+  if (p.bias) add_bias(p, n, h, i0, rows, j0, cols, s, lds);
+  if (p.alibi_slopes) {
+    const float slope = p.alibi_slopes[h];
+    const int64_t first = i0 + p.S - p.L - j0;  // query row i0's distance to key j0
+    for (int64_t r = 0; r < rows; ++r) vec::sub_distance(s + r * lds, cols, static_cast<float>(first + r), slope);
+  }
+}
+
 /// Sets the scores of keys a row may not see to -inf in the block of rows
 /// [i0, i0 + rows) x keys [j0, j0 + cols), s[r * lds + c].
 void mask_block(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
@@ -131,7 +144,7 @@ void forward_keys(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
       float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
-      if (p.bias) add_bias(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
+      add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
       if (j0 + cols > all_see) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
 
       // Online softmax: P = exp(s - m_new), l = l * exp(m - m_new) + rowsum(P),
@@ -305,7 +318,7 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
                       const TileInputs& x, float* prob, float* ds) {
   const int64_t BK = kBackwardBlockK;
   sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
-  if (p.bias) add_bias(p, n, h, i0, rows, j0, cols, prob, BK);
+  add_score_terms(p, n, h, i0, rows, j0, cols, prob, BK);
   if (j0 + cols > visible(i0)) mask_block(visible, i0, rows, j0, cols, prob, BK);
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = prob + r * BK;

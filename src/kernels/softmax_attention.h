@@ -2,8 +2,11 @@
 // over pointers, sizes and strides (see docs/MATH.md, Exact softmax attention).
 // Torch-free.
 //
-//   out = softmax(scale * q k^T + bias) v, row-wise over the visible keys,
-//   lse = log sum_j exp(scale * q_i . k_j + bias_ij) over the visible keys.
+//   out = softmax(scale * q k^T + bias - alibi) v, row-wise over the visible keys,
+//   lse = log sum_j exp(scale * q_i . k_j + bias_ij - alibi_ij) over the visible keys,
+//   alibi_ij = slope_h |i + S - L - j|  (ALiBi, when slopes are given: a
+//   distance penalty computed in the tile, with the bottom-right alignment of
+//   the causal mask, so one query over a cache sits at the cache's end).
 //
 // Query i of batch n sees key j iff j < key_lengths[n] (when given) and, when
 // causal, j <= i + S - L (bottom-right aligned; see docs/MATH.md, Masks and
@@ -38,6 +41,8 @@ struct SoftmaxAttentionParams : QkvParams {
   const float* bias = nullptr;           // indexed as (N, H, L, S); nullptr: none
   int64_t bias_stride[4] = {};           // 0 broadcasts a dimension: the strides of
                                          // bias.expand({N, H, L, S}) in torch terms
+  const float* alibi_slopes = nullptr;   // (H) ALiBi slopes (any sign); nullptr: none.
+                                         // Constants: the backward gives them no gradient
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

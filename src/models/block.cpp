@@ -36,14 +36,18 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
   } else {
     kind_ = Kind::multihead;
     self_ = register_module("self_attention",
-                            nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H).attention(spec)));
+                            nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
+                                                       .kv_heads(options.kv_heads())
+                                                       .alibi(has(options.positions(), Positions::alibi))
+                                                       .attention(spec)));
     sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   }
   norm_self_ = register_module("norm_self", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
   if (cross) {
     cross_ = register_module("cross_attention",
-                             nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H).attention(
-                                 options.cross_attention())));
+                             nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
+                                                        .kv_heads(options.kv_heads())
+                                                        .attention(options.cross_attention())));
     norm_cross_ = register_module("norm_cross", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
   }
   ff1_ = register_module("ff1", nn::Linear(d, options.ffn()));
@@ -101,12 +105,15 @@ std::unique_ptr<BlockState> TransformerBlockImpl::start_decoding(const torch::Te
     TORCH_CHECK(info_->start_decoding, "Transformer: attention '", spec_,
                 "' has no incremental decoding state");
     state->self = info_->start_decoding(nn::resolve_mechanism(spec_).second);
+    if (self_->options.alibi()) state->self->set_alibi_slopes(self_->alibi_slopes());
   }
   if (cross_) {
     TORCH_CHECK(memory.defined(), "Transformer: decoding a cross-attention block needs the encoder output");
-    const int64_t N = memory.size(0), S = memory.size(1), H = options_.heads();
-    const int64_t dh = options_.width() / H;
-    auto heads = [&](const torch::Tensor& t) { return t.view({N, S, H, dh}).transpose(1, 2); };
+    const int64_t N = memory.size(0), S = memory.size(1), Hk = cross_->kv_head_count();
+    const int64_t dh = options_.width() / options_.heads();
+    auto heads = [&](const torch::Tensor& t) {
+      return cross_->for_mechanism(t.view({N, S, Hk, dh}).transpose(1, 2));
+    };
     state->cross_keys = heads(cross_->k_proj(memory));
     state->cross_values = heads(cross_->v_proj(memory));
     state->memory_lengths = memory_lengths;
@@ -118,9 +125,12 @@ torch::Tensor TransformerBlockImpl::self_attention_step(const torch::Tensor& h_t
   const int64_t N = h_t.size(0), d = options_.width(), H = options_.heads(), dh = d / H;
   if (kind_ == Kind::agglomerative) return agglomerative_->step(h_t, state.agglomerative);
   if (kind_ == Kind::multihead) {
+    // Grouped heads reach a state that reads groups as they are: its cache
+    // holds kv_heads heads.
+    const int64_t Hk = self_->kv_head_count();
     auto q = self_->q_proj(h_t).view({N, H, dh});
-    auto k = self_->k_proj(h_t).view({N, H, dh});
-    auto v = self_->v_proj(h_t).view({N, H, dh});
+    auto k = self_->for_mechanism(self_->k_proj(h_t).view({N, Hk, dh}));
+    auto v = self_->for_mechanism(self_->v_proj(h_t).view({N, Hk, dh}));
     return self_->out_proj(state.self->step(q, k, v).reshape({N, d}));
   }
   // Relative positions, query t over keys j <= t: scores q . (k_j + wK[b_j]) /

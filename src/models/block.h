@@ -21,7 +21,7 @@ struct BlockState {
   std::unique_ptr<nn::CausalState> self;    // multi-head blocks
   nn::KeyValueCache relative;               // relative-position blocks
   nn::AgglomerativeState agglomerative;     // agglomerative blocks
-  torch::Tensor cross_keys, cross_values;   // (N, H, S, dh): the projected encoder output
+  torch::Tensor cross_keys, cross_values;   // (N, H or kv heads, S, dh): the projected encoder output
   torch::Tensor memory_lengths;
 };
 

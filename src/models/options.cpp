@@ -41,7 +41,7 @@ const std::vector<std::pair<const char*, Architecture>>& architectures() {
 const std::vector<std::pair<const char*, Positions>>& position_schemes() {
   static const std::vector<std::pair<const char*, Positions>> t{
       {"conv", Positions::conv}, {"sinusoidal", Positions::sinusoidal},
-      {"learned", Positions::learned}, {"relative", Positions::relative}};
+      {"learned", Positions::learned}, {"relative", Positions::relative}, {"alibi", Positions::alibi}};
   return t;
 }
 
@@ -70,6 +70,8 @@ Positions positions_from_string(const std::string& name) {
   }
   TORCH_CHECK(!(has(set, Positions::sinusoidal) && has(set, Positions::learned)), "position schemes '", name,
               "' add two absolute tables; choose sinusoidal or learned");
+  TORCH_CHECK(!(has(set, Positions::relative) && has(set, Positions::alibi)), "position schemes '", name,
+              "' give the scores two relative terms; choose relative or alibi");
   return set;
 }
 Norm norm_from_string(const std::string& name) { return from_table("norm placement", name, norms()); }
@@ -92,6 +94,9 @@ std::string TransformerOptions::to_json() const {
   j["layers"] = layers();
   j["width"] = width();
   j["heads"] = heads();
+  // Written only when set: the options of a model without grouped heads stay
+  // what they were before the option existed.
+  if (kv_heads() != 0) j["kv_heads"] = kv_heads();
   j["ffn"] = ffn();
   j["dropout"] = dropout();
   j["attention"] = attention();
@@ -123,6 +128,7 @@ TransformerOptions TransformerOptions::from_json(const std::string& text) {
       else if (key == "layers") o.layers(value.get<int64_t>());
       else if (key == "width") o.width(value.get<int64_t>());
       else if (key == "heads") o.heads(value.get<int64_t>());
+      else if (key == "kv_heads") o.kv_heads(value.get<int64_t>());
       else if (key == "ffn") o.ffn(value.get<int64_t>());
       else if (key == "dropout") o.dropout(value.get<double>());
       else if (key == "attention") o.attention(value.get<std::vector<std::string>>());
@@ -169,6 +175,19 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
                 ": relative positions need exact attention's scores; agglomerative attention "
                 "has none (use positions conv, the agglomerative paper's front end, or another)");
   }
+  const bool grouped = o.kv_heads() != 0 && o.kv_heads() != o.heads();
+  TORCH_CHECK(!grouped || info->name != "agglomerative", where, ": kv_heads = ", o.kv_heads(),
+              " needs key and value projections; agglomerative blocks have class projections instead");
+  TORCH_CHECK(!grouped || !has(o.positions(), Positions::relative), where, ": kv_heads = ",
+              o.kv_heads(), " is not supported with relative positions (their blocks keep full heads)");
+  TORCH_CHECK(!has(o.positions(), Positions::alibi) || info->supports.alibi, where,
+              ": ALiBi positions penalise the scores inside the attention kernel; '", text,
+              "' takes no slopes (mechanisms that do: ", [] {
+                std::string names;
+                for (const auto& m : nn::mechanisms())
+                  if (m.supports.alibi) names += (names.empty() ? "" : ", ") + m.name;
+                return names;
+              }(), ")");
   TORCH_CHECK(!has(o.positions(), Positions::relative) || info->name == "full", where,
               ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
               "need attention 'full', got '", text, "'");
@@ -230,6 +249,9 @@ void validate(const TransformerOptions& o) {
   TORCH_CHECK(o.layers() >= 1, where, ": layers must be >= 1, got ", o.layers());
   TORCH_CHECK(o.width() >= 1 && o.heads() >= 1 && o.width() % o.heads() == 0, where, ": width (",
               o.width(), ") must be a positive multiple of heads (", o.heads(), ")");
+  TORCH_CHECK(o.kv_heads() >= 0 && (o.kv_heads() == 0 || o.heads() % o.kv_heads() == 0), where,
+              ": kv_heads (", o.kv_heads(), ") must divide heads (", o.heads(),
+              "), or be 0 for as many as heads");
   TORCH_CHECK(o.ffn() >= 1, where, ": ffn must be >= 1, got ", o.ffn());
   TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, where, ": dropout must be in [0, 1), got ",
               o.dropout());

@@ -71,7 +71,17 @@ void KeyValueCache::forget_before(int64_t position) {
   forgotten_ = std::max(forgotten_, std::min(position, size()));
 }
 
+void CausalState::set_alibi_slopes(const torch::Tensor&) {
+  TORCH_CHECK(false, "this decoding state does not take ALiBi slopes");
+}
+
 // --- CachedSoftmaxState -------------------------------------------------------------------
+
+void CachedSoftmaxState::set_alibi_slopes(const torch::Tensor& slopes) {
+  TORCH_CHECK(!positions_, "CachedSoftmaxState: ALiBi needs the keys' distances, which a gathered "
+              "state's positions do not keep in order; only window states take slopes");
+  alibi_slopes_ = slopes;
+}
 
 CachedSoftmaxState::CachedSoftmaxState(std::function<int64_t(int64_t)> window_begin)
     : window_begin_(std::move(window_begin)) {}
@@ -102,7 +112,9 @@ torch::Tensor CachedSoftmaxState::step(const torch::Tensor& q, const torch::Tens
   }
   // One query over every visible key: no mask; the kernel splits long key
   // ranges across threads.
-  return softmax_attention(q.unsqueeze(2), keys, values).squeeze(2);
+  return softmax_attention(q.unsqueeze(2), keys, values,
+                           SoftmaxAttentionFuncOptions().alibi_slopes(alibi_slopes_))
+      .squeeze(2);
 }
 
 }  // namespace attnkit::nn

@@ -10,16 +10,46 @@ MultiheadAttentionImpl::MultiheadAttentionImpl(const MultiheadAttentionOptions& 
   reset();
 }
 
+namespace {
+
+bool reads_grouped_heads(const std::string& spec) {
+  return resolve_mechanism(spec).first->supports.grouped_heads;
+}
+
+void check_takes_alibi(const std::string& spec) {
+  const auto* info = resolve_mechanism(spec).first;
+  TORCH_CHECK(info->supports.alibi, "MultiheadAttention: ALiBi needs a mechanism that takes its slopes "
+              "(MechanismSupports::alibi, e.g. 'full'); '", spec, "' does not");
+}
+
+}  // namespace
+
 void MultiheadAttentionImpl::reset() {
-  const int64_t d = options.width(), h = options.heads();
+  const int64_t d = options.width(), h = options.heads(), hk = options.kv_heads();
   TORCH_CHECK(d > 0 && h > 0 && d % h == 0, "MultiheadAttention: width (", d,
               ") must be a positive multiple of heads (", h, ")");
-  auto linear = [&] { return Linear(torch::nn::LinearOptions(d, d).bias(options.bias())); };
-  q_proj = register_module("q_proj", linear());
-  k_proj = register_module("k_proj", linear());
-  v_proj = register_module("v_proj", linear());
-  out_proj = register_module("out_proj", linear());
+  TORCH_CHECK(hk >= 0 && (hk == 0 || h % hk == 0), "MultiheadAttention: kv_heads (", hk,
+              ") must divide heads (", h, "), or be 0 for as many as heads");
+  const int64_t kv_width = kv_head_count() * (d / h);
+  auto linear = [&](int64_t out) { return Linear(torch::nn::LinearOptions(d, out).bias(options.bias())); };
+  q_proj = register_module("q_proj", linear(d));
+  k_proj = register_module("k_proj", linear(kv_width));
+  v_proj = register_module("v_proj", linear(kv_width));
+  out_proj = register_module("out_proj", linear(d));
   attention = register_module("attention", make_mechanism(options.attention()));
+  mechanism_reads_groups_ = reads_grouped_heads(options.attention());
+  if (options.alibi()) check_takes_alibi(options.attention());
+  alibi_slopes_ = options.alibi() ? attnkit::alibi_slopes(h) : torch::Tensor();
+}
+
+int64_t MultiheadAttentionImpl::kv_head_count() const {
+  return options.kv_heads() > 0 ? options.kv_heads() : options.heads();
+}
+
+torch::Tensor MultiheadAttentionImpl::for_mechanism(const torch::Tensor& kv, int64_t head_dim) const {
+  const int64_t group = options.heads() / kv_head_count();
+  if (group == 1 || mechanism_reads_groups_) return kv;
+  return kv.repeat_interleave(group, head_dim);
 }
 
 std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
@@ -32,8 +62,10 @@ std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
 }
 
 void MultiheadAttentionImpl::set_attention(const std::string& spec) {
+  if (options.alibi()) check_takes_alibi(spec);
   attention = replace_module("attention", make_mechanism(spec));
   options.attention(spec);
+  mechanism_reads_groups_ = reads_grouped_heads(spec);
 }
 
 torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -53,12 +85,15 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
   detail::check_dim(module, "key", key, 0, query.size(0), "batch size N");
   detail::check_dim(module, "value", value, 0, query.size(0), "batch size N");
   detail::check_dim(module, "value", value, 1, key.size(1), "length S");
-  const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
-  // (N, T, D) -> (N, H, T, dh) as a strided view: the ops take strides, no copy.
-  auto heads = [&](const torch::Tensor& x, int64_t T) { return x.view({N, T, H, dh}).transpose(1, 2); };
-  auto q = heads(q_proj(query), L), k = heads(k_proj(key), S), v = heads(v_proj(value), S);
+  const int64_t N = query.size(0), L = query.size(1), S = key.size(1), Hk = kv_head_count();
+  // (N, T, heads * dh) -> (N, heads, T, dh) as a strided view: the ops take strides, no copy.
+  auto split = [&](const torch::Tensor& x, int64_t T, int64_t heads) {
+    return x.view({N, T, heads, dh}).transpose(1, 2);
+  };
+  auto q = split(q_proj(query), L, H);
+  auto k = for_mechanism(split(k_proj(key), S, Hk)), v = for_mechanism(split(v_proj(value), S, Hk));
   if (probe) probe(q, k, v);
-  auto out = attention->forward(q, k, v, AttendArgs{causal, key_lengths});
+  auto out = attention->forward(q, k, v, AttendArgs{causal, key_lengths, alibi_slopes_});
   return out_proj(out.transpose(1, 2).reshape({N, L, d}));
 }
 

@@ -377,7 +377,7 @@ torch::Tensor attend(const std::string& spec_text, const torch::Tensor& q, const
   TORCH_CHECK(info->inputs == std::vector<std::string>({"q", "k", "v"}), "attend: mechanism '",
               info->name, "' does not take q, k, v (its inputs are class weights; see "
               "agglomerative_attention and nn::AgglomerativeAttention)");
-  detail::check_qkv("attend", q, k, v);
+  detail::check_qkv("attend", q, k, v, /*grouped_heads=*/true);
   check_supports(*info, q, k, v, args);
   return info->run({q, k, v}, args, spec);
 }
@@ -396,6 +396,16 @@ void check_supports(const MechanismInfo& info, const torch::Tensor& q, const tor
   TORCH_CHECK(s.value_dim || k.size(3) == v.size(3), n,
               ": this mechanism needs values as wide as keys (M == E), got E = ", k.size(3),
               ", M = ", v.size(3));
+  TORCH_CHECK(s.alibi || !args.alibi_slopes.defined(), n,
+              ": this mechanism does not take ALiBi slopes (mechanisms that do: ", [] {
+                std::string names;
+                for (const auto& m : mechanisms())
+                  if (m.supports.alibi) names += (names.empty() ? "" : ", ") + m.name;
+                return names;
+              }(), ")");
+  TORCH_CHECK(s.grouped_heads || k.size(1) == q.size(1), n,
+              ": this mechanism reads no grouped-query heads: k and v need q's head count ", q.size(1),
+              ", got ", k.size(1), " (repeat each over its group, as nn::MultiheadAttention does)");
 }
 
 }  // namespace attnkit::nn

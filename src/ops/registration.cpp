@@ -15,12 +15,14 @@ namespace {
 torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, c10::optional<double> scale,
                                    bool causal, const c10::optional<torch::Tensor>& key_lengths,
-                                   const c10::optional<torch::Tensor>& bias) {
+                                   const c10::optional<torch::Tensor>& bias,
+                                   const c10::optional<torch::Tensor>& alibi_slopes) {
   return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
                                         .key_lengths(key_lengths.value_or(torch::Tensor()))
-                                        .bias(bias.value_or(torch::Tensor())));
+                                        .bias(bias.value_or(torch::Tensor()))
+                                        .alibi_slopes(alibi_slopes.value_or(torch::Tensor())));
 }
 
 torch::Tensor scaled_dot_product_attention_op(const torch::Tensor& query, const torch::Tensor& key,
@@ -98,8 +100,9 @@ std::string schema_float(double x) {
 
 TORCH_LIBRARY(attnkit, m) {
   m.def("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
-        "Tensor? key_lengths=None, Tensor? bias=None) -> Tensor",
+        "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None) -> Tensor",
         &softmax_attention_op);
+  m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
   // torch 2.5's schema of torch.nn.functional.scaled_dot_product_attention.
   m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
         "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",

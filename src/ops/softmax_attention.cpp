@@ -7,7 +7,9 @@
 
 #include <torch/autograd.h>
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "base/checks.h"
 #include "ops/autograd_util.h"
@@ -40,12 +42,28 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
+void check_alibi_slopes(const char* op, const torch::Tensor& slopes, int64_t H) {
+  if (!slopes.defined()) return;
+  TORCH_CHECK(slopes.device().is_cpu() && slopes.is_floating_point(), op,
+              ": argument 'alibi_slopes' must be a floating CPU tensor, got ", slopes.scalar_type(),
+              " on ", slopes.device());
+  TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == H, op,
+              ": argument 'alibi_slopes' must have shape (H) = (", H, "), one slope per query head, got ",
+              detail::shape_str(slopes));
+  TORCH_CHECK(!slopes.requires_grad(), op,
+              ": argument 'alibi_slopes' requires grad, but ALiBi's slopes are constants here (the "
+              "kernel gives them no gradient); detach them, or learn a bias tensor instead");
+  TORCH_CHECK(H == 0 || torch::isfinite(slopes).all().item<bool>(), op,
+              ": argument 'alibi_slopes' has a non-finite entry");
+}
+
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
   detail::check_qkv(kSoftmaxOp, q, k, v, /*grouped_heads=*/true);
   detail::check_scale(kSoftmaxOp, options.scale(), q.scalar_type());
   detail::check_lengths(kSoftmaxOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
   check_bias(kSoftmaxOp, options.bias(), q, k.size(2));
+  check_alibi_slopes(kSoftmaxOp, options.alibi_slopes(), q.size(1));
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -55,6 +73,7 @@ struct SoftmaxConstants {
   torch::Tensor key_lengths;  // undefined, or contiguous int64 (N)
   double scale;
   bool causal;
+  torch::Tensor alibi_slopes;  // undefined, or contiguous float32 (H)
 };
 
 /// Query heads per key/value head (1 without grouped-query heads).
@@ -87,6 +106,7 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
   p.key_lengths = key_lengths.defined() ? key_lengths.data_ptr<int64_t>() : nullptr;
+  p.alibi_slopes = c.alibi_slopes.defined() ? c.alibi_slopes.data_ptr<float>() : nullptr;
   if (bias.defined()) {
     // stride 0 on broadcast dimensions: no copy of a broadcast bias
     const auto full = bias.expand({p.N, p.H, p.L, p.S});
@@ -117,7 +137,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto &bias = saved[5], &key_lengths = saved[6];
     const SoftmaxConstants c{key_lengths, ctx->saved_data["scale"].toDouble(),
-                      ctx->saved_data["causal"].toBool()};
+                             ctx->saved_data["causal"].toBool(), saved[7]};
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
@@ -161,7 +181,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     auto out = torch::empty({N, H, L, M}, q.options());
     auto lse = torch::empty({N, H, L}, q.options());
     kernels::softmax_attention_forward(make_params(q, k, v, bias, c.key_lengths, c, out, lse));
-    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths});
+    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes});
     ctx->saved_data["scale"] = c.scale;
     ctx->saved_data["causal"] = c.causal;
     ctx->saved_data["has_bias"] = bias.defined();
@@ -188,7 +208,8 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool()};
+    const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+                             torch::Tensor()};
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
@@ -218,6 +239,7 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
 std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
                                  const SoftmaxAttentionFuncOptions& options) {
   if (options.bias().defined()) return "a bias";
+  if (options.alibi_slopes().defined()) return "ALiBi slopes";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -227,6 +249,18 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 }  // namespace
+
+torch::Tensor alibi_slopes(int64_t heads) {
+  TORCH_CHECK(heads >= 1, "alibi_slopes: heads must be >= 1, got ", heads);
+  // The largest power of two p <= heads takes 2^(-8 h / p), h = 1..p; the
+  // remaining heads - p take every other slope of 2p heads: 2^(-4 (2h - 1) / p).
+  int64_t p = 1;
+  while (2 * p <= heads) p *= 2;
+  std::vector<float> slopes;
+  for (int64_t h = 1; h <= p; ++h) slopes.push_back(static_cast<float>(std::exp2(-8.0 * h / p)));
+  for (int64_t h = 1; h <= heads - p; ++h) slopes.push_back(static_cast<float>(std::exp2(-4.0 * (2 * h - 1) / p)));
+  return torch::tensor(slopes, torch::kFloat);
+}
 
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const SoftmaxAttentionFuncOptions& options) {
@@ -250,8 +284,10 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
+  auto slopes = options.alibi_slopes();
+  if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
-                    options.causal()};
+                           options.causal(), slopes};
   if (q.scalar_type() == torch::kBFloat16) {
     if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.

@@ -16,6 +16,12 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const auto values = group > 1 ? v.repeat_interleave(group, 1) : v;
   auto scores = torch::matmul(q, keys.transpose(-2, -1)) * scale;
   if (o.bias().defined()) scores = scores + o.bias();
+  if (o.alibi_slopes().defined()) {
+    // -slope_h |i + S - L - j|: query i at position i + S - L of the keys.
+    const auto query_at = torch::arange(L, q.options()).add(static_cast<double>(S - L)).view({L, 1});
+    const auto distance = (query_at - torch::arange(S, q.options()).view({1, S})).abs();
+    scores = scores - o.alibi_slopes().to(q.scalar_type()).view({-1, 1, 1}) * distance;
+  }
   const auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
   auto a = detail::masked_softmax(scores, visible);
   // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a

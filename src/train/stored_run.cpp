@@ -54,6 +54,10 @@ std::vector<std::string> resume_mismatches(const RunHeader& stored, const Traine
     if (!model.contains(item.key()) || model[item.key()] != item.value())
       out.push_back("model " + item.key() + ": checkpoint " + item.value().dump() + ", now " +
                     (model.contains(item.key()) ? model[item.key()].dump() : "absent"));
+  // Options written only when set (kv_heads) are absent from older checkpoints.
+  for (const auto& item : model.items())
+    if (!stored_model.contains(item.key()))
+      out.push_back("model " + item.key() + ": checkpoint absent (the default), now " + item.value().dump());
   const json stored_trainer = json::parse(stored.trainer.to_json()), trainer = json::parse(t.to_json());
   // What may change between sessions of a run: its length, threads, logging,
   // evaluation and checkpoint cadence, the display. Everything else shapes

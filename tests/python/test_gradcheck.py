@@ -100,6 +100,9 @@ def _op_cases():
         leaf(2, 1, 1, 3), leaf(2, 1, 3, 3), leaf(2, 1, 3, 1))
     add("softmax strided", lambda q, k, v: ops.softmax_attention(T(q), T(k), T(v), causal=True),
         transposed(1, 2, 3, 3), transposed(1, 2, 4, 3), transposed(1, 2, 4, 5))
+    add("softmax alibi causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True,
+                                                                       alibi_slopes=ops.alibi_slopes(2)),
+        leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
     add("softmax bias broadcast", lambda q, k, v, b: ops.softmax_attention(q, k, v, causal=True, bias=b),
         leaf(2, 2, 3, 3), leaf(2, 2, 4, 3), leaf(2, 2, 4, 2), leaf(1, 2, 1, 4))
     add("softmax bias full + key_lengths", lambda q, k, v, b: ops.softmax_attention(q, k, v, bias=b,
@@ -208,7 +211,7 @@ def test_gradcheck_covers_every_op():
     """A new op must get cases above: the list of ops is closed."""
     tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
               "clustered_attention", "sparse_attention", "linear"}
-    untensored = {"edge_pattern", "isa", "isa_description", "machine_isa", "set_max_isa"}
+    untensored = {"edge_pattern", "alibi_slopes", "isa", "isa_description", "machine_isa", "set_max_isa"}
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored
 
 

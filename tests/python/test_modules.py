@@ -904,6 +904,61 @@ def test_multihead_full_matches_torch_multihead_attention():
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 5))
 
 
+def test_multihead_grouped_heads_match_torch_with_repeated_projections():
+    """kv_heads=2 of 4: torch.nn.MultiheadAttention whose k and v projections
+    are each key/value head's rows repeated over its group gives the same
+    output and weights; for full attention (read in place) and a mechanism
+    the module repeats heads for (compared with itself at full heads)."""
+    H, Hk, D = 4, 2, 8
+    dh = D // H
+    m = ann.MultiheadAttention(D, H, batch_first=True, kv_heads=Hk).double()
+    p = dict(m.named_parameters())
+    assert p["k_proj.weight"].shape == (Hk * dh, D) and p["v_proj.bias"].shape == (Hk * dh,)
+
+    def repeated(t):  # (Hk dh, ...) -> (H dh, ...): head g's rows for each of its H / Hk query heads
+        return t.reshape(Hk, dh, *t.shape[1:]).repeat_interleave(H // Hk, 0).reshape(H * dh, *t.shape[1:])
+
+    t = torch.nn.MultiheadAttention(D, H, batch_first=True).double()
+    with torch.no_grad():
+        t.in_proj_weight.copy_(torch.cat([p["q_proj.weight"], repeated(p["k_proj.weight"]),
+                                          repeated(p["v_proj.weight"])]))
+        t.in_proj_bias.copy_(torch.cat([p["q_proj.bias"], repeated(p["k_proj.bias"]), repeated(p["v_proj.bias"])]))
+        t.out_proj.weight.copy_(p["out_proj.weight"])
+        t.out_proj.bias.copy_(p["out_proj.bias"])
+    q, kv = torch.randn(2, 4, D, dtype=f64), torch.randn(2, 6, D, dtype=f64)
+    pad = padding([6, 3], 6)
+    out, weights = m(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
+    t_out, t_weights = t(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
+    assert rel_err(out, t_out) <= F64_TOL and rel_err(weights, t_weights) <= F64_TOL
+    # A mechanism without grouped heads: the module repeats them, so the output
+    # is that of full heads with the repeated projections.
+    for spec in ("linear", "causal-linear"):
+        g = ann.MultiheadAttention(D, H, attention=spec, batch_first=True, kv_heads=Hk).double()
+        f = ann.MultiheadAttention(D, H, attention=spec, batch_first=True).double()
+        gp = dict(g.named_parameters())
+        with torch.no_grad():
+            for name, param in f.named_parameters():
+                grouped = gp[name]
+                param.copy_(repeated(grouped) if name.split(".")[0] in ("k_proj", "v_proj") else grouped)
+        x = torch.randn(2, 5, D, dtype=f64)
+        assert rel_err(g(x, x, x)[0], f(x, x, x)[0]) <= F64_TOL, spec
+    assert {e["name"]: e["supports"]["grouped_heads"] for e in attnkit.mechanisms()}["full"] is True
+    with pytest.raises(RuntimeError, match=r"kv_heads \(3\) must divide heads \(4\)"):
+        ann.MultiheadAttention(D, H, kv_heads=3)
+
+
+def test_transformer_takes_kv_heads():
+    """The option reaches the C++ builder (decoding against the forward is
+    tested there: tests/models/grouped_heads_test.cpp)."""
+    model = Transformer(11, layers=2, width=16, heads=4, kv_heads=2, ffn=24, dropout=0.0)
+    assert model.options["kv_heads"] == 2
+    names = dict(model.named_parameters())
+    assert names["decoder_0.self_attention.k_proj.weight"].shape == (8, 16)
+    assert "kv_heads" not in Transformer(11, width=16, heads=4).options  # unset: written as before
+    with pytest.raises(RuntimeError, match=r"kv_heads \(3\) must divide heads \(4\)"):
+        Transformer(11, width=16, heads=4, kv_heads=3)
+
+
 # ---------------------------------------------------------------------------------------
 # Closed forms of the other modules
 # ---------------------------------------------------------------------------------------

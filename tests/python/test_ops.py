@@ -44,6 +44,28 @@ class OpsTest(unittest.TestCase):
         for mine, theirs in zip(leaves, ref):
             torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=0, atol=2e-5)
 
+    def test_alibi_slopes_equal_the_penalty_as_a_bias(self):
+        # ALiBi in the kernel against the same penalty given as a bias tensor
+        # (float64 composite): values and the gradients of q, k, v; L < S and causal.
+        q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 3)
+        slopes = attnkit.alibi_slopes(4)
+        self.assertTrue(torch.allclose(slopes, 2.0 ** -torch.arange(2.0, 10.0, 2.0)))
+        L, S = 5, 9
+        penalty = -slopes.double().view(4, 1, 1) * (torch.arange(L).view(L, 1) + S - L - torch.arange(S)).abs()
+        for causal in (False, True):
+            mine = [t.clone().requires_grad_() for t in (q, k, v)]
+            theirs = [t.double().requires_grad_() for t in (q, k, v)]
+            out = attnkit.softmax_attention(*mine, causal=causal, alibi_slopes=slopes)
+            want = attnkit.softmax_attention(*theirs, causal=causal, bias=penalty)
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+            cot = torch.randn_like(want)
+            (out * cot.float()).sum().backward()
+            (want * cot).sum().backward()
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+        with self.assertRaisesRegex(RuntimeError, "alibi_slopes.*shape \\(H\\) = \\(4\\)"):
+            attnkit.softmax_attention(q, k, v, alibi_slopes=torch.ones(3))
+
     def test_float32_bias_gradient_matches_float64(self):
         # The float32 kernel's bias gradient, summed over the broadcast heads,
         # against the float64 composite's; bound 1e-5 relative to the largest entry.

@@ -42,9 +42,10 @@ enum class Architecture {
 };
 
 /// How a model sees positions: a set of schemes, composable with '+' in text
-/// ("conv+learned", "conv+relative"). In the embedding they apply in the order
-/// conv, then the absolute table (sinusoidal or learned: at most one);
-/// relative acts inside the blocks. "none" is the empty set.
+/// ("conv+learned", "conv+relative", "alibi"). In the embedding they apply in
+/// the order conv, then the absolute table (sinusoidal or learned: at most
+/// one); relative and alibi act inside the blocks (one of them). "none" is the
+/// empty set.
 enum class Positions : unsigned {
   none = 0,
   sinusoidal = 1 << 0,  ///< fixed PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...), added
@@ -52,6 +53,10 @@ enum class Positions : unsigned {
   relative = 1 << 2,    ///< Shaw et al.: per-block relative key/value tables (exact attention only)
   conv = 1 << 3,        ///< causal 1-D convolution of width conv_width over the embeddings
                         ///< (the agglomerative paper's front end)
+  alibi = 1 << 4,       ///< ALiBi (Press et al.): every self-attention penalises each head's
+                        ///< scores by slope_h x the query-key distance, inside the kernel
+                        ///< (mechanisms with MechanismSupports::alibi); no table, so no
+                        ///< max_length limit of its own
 };
 constexpr Positions operator|(Positions a, Positions b) {
   return static_cast<Positions>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -84,6 +89,11 @@ struct TransformerOptions {
   TORCH_ARG(int64_t, layers) = 2;
   TORCH_ARG(int64_t, width) = 64;
   TORCH_ARG(int64_t, heads) = 4;
+  /// Key/value heads of the multi-head blocks (self- and cross-attention):
+  /// grouped-query attention when it divides heads (1: multi-query); 0, the
+  /// default, as many as heads. The decoding cache of exact attention keeps
+  /// kv_heads heads. Not with relative positions or agglomerative blocks.
+  TORCH_ARG(int64_t, kv_heads) = 0;
   TORCH_ARG(int64_t, ffn) = 256;  ///< hidden width of the feed-forward network
   TORCH_ARG(double, dropout) = 0.1;
   /// Self-attention of the blocks as registry specs: one spec for every block,

@@ -24,6 +24,9 @@ class CausalState {
                              const torch::Tensor& v) = 0;
   /// Positions stepped so far.
   virtual int64_t steps() const = 0;
+  /// ALiBi: the (H) slopes of the steps to come (a state of a mechanism with
+  /// MechanismSupports::alibi). The default refuses.
+  virtual void set_alibi_slopes(const torch::Tensor& slopes);
 };
 
 /// The keys and values of the positions a decoder has seen, (N, H, T, E) and
@@ -68,6 +71,9 @@ class CachedSoftmaxState : public CausalState {
   torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v) override;
   int64_t steps() const override { return cache_.size(); }
+  /// The query of a step sits at the end of its visible keys, so the kernel's
+  /// bottom-right alignment gives ALiBi's distances (window states only).
+  void set_alibi_slopes(const torch::Tensor& slopes) override;
   const KeyValueCache& cache() const { return cache_; }
 
  private:
@@ -75,6 +81,7 @@ class CachedSoftmaxState : public CausalState {
   std::function<int64_t(int64_t)> window_begin_;
   std::function<std::vector<int64_t>(int64_t)> positions_;
   KeyValueCache cache_;
+  torch::Tensor alibi_slopes_;
 };
 
 }  // namespace attnkit::nn

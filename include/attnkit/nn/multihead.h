@@ -20,13 +20,22 @@ struct MultiheadAttentionOptions {
       : width_(width), heads_(heads) {}
   TORCH_ARG(int64_t, width);
   TORCH_ARG(int64_t, heads);
+  /// Key/value heads (grouped-query attention; 1: multi-query): a divisor of
+  /// heads, each key/value head serving heads / kv_heads query heads; k_proj
+  /// and v_proj then have kv_heads * width / heads outputs. 0: as many as heads.
+  TORCH_ARG(int64_t, kv_heads) = 0;
   TORCH_ARG(bool, bias) = true;
+  /// ALiBi: the mechanism (one with MechanismSupports::alibi) penalises each
+  /// head's scores by slope_h times the query-key distance, with the paper's
+  /// slopes (attnkit::alibi_slopes(heads)).
+  TORCH_ARG(bool, alibi) = false;
   /// The mechanism behind the projections, as a registry spec string
   /// (nn/registry.h), e.g. "improved-clustered:clusters=25,topk=32".
   TORCH_ARG(std::string, attention) = "full";
 };
 
-/// Concat(head_1..head_h) W^O with head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+/// Concat(head_1..head_h) W^O with head_i = Attention(Q W_i^Q, K W_g^K, V W_g^V),
+/// g = i for full heads, g = floor(i / (heads / kv_heads)) for grouped ones.
 class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImpl> {
  public:
   explicit MultiheadAttentionImpl(const MultiheadAttentionOptions& options);
@@ -43,17 +52,33 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
                         const torch::Tensor& value, const torch::Tensor& key_lengths = {},
                         bool causal = false);
 
+  /// options.kv_heads, or heads when it is 0.
+  int64_t kv_head_count() const;
+  /// ALiBi's slopes (float32 (heads)) when options.alibi, else undefined.
+  const torch::Tensor& alibi_slopes() const { return alibi_slopes_; }
+  /// Projected keys or values with kv_head_count() heads along `head_dim`, as
+  /// the mechanism takes them: unchanged when it reads grouped heads
+  /// (MechanismSupports::grouped_heads), else each head repeated over its
+  /// group (query head h reads copy h). Decoding and cross-attention states
+  /// pass theirs through it too.
+  torch::Tensor for_mechanism(const torch::Tensor& kv, int64_t head_dim = 1) const;
+
   MultiheadAttentionOptions options;
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
   /// When set, forward() first hands it the per-head inputs of the mechanism,
   /// q (N, H, L, D/H), k and v (N, H, S, D/H) (strided views, part of the
-  /// autograd graph): to study what a trained model's attention sees (e.g.
+  /// autograd graph; with grouped heads k and v as for_mechanism gives them,
+  /// kv_heads heads when the mechanism reads groups): to study what a trained model's attention sees (e.g.
   /// `attnkit approx --run`). Not part of the module's state; not cloned.
   std::function<void(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)> probe;
   /// The registry's module for options.attention (registered as "attention",
   /// so a mechanism's state, e.g. clustered attention's seed counter, is in
   /// the state_dict).
   std::shared_ptr<MechanismImpl> attention;
+
+ private:
+  bool mechanism_reads_groups_ = false;  // attention's MechanismSupports::grouped_heads
+  torch::Tensor alibi_slopes_;           // constants, not state: made from options
 };
 TORCH_MODULE(MultiheadAttention);
 

@@ -93,17 +93,34 @@ struct MechanismSupports {
   bool cross = false;           ///< L != S (cross-attention)
   bool value_dim = false;       ///< M != E (values of another width than keys)
   bool decoding_state = false;  ///< incremental decoding with a state (nn/decoding.h)
+  /// Grouped-query heads: k and v with fewer heads than q, a divisor Hk of H,
+  /// query head h reading key/value head h / (H / Hk), without copies (and
+  /// the decoding state keeping Hk heads). Modules repeat each key/value head
+  /// over its group for a mechanism without it (nn::MultiheadAttention).
+  bool grouped_heads = false;
+  /// ALiBi: per-head linear distance penalties on the scores
+  /// (AttendArgs::alibi_slopes), computed inside the kernel; the decoding
+  /// state takes them too (CausalState::set_alibi_slopes).
+  bool alibi = false;
 };
 
-/// Sizes of one per-head call: q (N, H, L, E), k (N, H, S, E), v (N, H, S, M).
+/// Sizes of one per-head call: q (N, H, L, E), k (N, Hk, S, E), v (N, Hk, S, M)
+/// with Hk = kv_heads, or H when kv_heads is 0.
 struct AttentionShape {
   int64_t N = 1, H = 1, L = 1, S = 1, E = 1, M = 1;
+  int64_t kv_heads = 0;
+  int64_t Hk() const { return kv_heads > 0 ? kv_heads : H; }
 };
 
 /// Call-time settings of a per-head call.
 struct AttendArgs {
+  // A constructor rather than an aggregate: {causal, key_lengths} keeps
+  // meaning what it did before alibi_slopes existed, without warnings.
+  AttendArgs(bool causal_ = false, torch::Tensor key_lengths_ = {}, torch::Tensor alibi_slopes_ = {})
+      : causal(causal_), key_lengths(std::move(key_lengths_)), alibi_slopes(std::move(alibi_slopes_)) {}
   bool causal = false;
-  torch::Tensor key_lengths;  ///< undefined, or int64 (N)
+  torch::Tensor key_lengths;   ///< undefined, or int64 (N)
+  torch::Tensor alibi_slopes;  ///< undefined, or floating (H): SoftmaxAttentionFuncOptions::alibi_slopes
 };
 
 /// A mechanism as a module over per-head tensors: (q, k, v) of the shapes in
@@ -188,7 +205,8 @@ std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::stri
 /// with an error that names the layer to use instead.
 std::shared_ptr<MechanismImpl> make_mechanism(const std::string& spec_text);
 
-/// Checks that `info` supports the call (causal, key_lengths, L != S, E != M);
+/// Checks that `info` supports the call (causal, key_lengths, L != S, E != M,
+/// grouped heads, ALiBi);
 /// the error names the mechanism and the missing feature.
 void check_supports(const MechanismInfo& info, const torch::Tensor& q, const torch::Tensor& k,
                     const torch::Tensor& v, const AttendArgs& args);

@@ -1,5 +1,5 @@
 // Vectorised helpers shared by the kernels: exp, max, sum, dot, scale, add,
-// axpy over contiguous float arrays. Each ISA level's translation units get
+// axpy, ALiBi's distance penalty over contiguous float arrays. Each ISA level's translation units get
 // their own build (isa.h): 16 lanes at avx512 and above, 8 lanes at avx2 (the
 // same exp, bit for bit), a portable scalar loop at baseline. Every function
 // handles any length (masked tails), and none needs aligned pointers.
@@ -398,6 +398,39 @@ inline void softmax_grad(float* ds, const float* p, int64_t n, float d) {
   }
 #else
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - d);
+#endif
+}
+
+/// x[c] -= slope * |from - c|: ALiBi's linear distance penalty along a row of
+/// scores whose first key is `from` positions before the query (from may be
+/// negative: keys after the query). Exact for |from - c| < 2^24.
+inline void sub_distance(float* x, int64_t n, float from, float slope) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_set1_ps(from), s = _mm512_set1_ps(slope);
+  const __m512 sixteen = _mm512_set1_ps(16.f);
+  __m512 c = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16, c = _mm512_add_ps(c, sixteen))
+    _mm512_storeu_ps(x + i, _mm512_fnmadd_ps(s, _mm512_abs_ps(_mm512_sub_ps(f, c)), _mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, k, _mm512_fnmadd_ps(s, _mm512_abs_ps(_mm512_sub_ps(f, c)),
+                                                     _mm512_maskz_loadu_ps(k, x + i)));
+  }
+#elif ATTNKIT_AVX2
+  const __m256 f = _mm256_set1_ps(from), s = _mm256_set1_ps(slope), eight = _mm256_set1_ps(8.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 c = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8, c = _mm256_add_ps(c, eight))
+    _mm256_storeu_ps(x + i, _mm256_fnmadd_ps(s, _mm256_andnot_ps(sign, _mm256_sub_ps(f, c)), _mm256_loadu_ps(x + i)));
+  if (i < n) {
+    const __m256i k = tail_mask8(n - i);
+    _mm256_maskstore_ps(x + i, k, _mm256_fnmadd_ps(s, _mm256_andnot_ps(sign, _mm256_sub_ps(f, c)),
+                                                   _mm256_maskload_ps(x + i, k)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] -= slope * std::fabs(from - static_cast<float>(i));
 #endif
 }
 

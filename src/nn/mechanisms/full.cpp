@@ -6,7 +6,7 @@ namespace attnkit::nn::registration {
 namespace {
 
 SoftmaxAttentionFuncOptions softmax_options(const AttendArgs& a) {
-  return SoftmaxAttentionFuncOptions().causal(a.causal).key_lengths(a.key_lengths);
+  return SoftmaxAttentionFuncOptions().causal(a.causal).key_lengths(a.key_lengths).alibi_slopes(a.alibi_slopes);
 }
 
 MechanismInfo full_entry() {
@@ -18,6 +18,8 @@ MechanismInfo full_entry() {
   m.supports.cross = true;
   m.supports.value_dim = true;
   m.supports.decoding_state = true;
+  m.supports.grouped_heads = true;
+  m.supports.alibi = true;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;

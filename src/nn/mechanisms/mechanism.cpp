@@ -13,8 +13,8 @@ namespace attnkit::nn::registration {
 
 MechanismInputs sample_qkv(const AttentionShape& s, torch::Dtype dtype) {
   auto o = torch::TensorOptions().dtype(dtype);
-  return {torch::randn({s.N, s.H, s.L, s.E}, o), torch::randn({s.N, s.H, s.S, s.E}, o),
-          torch::randn({s.N, s.H, s.S, s.M}, o)};
+  return {torch::randn({s.N, s.H, s.L, s.E}, o), torch::randn({s.N, s.Hk(), s.S, s.E}, o),
+          torch::randn({s.N, s.Hk(), s.S, s.M}, o)};
 }
 
 namespace {
@@ -26,7 +26,7 @@ class FunctionalMechanism : public MechanismImpl {
       : info_(info), spec_(std::move(spec)) {}
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const AttendArgs& args) override {
-    detail::check_qkv(info_->name.c_str(), q, k, v);
+    detail::check_qkv(info_->name.c_str(), q, k, v, /*grouped_heads=*/true);
     check_supports(*info_, q, k, v, args);
     return info_->run({q, k, v}, args, spec_);
   }
