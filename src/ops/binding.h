@@ -56,10 +56,14 @@ void bind_qkv(Params& p, const torch::Tensor& q, const torch::Tensor& k, const t
 template <typename Params>
 std::array<torch::Tensor, 3> bind_qkv_grads(Params& p, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& v,
-                                            const torch::Tensor& dout) {
-  std::array<torch::Tensor, 3> grads{torch::empty_like(q, torch::MemoryFormat::Contiguous),
-                                     torch::empty_like(k, torch::MemoryFormat::Contiguous),
-                                     torch::empty_like(v, torch::MemoryFormat::Contiguous)};
+                                            const torch::Tensor& dout, bool per_query_head = false) {
+  // per_query_head (grouped-query heads): dk and dv get q's head count, the
+  // shares of each query head that the caller sums over each group.
+  auto like = [&](const torch::Tensor& x) {
+    if (!per_query_head) return torch::empty_like(x, torch::MemoryFormat::Contiguous);
+    return torch::empty({x.size(0), q.size(1), x.size(2), x.size(3)}, x.options());
+  };
+  std::array<torch::Tensor, 3> grads{torch::empty_like(q, torch::MemoryFormat::Contiguous), like(k), like(v)};
   bind(p.dout, p.dout_stride, dout);
   bind(p.dq, p.dq_stride, grads[0]);
   bind(p.dk, p.dk_stride, grads[1]);

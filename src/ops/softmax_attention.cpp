@@ -142,16 +142,9 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
         make_params(q, k, v, bias, key_lengths, c, out, lse);
-    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
     // Grouped-query heads: the kernel writes each query head's share of dk
     // and dv (kernels/softmax_attention.h), summed over each group below.
-    torch::Tensor dk_heads, dv_heads;
-    if (p.kv_group > 1) {
-      dk_heads = torch::empty({p.N, p.H, p.S, p.E}, k.options());
-      dv_heads = torch::empty({p.N, p.H, p.S, p.M}, v.options());
-      detail::bind(p.dk, p.dk_stride, dk_heads);
-      detail::bind(p.dv, p.dv_stride, dv_heads);
-    }
+    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0], /*per_query_head=*/p.kv_group > 1);
     // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
     // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
     torch::Tensor dbias;
@@ -165,8 +158,8 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     }
     kernels::softmax_attention_backward(p);
     if (p.kv_group > 1) {
-      dk = sum_over_groups(dk_heads, p.kv_group);
-      dv = sum_over_groups(dv_heads, p.kv_group);
+      dk = sum_over_groups(dk, p.kv_group);
+      dv = sum_over_groups(dv, p.kv_group);
     }
     tensor_list result = {dq, dk, dv};
     if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());
