@@ -9,11 +9,13 @@
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/multihead.h>
 
+#include "models/decoding_util.h"
 #include "test_util.h"
 
 namespace attnkit {
 namespace {
 
+using testing::decode_all;
 using testing::expect_error;
 using testing::f64;
 using testing::rel_err;
@@ -123,13 +125,6 @@ TEST(GroupedHeads, KeyValueCacheHoldsTheKeyValueHeadsOnly) {
 
 models::TransformerOptions small_grouped(int64_t kv_heads) {
   return models::TransformerOptions(11).layers(2).width(16).heads(4).kv_heads(kv_heads).ffn(24).dropout(0).max_length(64);
-}
-
-torch::Tensor decode_all(models::Transformer& model, const torch::Tensor& tokens, const torch::Tensor& source = {}) {
-  auto state = model->start_decoding(tokens.size(0), source);
-  std::vector<torch::Tensor> out;
-  for (int64_t t = 0; t < tokens.size(1); ++t) out.push_back(model->step(tokens.select(1, t), state));
-  return torch::stack(out, 1);
 }
 
 // Tolerances as tests/models/transformer_test.cpp's: the same sums in another

@@ -4,26 +4,18 @@
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/registry.h>
 
+#include "models/decoding_util.h"
 #include "test_util.h"
 
 namespace attnkit::models {
 namespace {
 
 using attnkit::testing::expect_error;
+using attnkit::testing::decode_all;
 using attnkit::testing::rel_err;
 
 TransformerOptions small(int64_t vocab = 11) {
   return TransformerOptions(vocab).layers(2).width(16).heads(2).ffn(24).dropout(0).max_length(64);
-}
-
-/// Logits of every position, computed by stepping the decoder one token at a
-/// time: (N, L, V).
-torch::Tensor decode_all(Transformer& model, const torch::Tensor& tokens,
-                         const torch::Tensor& source = {}) {
-  auto state = model->start_decoding(tokens.size(0), source);
-  std::vector<torch::Tensor> out;
-  for (int64_t t = 0; t < tokens.size(1); ++t) out.push_back(model->step(tokens.select(1, t), state));
-  return torch::stack(out, 1);
 }
 
 /// Every registry mechanism that can decode, with options small enough that a

@@ -22,13 +22,14 @@
 #include <string>
 #include <vector>
 
-#include "reference/reference.h"
+#include "ops/softmax_cases.h"
 #include "test_util.h"
 
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
 using attnkit::testing::f64;
+using namespace attnkit::testing::softmax;
 
 // float32 kernel against float64: max |op - reference| / max(max |reference|, 1),
 // 2e-5, as for the kernel without ALiBi (tests/ops/softmax_attention_gqa_test.cpp):
@@ -36,98 +37,45 @@ using attnkit::testing::f64;
 // integer < 2^24) and rounded once in slope * distance.
 constexpr double kTolerance = 2e-5;
 
-double err(const torch::Tensor& a, const torch::Tensor& b) {
-  const auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
-  EXPECT_EQ(a64.sizes(), b64.sizes());
-  return (a64 - b64).abs().max().item<double>() / std::max(b64.abs().max().item<double>(), 1.0);
-}
-
-struct Case {
-  std::string name;
-  int64_t N = 2, H = 4, Hkv = 4, L = 5, S = 7, E = 4, M = 3;
-  bool causal = false;
-  std::vector<int64_t> key_lengths;  // empty: none
-  std::vector<int64_t> bias_shape;   // empty: none; else with its gradient
-  bool strided = false;              // q, k, v as (N, L, H, E) views
-  bool negative = false;             // slopes of both signs
+struct AlibiCase : Case {
+  bool negative = false;  // slopes of both signs
 };
 
-std::vector<Case> cases() {
-  std::vector<Case> c;
-  c.push_back({"plain"});
-  c.push_back({"causal L = S", 2, 4, 4, 6, 6, 4, 3, true});
-  c.push_back({"causal L < S", 2, 4, 4, 4, 9, 4, 3, true});
-  c.push_back({"causal L > S, key lengths (an empty row)", 2, 4, 4, 7, 5, 4, 3, true, {5, 0}});
-  c.push_back({"L = 1 over many keys", 1, 2, 2, 1, 300, 8, 8, true});
-  c.push_back({"past the blocks: 130 x 300", 1, 2, 2, 130, 300, 16, 8, false});
-  c.push_back({"causal past the blocks, E != M", 1, 2, 2, 257, 257, 8, 5, true});
-  c.push_back({"with a bias and its gradient", 2, 4, 4, 5, 7, 4, 3, false, {}, {1, 4, 1, 7}});
-  c.push_back({"grouped heads", 2, 6, 2, 5, 7, 4, 3, true});
-  c.push_back({"strided views, slopes of both signs", 2, 4, 4, 5, 7, 4, 3, false, {7, 3}, {}, true, true});
+std::vector<AlibiCase> cases() {
+  std::vector<AlibiCase> c;
+  const auto add = [&](Case shape, bool negative = false) { c.push_back({std::move(shape), negative}); };
+  add({"plain"});
+  add({"causal L = S", 2, 4, 4, 6, 6, 4, 3, true});
+  add({"causal L < S", 2, 4, 4, 4, 9, 4, 3, true});
+  add({"causal L > S, key lengths (an empty row)", 2, 4, 4, 7, 5, 4, 3, true, {5, 0}});
+  add({"L = 1 over many keys", 1, 2, 2, 1, 300, 8, 8, true});
+  add({"past the blocks: 130 x 300", 1, 2, 2, 130, 300, 16, 8, false});
+  add({"causal past the blocks, E != M", 1, 2, 2, 257, 257, 8, 5, true});
+  add({"with a bias and its gradient", 2, 4, 4, 5, 7, 4, 3, false, {}, {1, 4, 1, 7}});
+  add({"grouped heads", 2, 6, 2, 5, 7, 4, 3, true});
+  add({"strided views, slopes of both signs", 2, 4, 4, 5, 7, 4, 3, false, {7, 3}, {}, true}, true);
   // N H ceil(L / 128) < 64 and S >= 2048: the forward splits the keys; N H < 8
   // without a bias: the backward splits each head's keys into parts.
-  c.push_back({"long keys: key split and backward parts", 1, 2, 2, 3, 2100, 8, 4, true});
+  add({"long keys: key split and backward parts", 1, 2, 2, 3, 2100, 8, 4, true});
   return c;
 }
 
-struct Inputs {
-  torch::Tensor q, k, v, bias, key_lengths, slopes;
-};
+Inputs make(const AlibiCase& c) { return make_inputs(c, 23); }
 
-Inputs make(const Case& c) {
-  torch::manual_seed(23);
-  auto tensor = [&](int64_t heads, int64_t rows, int64_t cols) {
-    if (!c.strided) return torch::randn({c.N, heads, rows, cols}, f64());
-    return torch::randn({c.N, rows, heads, cols}, f64()).transpose(1, 2);
-  };
-  Inputs x{tensor(c.H, c.L, c.E), tensor(c.Hkv, c.S, c.E), tensor(c.Hkv, c.S, c.M), {}, {}, {}};
-  if (!c.bias_shape.empty()) x.bias = torch::randn(c.bias_shape, f64());
-  if (!c.key_lengths.empty()) x.key_lengths = torch::tensor(c.key_lengths, torch::kLong);
-  // The paper's slopes are in (0, 1); with S up to 2100 the far keys are then
-  // hidden by the penalty alone, so the near ones carry the check too.
-  x.slopes = attnkit::alibi_slopes(c.H).to(torch::kDouble);
-  if (c.negative) x.slopes = x.slopes * torch::tensor({1.0, -1.0}, f64()).repeat(c.H / 2);
-  return x;
+/// The paper's slopes, in (0, 1); with S up to 2100 the far keys are then
+/// hidden by the penalty alone, so the near ones carry the check too.
+torch::Tensor slopes(const AlibiCase& c) {
+  auto s = attnkit::alibi_slopes(c.H).to(torch::kDouble);
+  if (c.negative) s = s * torch::tensor({1.0, -1.0}, f64()).repeat(c.H / 2);
+  return s;
 }
 
-SoftmaxAttentionFuncOptions options(const Case& c, const Inputs& x) {
-  return SoftmaxAttentionFuncOptions().causal(c.causal).key_lengths(x.key_lengths).alibi_slopes(x.slopes);
-}
-
-/// out and the gradients of q, k, v (and the bias) in dtype under cotangent cot.
-std::vector<torch::Tensor> run(const Case& c, const Inputs& x, torch::ScalarType dtype, const torch::Tensor& cot,
-                               bool reference) {
-  auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(); };
-  std::vector<torch::Tensor> in{leaf(x.q), leaf(x.k), leaf(x.v)};
-  auto o = options(c, x);
-  if (x.bias.defined()) {
-    in.push_back(leaf(x.bias));
-    o.bias(in.back());
-  }
-  const auto out = reference ? attnkit::reference::softmax_attention(in[0], in[1], in[2], o)
-                             : attnkit::softmax_attention(in[0], in[1], in[2], o);
-  (out * cot.to(dtype)).sum().backward();
-  std::vector<torch::Tensor> result{out.detach()};
-  for (const auto& t : in) result.push_back(t.grad());
-  return result;
-}
+SoftmaxAttentionFuncOptions alibi(const AlibiCase& c) { return SoftmaxAttentionFuncOptions().alibi_slopes(slopes(c)); }
 
 TEST(SoftmaxAttentionAlibi, MatchesTheFloat64Reference) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
-    const auto x = make(c);
-    const auto cot = torch::randn({c.N, c.H, c.L, c.M}, f64());
-    const auto want = run(c, x, torch::kDouble, cot, true);
-    const auto got = run(c, x, torch::kFloat, cot, false);
-    const char* names[] = {"out", "dq", "dk", "dv", "dbias"};
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_EQ(got[i].scalar_type(), torch::kFloat) << names[i];
-      EXPECT_TRUE(attnkit::testing::all_finite(got[i])) << names[i];
-      EXPECT_LE(err(got[i], want[i]), kTolerance) << names[i];
-    }
-    // The float64 op (composite path) agrees with the reference to rounding.
-    const auto composite = run(c, x, torch::kDouble, cot, false);
-    for (size_t i = 0; i < want.size(); ++i) EXPECT_LE(err(composite[i], want[i]), 1e-12) << names[i];
+    expect_matches_reference(c, make(c), alibi(c), kTolerance);
   }
 }
 
@@ -155,28 +103,18 @@ TEST(SoftmaxAttentionAlibi, EqualsThePenaltyGivenAsABias) {
     const auto x = make(c);
     const auto q = x.q.to(torch::kFloat), k = x.k.to(torch::kFloat), v = x.v.to(torch::kFloat);
     const auto query_at = torch::arange(c.L, f64()).add(double(c.S - c.L)).view({c.L, 1});
-    const auto penalty = -x.slopes.view({-1, 1, 1}) * (query_at - torch::arange(c.S, f64()).view({1, c.S})).abs();
+    const auto penalty = -slopes(c).view({-1, 1, 1}) * (query_at - torch::arange(c.S, f64()).view({1, c.S})).abs();
     const auto as_bias = attnkit::softmax_attention(
         q, k, v, SoftmaxAttentionFuncOptions().causal(c.causal).key_lengths(x.key_lengths).bias(penalty.to(torch::kFloat)));
-    EXPECT_LE(err(attnkit::softmax_attention(q, k, v, options(c, x)), as_bias), kTolerance);
+    const auto o = alibi(c).causal(c.causal).key_lengths(x.key_lengths);
+    EXPECT_LE(relative_error(attnkit::softmax_attention(q, k, v, o), as_bias), kTolerance);
   }
 }
 
 TEST(SoftmaxAttentionAlibi, BitwiseTheSameOnOneAndTwoThreads) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
-    const auto x = make(c);
-    const auto cot = torch::randn({c.N, c.H, c.L, c.M}, f64());
-    std::vector<torch::Tensor> one, two;
-    {
-      attnkit::testing::ThreadsGuard threads(1);
-      one = run(c, x, torch::kFloat, cot, false);
-    }
-    {
-      attnkit::testing::ThreadsGuard threads(2);
-      two = run(c, x, torch::kFloat, cot, false);
-    }
-    for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << i;
+    expect_same_on_one_and_two_threads(c, make(c), alibi(c));
   }
 }
 
@@ -189,7 +127,7 @@ TEST(SoftmaxAttentionAlibi, OneQueryOverACacheIsTheCausalRow) {
   for (int64_t t : {int64_t{0}, int64_t{1}, int64_t{17}, T - 1}) {
     const auto step = attnkit::softmax_attention(q.narrow(2, t, 1), k.narrow(2, 0, t + 1), v.narrow(2, 0, t + 1),
                                                  SoftmaxAttentionFuncOptions().alibi_slopes(slopes));
-    EXPECT_LE(err(step, full.narrow(2, t, 1)), 1e-6) << "t " << t;
+    EXPECT_LE(relative_error(step, full.narrow(2, t, 1)), 1e-6) << "t " << t;
   }
 }
 
@@ -216,7 +154,7 @@ TEST(SoftmaxAttentionAlibi, DispatchAndRefusals) {
             "bf16 converted to float32 (ALiBi slopes)");
   // bf16 inputs (8 bits of mantissa: 2^-9 relative) through the float32
   // kernel: a few 2^-9 of the output's scale from the float32 inputs' result.
-  EXPECT_LE(err(attnkit::softmax_attention(bf(q), bf(k), bf(v), o), attnkit::softmax_attention(q, k, v, o)), 2e-2);
+  EXPECT_LE(relative_error(attnkit::softmax_attention(bf(q), bf(k), bf(v), o), attnkit::softmax_attention(q, k, v, o)), 2e-2);
   using attnkit::testing::expect_error;
   expect_error([&] { attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().alibi_slopes(torch::ones({3}))); },
                {"softmax_attention", "'alibi_slopes'", "shape (H) = (4)", "got (3)"});
