@@ -15,7 +15,8 @@ std::string describe_mechanisms() {
   o << "Mechanisms (spec: NAME[:key=value,...]).\n"
     << "supports: c = causal flag, p = key_lengths (padding), x = L != S, m = M != E,\n"
     << "          d = incremental decoding state, g = grouped-query heads (k, v with fewer heads),\n"
-    << "          a = ALiBi slopes\n\n";
+    << "          a = ALiBi slopes, R = rotary positions inside the kernel,\n"
+    << "          r = rotary positions on q and k before the call\n\n";
   for (const auto& m : nn::mechanisms()) {
     const auto& s = m.supports;
     std::string sup;
@@ -26,6 +27,7 @@ std::string describe_mechanisms() {
     sup += s.decoding_state ? 'd' : '-';
     sup += s.grouped_heads ? 'g' : '-';
     sup += s.alibi ? 'a' : '-';
+    sup += s.rotary == nn::RotarySupport::kernel ? 'R' : s.rotary == nn::RotarySupport::inputs ? 'r' : '-';
     o << "  " << m.name << std::string(m.name.size() < 24 ? 24 - m.name.size() : 1, ' ') << sup
       << "  " << m.summary << "\n";
     for (const auto& opt : m.options)

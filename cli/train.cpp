@@ -25,7 +25,7 @@ struct TrainFlags {
   std::vector<std::string> attention;
   int64_t layers = 0, width = 0, heads = 0, kv_heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
-  double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0;
+  double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0, rotary_fraction = 1;
   uint64_t seed = 0;
   int threads = 0;
   std::string out;
@@ -50,7 +50,7 @@ void add_train_command(CLI::App& app) {
   const models::TransformerOptions m;
   const train::TrainerOptions t;
   f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->kv_heads = m.kv_heads(); f->ffn = m.ffn();
-  f->dropout = m.dropout(); f->conv_width = m.conv_width();
+  f->dropout = m.dropout(); f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
   f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
   f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
   f->seed = t.seed(); f->checkpoint_every = t.checkpoint_every(); f->log_every = t.log_every();
@@ -85,9 +85,12 @@ void add_train_command(CLI::App& app) {
   // (Checked by models::positions_from_string, whose error names the schemes.)
   cmd->add_option("--positions", f->positions,
                   "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, "
-                  "conv, alibi (linear distance penalties in exact attention's kernel)")
+                  "conv, alibi (linear distance penalties in exact attention's kernel), rope (rotary positions)")
       ->capture_default_str();
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--rotary-fraction", f->rotary_fraction,
+                  "rope positions: the fraction of each head's features rotated (rounded down to an even count)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
   cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
   cmd->add_flag("--untied", f->untied, "An output layer of its own instead of the embedding matrix");
   cmd->add_flag("--shared-weights", f->shared_weights,
@@ -168,7 +171,8 @@ void add_train_command(CLI::App& app) {
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
-          .conv_width(f->conv_width).tie_embeddings(!f->untied).shared_weights(f->shared_weights);
+          .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction)
+          .tie_embeddings(!f->untied).shared_weights(f->shared_weights);
       if (!f->attention.empty()) model.attention(f->attention);
       trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
           .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
@@ -194,6 +198,7 @@ void add_train_command(CLI::App& app) {
       if (given("--ffn")) model.ffn(f->ffn);
       if (given("--dropout")) model.dropout(f->dropout);
       if (given("--conv-width")) model.conv_width(f->conv_width);
+      if (given("--rotary-fraction")) model.rotary_fraction(f->rotary_fraction);
       if (given("--untied")) model.tie_embeddings(!f->untied);
       if (given("--shared-weights")) model.shared_weights(f->shared_weights);
       if (given("--attention")) model.attention(f->attention);

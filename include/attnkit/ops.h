@@ -45,11 +45,38 @@ struct SoftmaxAttentionFuncOptions {
   /// query over a decoding cache is at its end. Constants: no gradient.
   /// alibi_slopes(H) gives the paper's geometric slopes. Undefined: none.
   TORCH_ARG(torch::Tensor, alibi_slopes) = {};
+  /// Rotary positions (RoPE, Su et al., 2021), applied inside the kernel as
+  /// q and k are loaded: the first rotary_dim entries (even, <= E) of query i
+  /// are rotated to position i + S - L and those of key j to position j (the
+  /// causal mask's alignment), in the pairs (c, c + rotary_dim / 2) of
+  /// rotary_embedding below. 0: none. Scores then depend on i - j alone.
+  TORCH_ARG(int64_t, rotary_dim) = 0;
+  /// RoPE's angles: position t times rotary_base^(-2c / rotary_dim).
+  TORCH_ARG(double, rotary_base) = 10000.0;
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest
 /// power of two below, then every other slope of twice that). float32 (heads).
 torch::Tensor alibi_slopes(int64_t heads);
+
+/// Rotary positions (RoPE, Su et al., 2021) as an op of their own: x (N, H,
+/// T, E) with row t rotated to position offset + t. The first dim entries
+/// (even, 2 <= dim <= E) turn in the pairs (c, c + dim / 2), c < dim / 2,
+/// by the angle position * base^(-2c / dim):
+///   y_c = x_c cos - x_(c + dim/2) sin,  y_(c + dim/2) = x_(c + dim/2) cos + x_c sin
+/// (GPT-NeoX's and LLaMA's "rotate half" pairing); entries from dim on are
+/// copied. Differentiable: the gradient is the inverse rotation. float32 by a
+/// kernel whose angles are bitwise those softmax_attention(rotary_dim=) uses,
+/// so rotating keys once here (a decoding cache) and rotating them inside
+/// the kernel give the same floats.
+struct RotaryEmbeddingFuncOptions {
+  /* implicit */ RotaryEmbeddingFuncOptions(int64_t dim) : dim_(dim) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(double, base) = 10000.0;
+  /// Position of row 0 (any sign).
+  TORCH_ARG(int64_t, offset) = 0;
+};
+torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFuncOptions& options);
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
                                 const SoftmaxAttentionFuncOptions& options = {});
@@ -58,7 +85,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// bias, which may require grad); for bfloat16 the kernel too, its reason
 /// naming how: "bf16 on AMX tiles" (bf16 products with float32 accumulation
 /// and softmax, bf16 outputs), or the float32 kernel on converted inputs with
-/// the outputs rounded to bf16 (with a bias, ALiBi slopes or grouped heads,
+/// the outputs rounded to bf16 (with a bias, ALiBi slopes, rotary positions or grouped heads,
 /// or where AMX is unavailable or ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
 /// the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,

@@ -39,7 +39,7 @@ if machine_isa() == "below baseline":
 __all__ = [
     "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
-    "edge_pattern", "linear", "alibi_slopes", "library_path", "mechanisms", "nn", "models",
+    "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
 ]
 
@@ -52,6 +52,7 @@ sparse_attention = torch.ops.attnkit.sparse_attention
 edge_pattern = torch.ops.attnkit.edge_pattern
 linear = torch.ops.attnkit.linear
 alibi_slopes = torch.ops.attnkit.alibi_slopes
+rotary_embedding = torch.ops.attnkit.rotary_embedding
 
 
 

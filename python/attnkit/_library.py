@@ -46,7 +46,8 @@ def mechanisms():
     name, summary, options (key, type: integer | real | boolean | choice,
     accepts: e.g. "integer >= 1", default, help, and min, min_exclusive, max
     or choices where they apply), supports (causal,
-    key_lengths, cross, value_dim, decoding_state), inputs, approximates_exact,
+    key_lengths, cross, value_dim, decoding_state, grouped_heads, alibi, and
+    rotary: "kernel", "inputs" or "none"), inputs, approximates_exact,
     always_causal and layer_only (a mechanism that is a whole layer:
     attnkit.nn.AgglomerativeAttention)."""
     return json.loads(torch.ops.attnkit.mechanisms_json())

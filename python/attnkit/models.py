@@ -23,7 +23,7 @@ __all__ = ["Transformer"]
 # TransformerOptions' keys (src/models/options.cpp) with their C++ defaults.
 _OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "kv_heads", "ffn",
             "dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
-            "conv_width", "norm", "tie_embeddings", "shared_weights")
+            "conv_width", "rotary_fraction", "norm", "tie_embeddings", "shared_weights")
 
 
 class Transformer(BridgedModule):
@@ -36,7 +36,8 @@ class Transformer(BridgedModule):
     heads; a divisor of heads for grouped-query attention, 1 for multi-query), ffn (256),
     dropout (0.1), attention (a spec, or one per block; "full"),
     cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
-    | "conv" | "alibi" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
+    | "conv" | "alibi" | "rope" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
+    rotary_fraction (1.0: with "rope", the share of each head's features rotated),
     norm ("pre" | "post"), tie_embeddings (True), shared_weights (False).
     """
 

@@ -124,15 +124,21 @@ class MultiheadAttention(BridgedModule):
     num_heads / kv_heads query heads (read in place by exact attention,
     repeated for mechanisms that do not read groups). ``alibi=True`` adds
     ALiBi's distance penalties (attnkit.alibi_slopes(num_heads)) inside the
-    kernel, for mechanisms that take them ("full").
+    kernel, for mechanisms that take them ("full"). ``rotary_dim`` (even, at
+    most embed_dim / num_heads; 0: none) gives rotary positions on that many
+    features of each head's queries and keys (``rotary_base``: their angles'
+    base), inside the kernel for "full", on q and k before the call for the
+    other mechanisms whose scores are dot products (``supports["rotary"]``).
     """
 
     # embed_dim and num_heads (the width and heads of every other module) keep
     # torch.nn.MultiheadAttention's names: a drop-in replacement (docs/API.md).
     def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False, kv_heads=0,
-                 alibi=False):
+                 alibi=False, rotary_dim=0, rotary_base=10000.0):
         super().__init__("MultiheadAttention", {"width": embed_dim, "heads": num_heads, "kv_heads": kv_heads,
-                                                "alibi": alibi, "bias": bias, "attention": attention})
+                                                "alibi": alibi, "rotary_dim": rotary_dim,
+                                                "rotary_base": float(rotary_base), "bias": bias,
+                                                "attention": attention})
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
     @property
@@ -178,7 +184,8 @@ class MultiheadAttention(BridgedModule):
         settings = json.loads(self._bridge.settings())
         slopes = torch.ops.attnkit.alibi_slopes(H) if settings.get("alibi") else None
         p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths,
-                                                alibi_slopes=slopes)
+                                                alibi_slopes=slopes, rotary_dim=settings["rotary_dim"],
+                                                rotary_base=settings["rotary_base"])
         return p.mean(1) if average else p
 
 

@@ -47,9 +47,8 @@ inline void check_supported_dtype(const char* op, const char* name, const torch:
               "kernels in libtorch's matmul and softmax: convert with .float())");
 }
 
-/// A defined, dense, floating, CPU tensor of the given rank.
-inline void check_float_tensor(const char* op, const char* name, const torch::Tensor& t,
-                               int64_t rank) {
+/// A defined, dense, floating CPU tensor of a supported dtype (any rank).
+inline void check_float_cpu(const char* op, const char* name, const torch::Tensor& t) {
   TORCH_CHECK(t.defined(), op, ": argument '", name, "' is undefined");
   check_strided(op, name, t);
   TORCH_CHECK(t.device().is_cpu(), op, ": argument '", name,
@@ -57,6 +56,12 @@ inline void check_float_tensor(const char* op, const char* name, const torch::Te
   TORCH_CHECK(t.is_floating_point(), op, ": argument '", name,
               "' must be a floating tensor, got dtype ", t.scalar_type());
   check_supported_dtype(op, name, t);
+}
+
+/// A defined, dense, floating, CPU tensor of the given rank.
+inline void check_float_tensor(const char* op, const char* name, const torch::Tensor& t,
+                               int64_t rank) {
+  check_float_cpu(op, name, t);
   TORCH_CHECK(t.dim() == rank, op, ": argument '", name, "' must have ", rank,
               " dimensions, got shape ", shape_str(t));
 }
@@ -171,6 +176,17 @@ inline void check_finite_in(const char* op, const char* name, double value, c10:
 /// An optional scale, finite in the inputs' dtype.
 inline void check_scale(const char* op, const c10::optional<double>& scale, c10::ScalarType type) {
   if (scale) check_finite_in(op, "scale", *scale, type);
+}
+
+/// Rotary positions on `dim` of E features (`name` the option, `base_name`
+/// its base): 0 (none) or even in [2, E], and a finite base > 0.
+inline void check_rotary(const char* op, const char* name, int64_t dim, const char* base_name,
+                         double base, int64_t E) {
+  TORCH_CHECK(dim == 0 || (dim >= 2 && dim % 2 == 0 && dim <= E), op, ": option '", name,
+              "' must be 0 (no rotary positions) or an even number in [2, E] = [2, ", E, "], got ",
+              dim, " (the entries rotate in pairs)");
+  TORCH_CHECK(std::isfinite(base) && base > 0, op, ": option '", base_name,
+              "' must be finite and > 0, got ", base);
 }
 
 inline double scale_or_default(const c10::optional<double>& scale, int64_t E) {

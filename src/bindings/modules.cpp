@@ -193,6 +193,8 @@ const std::map<std::string, Factory>& factories() {
              nn::MultiheadAttentionOptions(s.require<int64_t>("width"), s.require<int64_t>("heads"))
                  .kv_heads(s.get<int64_t>("kv_heads", 0))
                  .alibi(s.get<bool>("alibi", false))
+                 .rotary_dim(s.get<int64_t>("rotary_dim", 0))
+                 .rotary_base(s.get<double>("rotary_base", 10000.0))
                  .bias(s.get<bool>("bias", true))
                  .attention(s.get<std::string>("attention", "full")));
          Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
@@ -210,6 +212,8 @@ const std::map<std::string, Factory>& factories() {
                        {"heads", m->options.heads()},
                        {"kv_heads", m->options.kv_heads()},
                        {"alibi", m->options.alibi()},
+                       {"rotary_dim", m->options.rotary_dim()},
+                       {"rotary_base", m->options.rotary_base()},
                        {"bias", m->options.bias()},
                        {"attention", m->options.attention()}}
                .dump();
@@ -456,7 +460,10 @@ std::string mechanisms_json() {
                      {"value_dim", m.supports.value_dim},
                      {"decoding_state", m.supports.decoding_state},
                      {"grouped_heads", m.supports.grouped_heads},
-                     {"alibi", m.supports.alibi}}},
+                     {"alibi", m.supports.alibi},
+                     {"rotary", m.supports.rotary == nn::RotarySupport::kernel   ? "kernel"
+                                : m.supports.rotary == nn::RotarySupport::inputs ? "inputs"
+                                                                                 : "none"}}},
                    {"inputs", m.inputs},
                    {"approximates_exact", m.approximates_exact},
                    {"always_causal", m.always_causal},

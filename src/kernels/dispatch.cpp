@@ -18,6 +18,7 @@
 #include "kernels/kmeans.h"
 #include "kernels/linear.h"
 #include "kernels/linear_attention.h"
+#include "kernels/rotary.h"
 #include "kernels/softmax_attention.h"
 #include "kernels/softmax_attention_bf16.h"
 #include "kernels/sparse_attention.h"
@@ -101,6 +102,9 @@ ATTNKIT_AMX_KERNEL(void, softmax_attention_forward_bf16, (const SoftmaxAttention
 ATTNKIT_AMX_KERNEL(void, softmax_attention_backward_bf16,
                    (const SoftmaxAttentionBf16BackwardParams& p), (p))
 bool softmax_attention_bf16_available() { return isa::current() >= isa::Level::amx; }
+
+// Rotary positions as an op of their own (rotary.h).
+ATTNKIT_FLOAT32_KERNEL(void, rotary_embedding, (const RotaryParams& p), (p))
 
 // Sparse attention over edge lists (sparse_attention.h).
 ATTNKIT_FLOAT32_KERNEL(void, sparse_attention_forward, (const SparseAttentionParams& p), (p))

@@ -12,6 +12,7 @@
 #include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/rotary.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
@@ -44,6 +45,50 @@ constexpr int64_t kBackwardBlockK = 256;
 Visibility visibility_of(const SoftmaxAttentionParams& p, int64_t n) {
   return Visibility(p.L, p.S, p.causal, key_limit(p.key_lengths, n, p.S));
 }
+
+/// How the passes read q and k: in place or packed as their strides allow
+/// (rows_of), or, with rotary positions, rotated into the pack as each block
+/// is loaded: query i to position i + S - L, key j to position j (the causal
+/// mask's alignment). Its table covers positions [min(0, S - L), S).
+class QkReader {
+ public:
+  explicit QkReader(const SoftmaxAttentionParams& p)
+      : p_(p),
+        rotary_(p.rotary_dim > 0 ? RotaryTable(p.rotary_dim, p.rotary_base, std::min<int64_t>(0, p.S - p.L),
+                                               std::max(p.L, p.S))
+                                 : RotaryTable()) {}
+
+  /// Whether every block is rewritten into its pack (then packs are needed
+  /// whatever the strides).
+  bool rotates() const { return rotary_.active(); }
+
+  /// Rows [i0, i0 + rows) of query head (n, h).
+  Rows queries(int64_t n, int64_t h, int64_t i0, int64_t rows, float* pack) const {
+    const Strided m = head_matrix(p_.q, p_.q_stride, n, h);
+    if (rotates()) return rotary_.rotated_rows(m, i0, rows, p_.E, query_position(i0), pack);
+    return rows_of(m, i0, rows, p_.E, pack);
+  }
+  /// Rows [j0, j0 + rows) of the keys query head (n, h) reads.
+  Rows keys(int64_t n, int64_t h, int64_t j0, int64_t rows, float* pack) const {
+    const Strided m = head_matrix(p_.k, p_.k_stride, n, p_.kv_head(h));
+    if (rotates()) return rotary_.rotated_rows(m, j0, rows, p_.E, j0, pack);
+    return rows_of(m, j0, rows, p_.E, pack);
+  }
+  /// The gradients of rotated rows, rotated back in place: rows [i0, i0 +
+  /// rows) of dq, [j0, j0 + rows) of dk (row stride E).
+  void unrotate_queries(float* dq, int64_t i0, int64_t rows) const {
+    if (rotates()) rotary_.unrotate_rows(dq, rows, p_.E, p_.E, query_position(i0));
+  }
+  void unrotate_keys(float* dk, int64_t j0, int64_t rows) const {
+    if (rotates()) rotary_.unrotate_rows(dk, rows, p_.E, p_.E, j0);
+  }
+
+ private:
+  int64_t query_position(int64_t i) const { return i + p_.S - p_.L; }
+
+  const SoftmaxAttentionParams& p_;
+  RotaryTable rotary_;
+};
 
 /// Adds bias[n, h, i0 + r, j0 + c] to s[r * lds + c] for r < rows, c < cols.
 void add_bias(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0, int64_t rows,
@@ -112,13 +157,12 @@ struct ForwardScratch {
 /// [j_begin, j_end) (those of them each query sees), FlashAttention-2 style:
 /// for each key block, one query block of kForwardBlockQ rows at a time.
 /// `a` is overwritten, so it needs no initialisation.
-void forward_keys(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
-                  int64_t rows, int64_t j_begin, int64_t j_end, const ForwardScratch& w,
-                  const Accumulator& a) {
+void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n, int64_t h,
+                  int64_t i0, int64_t rows, int64_t j_begin, int64_t j_end,
+                  const ForwardScratch& w, const Accumulator& a) {
   const int64_t E = p.E, M = p.M, BQ = kForwardBlockQ, BK = kForwardBlockK;
   const Visibility visible = visibility_of(p, n);
-  const int64_t g = p.kv_head(h);
-  const Strided kh = head_matrix(p.k, p.k_stride, n, g), vh = head_matrix(p.v, p.v_stride, n, g);
+  const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
 
   std::fill(a.u, a.u + rows * M, 0.f);
   std::fill(a.m, a.m + rows, -kInf);
@@ -128,10 +172,10 @@ void forward_keys(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t
   // Keys below its all_see are visible to all its rows: no mask needed there.
   const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
   if (j_begin >= span_end) return;  // nothing visible: no need to read q
-  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), i0, rows, E, w.q);
+  const Rows q = qk.queries(n, h, i0, rows, w.q);
   for (int64_t j0 = j_begin; j0 < span_end; j0 += BK) {
     const int64_t span_cols = std::min(BK, span_end - j0);
-    const Rows k = rows_of(kh, j0, span_cols, E, w.k);
+    const Rows k = qk.keys(n, h, j0, span_cols, w.k);
     const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += BQ) {
       const int64_t block_rows = std::min(BQ, rows - b);
@@ -181,9 +225,9 @@ void write_row(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i,
 }
 
 /// Queries [i0, i0 + rows) of head (n, h) over all keys: out and lse.
-void forward_span(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0,
-                  int64_t rows, const ForwardScratch& w) {
-  forward_keys(p, n, h, i0, rows, 0, p.S, w, w.acc);
+void forward_span(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n, int64_t h,
+                  int64_t i0, int64_t rows, const ForwardScratch& w) {
+  forward_keys(p, qk, n, h, i0, rows, 0, p.S, w, w.acc);
   for (int64_t r = 0; r < rows; ++r)
     write_row(p, n, h, i0 + r, w.acc.u + r * p.M, w.acc.m[r], w.acc.l[r]);
 }
@@ -235,7 +279,7 @@ KeySplit key_split(const SoftmaxAttentionParams& p) {
 
 /// The forward with the keys split: items are (head, query block, key chunk),
 /// then (head, query block) merges its chunks in order.
-void forward_split(const SoftmaxAttentionParams& p, const KeySplit& split) {
+void forward_split(const SoftmaxAttentionParams& p, const QkReader& qk, const KeySplit& split) {
   const int64_t M = p.M, rows_max = std::min(p.L, kForwardBlockQ);
   const int64_t blocks = ceil_div(p.L, kForwardBlockQ), items = p.N * p.H * blocks;
   const int64_t chunks = split.chunks;
@@ -264,7 +308,7 @@ void forward_split(const SoftmaxAttentionParams& p, const KeySplit& split) {
       int64_t n, h, i0;
       const int64_t item = t / chunks, c = t % chunks, rows = item_rows(item, n, h, i0);
       const int64_t j_begin = c * split.chunk, j_end = std::min(p.S, j_begin + split.chunk);
-      forward_keys(p, n, h, i0, rows, j_begin, j_end, w, acc_of(item, c));
+      forward_keys(p, qk, n, h, i0, rows, j_begin, j_end, w, acc_of(item, c));
     }
     // (the implicit barrier: every chunk is done before any merge reads it)
 #pragma omp for schedule(dynamic, 1)
@@ -414,9 +458,9 @@ struct BackwardScratch {
   float *dk, *dv;           // dK, dV accumulators of one key block
   float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
 
-  BackwardScratch(const SoftmaxAttentionBackwardParams& p, Slicer& slicer)
-      : q(slicer.take(needs_pack({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E : 0)),
-        k(slicer.take(needs_pack({p.k, p.k_stride[2], p.k_stride[3]}, p.S, p.E) ? p.S * p.E : 0)),
+  BackwardScratch(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, Slicer& slicer)
+      : q(slicer.take(qk.rotates() || needs_pack({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E : 0)),
+        k(slicer.take(qk.rotates() || needs_pack({p.k, p.k_stride[2], p.k_stride[3]}, p.S, p.E) ? p.S * p.E : 0)),
         v(slicer.take(needs_pack({p.v, p.v_stride[2], p.v_stride[3]}, p.S, p.M) ? p.S * p.M : 0)),
         dout(slicer.take(
             needs_pack({p.dout, p.dout_stride[2], p.dout_stride[3]}, p.L, p.M) ? p.L * p.M : 0)),
@@ -432,13 +476,13 @@ struct BackwardScratch {
 /// added into `dq` (L x E, zeroed by the caller), and the head's dbias slice
 /// when it has its own (then the keys are [0, S): one part). Key blocks outer
 /// (each owns its dK, dV rows), query blocks inner.
-void backward_keys(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h,
-                   int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
+void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, int64_t n,
+                   int64_t h, int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
-  const Rows q = rows_of(head_matrix(p.q, p.q_stride, n, h), 0, L, E, w.q);
-  const Rows k = rows_of(head_matrix(p.k, p.k_stride, n, p.kv_head(h)), 0, S, E, w.k);
+  const Rows q = qk.queries(n, h, 0, L, w.q);
+  const Rows k = qk.keys(n, h, 0, S, w.k);
   const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), 0, S, M, w.v);
   const Rows dout = rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
   const float* lse = p.lse + (n * p.H + h) * L;
@@ -466,6 +510,7 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h
       sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, dq + i0 * E,
             E);
     }
+    qk.unrotate_keys(w.dk, j0, cols);
     store(w.dk, cols, E, head_of(p.dk, p.dk_stride, n, h) + j0 * p.dk_stride[2], p.dk_stride[2],
           p.dk_stride[3]);
     store(w.dv, cols, M, head_of(p.dv, p.dv_stride, n, h) + j0 * p.dv_stride[2], p.dv_stride[2],
@@ -504,8 +549,8 @@ struct BiasPart {
 
 /// The dbias entries of `part`, summed over the heads of its slice in
 /// increasing (n, h) order, each head's tiles in a fixed order.
-void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& part,
-                    const BiasScratch& w) {
+void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& qk,
+                    const BiasPart& part, const BiasScratch& w) {
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const int64_t Nb = p.dbias_shape[0], Hb = p.dbias_shape[1];
   const BiasGrad first(p, part.nb, part.hb);
@@ -518,7 +563,6 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& par
   for (int64_t n = Nb == 1 ? 0 : part.nb; n < (Nb == 1 ? p.N : part.nb + 1); ++n) {
     const Visibility visible = visibility_of(p, n);
     for (int64_t h = Hb == 1 ? 0 : part.hb; h < (Hb == 1 ? p.H : part.hb + 1); ++h) {
-      const Strided q = head_matrix(p.q, p.q_stride, n, h), k = head_matrix(p.k, p.k_stride, n, p.kv_head(h));
       const Strided v = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
       const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
       const float* lse = p.lse + (n * p.H + h) * p.L;
@@ -526,12 +570,12 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& par
         const int64_t rows = std::min(BQ, part.i_end - i0);
         const int64_t j_end = std::min(part.j_end, visible(i0 + rows - 1));
         if (j_end <= part.j_begin) continue;
-        TileInputs x{rows_of(q, i0, rows, p.E, w.q), rows_of(dout, i0, rows, p.M, w.dout),
+        TileInputs x{qk.queries(n, h, i0, rows, w.q), rows_of(dout, i0, rows, p.M, w.dout),
                      {}, {}, lse + i0, w.d};
         row_deltas(p, n, h, x.dout, i0, rows, w.d);
         for (int64_t j0 = part.j_begin; j0 < j_end; j0 += BK) {
           const int64_t cols = std::min(BK, j_end - j0);
-          x.k = rows_of(k, j0, cols, p.E, w.k);
+          x.k = qk.keys(n, h, j0, cols, w.k);
           x.v = rows_of(v, j0, cols, p.M, w.v);
           tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
           first.add(i0, rows, j0, cols, w.ds, BK);
@@ -542,7 +586,7 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const BiasPart& par
 }
 
 /// dbias when heads share slices: items own disjoint parts (see the header).
-void shared_bias_grad(const SoftmaxAttentionBackwardParams& p) {
+void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& qk) {
   const int64_t Lb = p.dbias_shape[2], Sb = p.dbias_shape[3];
   const int64_t slices = p.dbias_shape[0] * p.dbias_shape[1];
   const int64_t query_parts = Lb == 1 ? 1 : ceil_div(p.L, kBackwardBlockQ);
@@ -557,7 +601,7 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p) {
           part.i_begin = qp * kBackwardBlockQ, part.i_end = std::min(p.L, part.i_begin + kBackwardBlockQ);
         if (Sb != 1)
           part.j_begin = kp * kBackwardBlockK, part.j_end = std::min(p.S, part.j_begin + kBackwardBlockK);
-        bias_part_grad(p, part, w);
+        bias_part_grad(p, qk, part, w);
       });
 }
 
@@ -565,8 +609,9 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p) {
 
 void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   if (p.N == 0 || p.H == 0 || p.L == 0) return;
+  const QkReader qk(p);
   const KeySplit split = key_split(p);
-  if (split.chunks > 1) return forward_split(p, split);
+  if (split.chunks > 1) return forward_split(p, qk, split);
   // Fewer blocks per span when there would be under 4 spans per thread to
   // balance. How rows are grouped into spans does not change any result.
   const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kForwardBlockQ);
@@ -581,7 +626,7 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
       [&](Slicer& s) { return ForwardScratch(p, s, kForwardGroup * kForwardBlockQ); },
       [&](int64_t t, const ForwardScratch& w) {
         const int64_t nh = t / spans, i0 = (spans - 1 - t % spans) * span;
-        forward_span(p, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);
+        forward_span(p, qk, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);
       });
 }
 
@@ -598,30 +643,32 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
     }
     return;
   }
+  const QkReader qk(p);
   const int64_t parts = backward_parts(p), L = p.L, E = p.E;
   if (parts == 1) {
     parallel_for_scratch(
-        p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, s); },
+        p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, qk, s); },
         [&](int64_t nh, const BackwardScratch& w) {
           const int64_t n = nh / p.H, h = nh % p.H;
           std::fill(w.dq, w.dq + L * E, 0.f);
-          backward_keys(p, n, h, 0, p.S, w.dq, w);
+          backward_keys(p, qk, n, h, 0, p.S, w.dq, w);
+          qk.unrotate_queries(w.dq, 0, L);
           store(w.dq, L, E, head_of(p.dq, p.dq_stride, n, h), p.dq_stride[2], p.dq_stride[3]);
         });
-    if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p);
+    if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p, qk);
     return;
   }
   // Parts of heads, then each head's dQ summed over its parts in order, per
   // block of query rows.
   Buffer<float> dq_parts(static_cast<std::size_t>(p.N * p.H * parts * L * E));
   parallel_for_scratch(
-      p.N * p.H * parts, [&](Slicer& s) { return BackwardScratch(p, s); },
+      p.N * p.H * parts, [&](Slicer& s) { return BackwardScratch(p, qk, s); },
       [&](int64_t t, const BackwardScratch& w) {
         const int64_t nh = t / parts, part = t % parts;
         float* dq = dq_parts.data() + t * L * E;
         std::fill(dq, dq + L * E, 0.f);
         const auto [j_begin, j_end] = part_keys(p, parts, part);
-        backward_keys(p, nh / p.H, nh % p.H, j_begin, j_end, dq, w);
+        backward_keys(p, qk, nh / p.H, nh % p.H, j_begin, j_end, dq, w);
       });
   const int64_t blocks = ceil_div(L, kBackwardBlockQ);
   parallel_for(p.N * p.H * blocks, 0, [&](int64_t t, float*) {
@@ -630,6 +677,7 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
     float* sum = dq_parts.data() + nh * parts * L * E + i0 * E;  // part 0's rows take the sum
     for (int64_t part = 1; part < parts; ++part)
       vec::add(sum, dq_parts.data() + (nh * parts + part) * L * E + i0 * E, rows * E);
+    qk.unrotate_queries(sum, i0, rows);
     store(sum, rows, E, head_of(p.dq, p.dq_stride, nh / p.H, nh % p.H) + i0 * p.dq_stride[2],
           p.dq_stride[2], p.dq_stride[3]);
   });

@@ -7,6 +7,9 @@
 //   alibi_ij = slope_h |i + S - L - j|  (ALiBi, when slopes are given: a
 //   distance penalty computed in the tile, with the bottom-right alignment of
 //   the causal mask, so one query over a cache sits at the cache's end).
+// With rotary positions q_i and k_j stand rotated (kernels/common/rotary.h)
+// to the positions i + S - L and j, the same alignment: each block of q and k
+// is rotated as it is loaded, and the backward rotates dq and dk back.
 //
 // Query i of batch n sees key j iff j < key_lengths[n] (when given) and, when
 // causal, j <= i + S - L (bottom-right aligned; see docs/MATH.md, Masks and
@@ -16,7 +19,9 @@
 //
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
-// of one head of q, k, v, dout when their columns are not contiguous. A
+// of one head of q, k, v, dout when their columns are not contiguous (of q
+// and k always, with rotary positions). Rotary positions add one table of
+// max(L, S) x rotary_dim floats per call, shared by the threads. A
 // forward that splits the keys (see softmax_attention_forward) adds the
 // accumulators of its key chunks, under 128 x 128 x (M + 2) floats.
 #pragma once
@@ -43,6 +48,9 @@ struct SoftmaxAttentionParams : QkvParams {
                                          // bias.expand({N, H, L, S}) in torch terms
   const float* alibi_slopes = nullptr;   // (H) ALiBi slopes (any sign); nullptr: none.
                                          // Constants: the backward gives them no gradient
+  int64_t rotary_dim = 0;                // RoPE on the first rotary_dim entries of q and k
+                                         // (even, <= E); 0: none
+  double rotary_base = 10000.0;          // theta_c = rotary_base^(-2c / rotary_dim)
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

@@ -39,6 +39,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
                             nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
                                                        .kv_heads(options.kv_heads())
                                                        .alibi(has(options.positions(), Positions::alibi))
+                                                       .rotary_dim(options.rotary_dim())
                                                        .attention(spec)));
     sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   }
@@ -127,9 +128,11 @@ torch::Tensor TransformerBlockImpl::self_attention_step(const torch::Tensor& h_t
   if (kind_ == Kind::multihead) {
     // Grouped heads reach a state that reads groups as they are: its cache
     // holds kv_heads heads.
-    const int64_t Hk = self_->kv_head_count();
-    auto q = self_->q_proj(h_t).view({N, H, dh});
-    auto k = self_->for_mechanism(self_->k_proj(h_t).view({N, Hk, dh}));
+    // Rotary positions turn the step's query and key at its position once,
+    // so the cache holds rotated keys.
+    const int64_t Hk = self_->kv_head_count(), t = state.position;
+    auto q = self_->rotate(self_->q_proj(h_t).view({N, H, 1, dh}), t).view({N, H, dh});
+    auto k = self_->for_mechanism(self_->rotate(self_->k_proj(h_t).view({N, Hk, 1, dh}), t).view({N, Hk, dh}));
     auto v = self_->for_mechanism(self_->v_proj(h_t).view({N, Hk, dh}));
     return self_->out_proj(state.self->step(q, k, v).reshape({N, d}));
   }

@@ -41,7 +41,8 @@ const std::vector<std::pair<const char*, Architecture>>& architectures() {
 const std::vector<std::pair<const char*, Positions>>& position_schemes() {
   static const std::vector<std::pair<const char*, Positions>> t{
       {"conv", Positions::conv}, {"sinusoidal", Positions::sinusoidal},
-      {"learned", Positions::learned}, {"relative", Positions::relative}, {"alibi", Positions::alibi}};
+      {"learned", Positions::learned}, {"relative", Positions::relative}, {"alibi", Positions::alibi},
+      {"rope", Positions::rope}};
   return t;
 }
 
@@ -70,8 +71,9 @@ Positions positions_from_string(const std::string& name) {
   }
   TORCH_CHECK(!(has(set, Positions::sinusoidal) && has(set, Positions::learned)), "position schemes '", name,
               "' add two absolute tables; choose sinusoidal or learned");
-  TORCH_CHECK(!(has(set, Positions::relative) && has(set, Positions::alibi)), "position schemes '", name,
-              "' give the scores two relative terms; choose relative or alibi");
+  const int relative_schemes = has(set, Positions::relative) + has(set, Positions::alibi) + has(set, Positions::rope);
+  TORCH_CHECK(relative_schemes <= 1, "position schemes '", name,
+              "' give the scores two relative terms; choose one of relative, alibi and rope");
   return set;
 }
 Norm norm_from_string(const std::string& name) { return from_table("norm placement", name, norms()); }
@@ -105,6 +107,8 @@ std::string TransformerOptions::to_json() const {
   j["max_length"] = max_length();
   j["relative_clip"] = relative_clip();
   j["conv_width"] = conv_width();
+  // Written only when changed, as kv_heads.
+  if (rotary_fraction() != 1.0) j["rotary_fraction"] = rotary_fraction();
   j["norm"] = models::to_string(norm());
   j["tie_embeddings"] = tie_embeddings();
   j["shared_weights"] = shared_weights();
@@ -137,6 +141,7 @@ TransformerOptions TransformerOptions::from_json(const std::string& text) {
       else if (key == "max_length") o.max_length(value.get<int64_t>());
       else if (key == "relative_clip") o.relative_clip(value.get<int64_t>());
       else if (key == "conv_width") o.conv_width(value.get<int64_t>());
+      else if (key == "rotary_fraction") o.rotary_fraction(value.get<double>());
       else if (key == "norm") o.norm(norm_from_string(value.get<std::string>()));
       else if (key == "tie_embeddings") o.tie_embeddings(value.get<bool>());
       else if (key == "shared_weights") o.shared_weights(value.get<bool>());
@@ -149,16 +154,15 @@ TransformerOptions TransformerOptions::from_json(const std::string& text) {
   return o;
 }
 
+int64_t TransformerOptions::rotary_dim() const {
+  if (!has(positions(), Positions::rope)) return 0;
+  const int64_t head = heads() > 0 ? width() / heads() : 0;
+  return 2 * static_cast<int64_t>(rotary_fraction() * static_cast<double>(head) / 2);
+}
+
 // --- Validation -------------------------------------------------------------------------------
 
 namespace {
-
-std::string decoder_capable_names() {
-  std::string names;
-  for (const auto& m : nn::mechanisms())
-    if (nn::usable_in_decoder(m)) names += (names.empty() ? "" : ", ") + m.name;
-  return names;
-}
 
 void check_block_spec(const TransformerOptions& o, const std::string& text, bool in_decoder) {
   const auto [info, spec] = nn::resolve_mechanism(text);
@@ -166,7 +170,7 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
   TORCH_CHECK(!in_decoder || nn::usable_in_decoder(*info), where, ": attention '", text,
               "' cannot serve a decoder: it supports neither the causal flag nor a causal "
               "pattern, and a decoder must not see later positions; usable in a decoder: ",
-              decoder_capable_names());
+              nn::mechanism_names_where(nn::usable_in_decoder));
   if (info->name == "agglomerative") {
     const int64_t classes = spec.get_int("classes", 0) > 0 ? spec.get_int("classes", 0) : o.heads();
     TORCH_CHECK(o.width() % classes == 0, where, ": agglomerative attention with ", classes,
@@ -182,12 +186,14 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               o.kv_heads(), " is not supported with relative positions (their blocks keep full heads)");
   TORCH_CHECK(!has(o.positions(), Positions::alibi) || info->supports.alibi, where,
               ": ALiBi positions penalise the scores inside the attention kernel; '", text,
-              "' takes no slopes (mechanisms that do: ", [] {
-                std::string names;
-                for (const auto& m : nn::mechanisms())
-                  if (m.supports.alibi) names += (names.empty() ? "" : ", ") + m.name;
-                return names;
-              }(), ")");
+              "' takes no slopes (mechanisms that do: ",
+              nn::mechanism_names_where([](const nn::MechanismInfo& m) { return m.supports.alibi; }), ")");
+  TORCH_CHECK(!has(o.positions(), Positions::rope) || info->supports.rotary != nn::RotarySupport::none, where,
+              ": rotary positions rotate q and k, which needs scores that are their dot products; '", text,
+              "' has none (mechanisms that take them: ",
+              nn::mechanism_names_where(
+                  [](const nn::MechanismInfo& m) { return m.supports.rotary != nn::RotarySupport::none; }),
+              ")");
   TORCH_CHECK(!has(o.positions(), Positions::relative) || info->name == "full", where,
               ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
               "need attention 'full', got '", text, "'");
@@ -258,6 +264,11 @@ void validate(const TransformerOptions& o) {
   TORCH_CHECK(o.max_length() >= 1, where, ": max_length must be >= 1, got ", o.max_length());
   TORCH_CHECK(o.relative_clip() >= 0, where, ": relative_clip must be >= 0, got ", o.relative_clip());
   TORCH_CHECK(o.conv_width() >= 1, where, ": conv_width must be >= 1, got ", o.conv_width());
+  TORCH_CHECK(o.rotary_fraction() > 0 && o.rotary_fraction() <= 1, where,
+              ": rotary_fraction must be in (0, 1], got ", o.rotary_fraction());
+  TORCH_CHECK(!has(o.positions(), Positions::rope) || o.rotary_dim() >= 2, where, ": rotary_fraction ",
+              o.rotary_fraction(), " of ", o.width() / o.heads(), " features per head rotates ", o.rotary_dim(),
+              "; rope positions need at least one pair (2)");
   const auto& specs = o.attention();
   TORCH_CHECK(specs.size() == 1 || static_cast<int64_t>(specs.size()) == o.layers(), where,
               ": give one attention spec for every block or one per block (", o.layers(),

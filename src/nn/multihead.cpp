@@ -22,6 +22,18 @@ void check_takes_alibi(const std::string& spec) {
               "(MechanismSupports::alibi, e.g. 'full'); '", spec, "' does not");
 }
 
+/// Whether the mechanism of `spec` rotates q and k in its kernel (else the
+/// module rotates them); refuses one that takes no rotary positions.
+bool rotates_in_kernel(const std::string& spec) {
+  const auto* info = resolve_mechanism(spec).first;
+  TORCH_CHECK(info->supports.rotary != RotarySupport::none, "MultiheadAttention: rotary positions need a "
+              "mechanism whose scores are dot products of q and k (MechanismSupports::rotary); '", spec,
+              "' has none (mechanisms that take them: ",
+              mechanism_names_where([](const MechanismInfo& m) { return m.supports.rotary != RotarySupport::none; }),
+              ")");
+  return info->supports.rotary == RotarySupport::kernel;
+}
+
 }  // namespace
 
 void MultiheadAttentionImpl::reset() {
@@ -40,6 +52,14 @@ void MultiheadAttentionImpl::reset() {
   mechanism_reads_groups_ = reads_grouped_heads(options.attention());
   if (options.alibi()) check_takes_alibi(options.attention());
   alibi_slopes_ = options.alibi() ? attnkit::alibi_slopes(h) : torch::Tensor();
+  const int64_t r = options.rotary_dim();
+  detail::check_rotary("MultiheadAttention", "rotary_dim", r, "rotary_base", options.rotary_base(), d / h);
+  mechanism_rotates_ = r > 0 && rotates_in_kernel(options.attention());
+}
+
+torch::Tensor MultiheadAttentionImpl::rotate(const torch::Tensor& x, int64_t offset) const {
+  if (options.rotary_dim() == 0) return x;
+  return rotary_embedding(x, RotaryEmbeddingFuncOptions(options.rotary_dim()).base(options.rotary_base()).offset(offset));
 }
 
 int64_t MultiheadAttentionImpl::kv_head_count() const {
@@ -63,9 +83,11 @@ std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
 
 void MultiheadAttentionImpl::set_attention(const std::string& spec) {
   if (options.alibi()) check_takes_alibi(spec);
+  const bool rotates = options.rotary_dim() > 0 && rotates_in_kernel(spec);
   attention = replace_module("attention", make_mechanism(spec));
   options.attention(spec);
   mechanism_reads_groups_ = reads_grouped_heads(spec);
+  mechanism_rotates_ = rotates;
 }
 
 torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -90,10 +112,25 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
   auto split = [&](const torch::Tensor& x, int64_t T, int64_t heads) {
     return x.view({N, T, heads, dh}).transpose(1, 2);
   };
-  auto q = split(q_proj(query), L, H);
-  auto k = for_mechanism(split(k_proj(key), S, Hk)), v = for_mechanism(split(v_proj(value), S, Hk));
-  if (probe) probe(q, k, v);
-  auto out = attention->forward(q, k, v, AttendArgs{causal, key_lengths, alibi_slopes_});
+  auto q = split(q_proj(query), L, H), k = split(k_proj(key), S, Hk);
+  AttendArgs args{causal, key_lengths, alibi_slopes_};
+  // Rotary positions: query i at i + S - L, key j at j (the causal mask's alignment).
+  if (mechanism_rotates_) {
+    args.rotary_dim = options.rotary_dim();
+    args.rotary_base = options.rotary_base();
+  } else {
+    q = rotate(q, S - L);
+    k = rotate(k, 0);
+  }
+  k = for_mechanism(k);
+  auto v = for_mechanism(split(v_proj(value), S, Hk));
+  if (probe) {
+    if (mechanism_rotates_)
+      probe(rotate(q, S - L), rotate(k, 0), v);
+    else
+      probe(q, k, v);
+  }
+  auto out = attention->forward(q, k, v, args);
   return out_proj(out.transpose(1, 2).reshape({N, L, d}));
 }
 

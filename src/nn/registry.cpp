@@ -317,20 +317,18 @@ const std::vector<MechanismInfo>& mechanisms() {
   return t.entries;
 }
 
-namespace {
-
-std::string known_names() {
-  std::string s;
-  for (const auto& m : mechanisms()) s += (s.empty() ? "" : ", ") + m.name;
-  return s;
+std::string mechanism_names_where(const std::function<bool(const MechanismInfo&)>& holds) {
+  std::string names;
+  for (const auto& m : mechanisms())
+    if (holds(m)) names += (names.empty() ? "" : ", ") + m.name;
+  return names;
 }
-
-}  // namespace
 
 const MechanismInfo& find_mechanism(const std::string& name) {
   for (const auto& m : mechanisms())
     if (m.name == name) return m;
-  TORCH_CHECK(false, "unknown attention mechanism '", name, "'; known: ", known_names());
+  TORCH_CHECK(false, "unknown attention mechanism '", name, "'; known: ",
+              mechanism_names_where([](const MechanismInfo&) { return true; }));
 }
 
 std::pair<const MechanismInfo*, MechanismSpec> resolve_mechanism(const std::string& spec_text) {
@@ -397,12 +395,13 @@ void check_supports(const MechanismInfo& info, const torch::Tensor& q, const tor
               ": this mechanism needs values as wide as keys (M == E), got E = ", k.size(3),
               ", M = ", v.size(3));
   TORCH_CHECK(s.alibi || !args.alibi_slopes.defined(), n,
-              ": this mechanism does not take ALiBi slopes (mechanisms that do: ", [] {
-                std::string names;
-                for (const auto& m : mechanisms())
-                  if (m.supports.alibi) names += (names.empty() ? "" : ", ") + m.name;
-                return names;
-              }(), ")");
+              ": this mechanism does not take ALiBi slopes (mechanisms that do: ",
+              mechanism_names_where([](const MechanismInfo& m) { return m.supports.alibi; }), ")");
+  TORCH_CHECK(s.rotary == RotarySupport::kernel || args.rotary_dim == 0, n,
+              ": this mechanism does not rotate q and k inside its kernel (rotary_dim); rotate them "
+              "before the call (attnkit::rotary_embedding, as nn::MultiheadAttention does)",
+              s.rotary == RotarySupport::none ? ", which its scores would not turn into rotary positions either"
+                                              : "");
   TORCH_CHECK(s.grouped_heads || k.size(1) == q.size(1), n,
               ": this mechanism reads no grouped-query heads: k and v need q's head count ", q.size(1),
               ", got ", k.size(1), " (repeat each over its group, as nn::MultiheadAttention does)");

@@ -16,13 +16,20 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                    const torch::Tensor& v, c10::optional<double> scale,
                                    bool causal, const c10::optional<torch::Tensor>& key_lengths,
                                    const c10::optional<torch::Tensor>& bias,
-                                   const c10::optional<torch::Tensor>& alibi_slopes) {
+                                   const c10::optional<torch::Tensor>& alibi_slopes,
+                                   int64_t rotary_dim, double rotary_base) {
   return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
                                         .key_lengths(key_lengths.value_or(torch::Tensor()))
                                         .bias(bias.value_or(torch::Tensor()))
-                                        .alibi_slopes(alibi_slopes.value_or(torch::Tensor())));
+                                        .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
+                                        .rotary_dim(rotary_dim)
+                                        .rotary_base(rotary_base));
+}
+
+torch::Tensor rotary_embedding_op(const torch::Tensor& x, int64_t dim, double base, int64_t offset) {
+  return rotary_embedding(x, RotaryEmbeddingFuncOptions(dim).base(base).offset(offset));
 }
 
 torch::Tensor scaled_dot_product_attention_op(const torch::Tensor& query, const torch::Tensor& key,
@@ -99,10 +106,18 @@ std::string schema_float(double x) {
 }  // namespace
 
 TORCH_LIBRARY(attnkit, m) {
-  m.def("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
-        "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None) -> Tensor",
+  const SoftmaxAttentionFuncOptions soft;
+  m.def(("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
+         "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
+         std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
+         ") -> Tensor")
+            .c_str(),
         &softmax_attention_op);
   m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
+  m.def(("rotary_embedding(Tensor x, int dim, *, float base=" +
+         schema_float(RotaryEmbeddingFuncOptions(2).base()) + ", int offset=0) -> Tensor")
+            .c_str(),
+        &rotary_embedding_op);
   // torch 2.5's schema of torch.nn.functional.scaled_dot_product_attention.
   m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
         "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",

@@ -25,12 +25,7 @@ constexpr const char* kOp = "scaled_dot_product_attention";
 
 /// A defined, dense, floating CPU tensor of rank >= 2 (torch's (N, ..., L, E)).
 void check_input(const char* name, const torch::Tensor& t) {
-  TORCH_CHECK(t.defined(), kOp, ": argument '", name, "' is undefined");
-  detail::check_strided(kOp, name, t);
-  TORCH_CHECK(t.device().is_cpu(), kOp, ": argument '", name, "' must be on the CPU, got device ", t.device());
-  TORCH_CHECK(t.is_floating_point(), kOp, ": argument '", name, "' must be a floating tensor, got dtype ",
-              t.scalar_type());
-  detail::check_supported_dtype(kOp, name, t);
+  detail::check_float_cpu(kOp, name, t);
   TORCH_CHECK(t.dim() >= 2, kOp, ": argument '", name, "' must have at least 2 dimensions (..., ",
               name == std::string("query") ? "L" : "S", ", features), got shape ", detail::shape_str(t));
 }

@@ -23,6 +23,10 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
                                 torch::Tensor* weights = nullptr);
 
+/// "Rotary positions": x (N, H, T, E) with row t rotated to position
+/// o.offset() + t, the angles computed in x's dtype from their definition.
+torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFuncOptions& o);
+
 /// torch 2.5's documented scaled_dot_product_attention (its "equivalent to"
 /// code, step by step), with our rule for rows with nothing visible (zeros).
 torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,

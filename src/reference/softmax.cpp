@@ -14,7 +14,14 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t group = k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
   const auto keys = group > 1 ? k.repeat_interleave(group, 1) : k;
   const auto values = group > 1 ? v.repeat_interleave(group, 1) : v;
-  auto scores = torch::matmul(q, keys.transpose(-2, -1)) * scale;
+  // Rotary positions: query i at position i + S - L, key j at j.
+  const auto rotate = [&](const torch::Tensor& x, int64_t offset) {
+    return o.rotary_dim() == 0 ? x
+                               : reference::rotary_embedding(x, RotaryEmbeddingFuncOptions(o.rotary_dim())
+                                                         .base(o.rotary_base())
+                                                         .offset(offset));
+  };
+  auto scores = torch::matmul(rotate(q, S - L), rotate(keys, 0).transpose(-2, -1)) * scale;
   if (o.bias().defined()) scores = scores + o.bias();
   if (o.alibi_slopes().defined()) {
     // -slope_h |i + S - L - j|: query i at position i + S - L of the keys.

@@ -85,10 +85,10 @@ endif()
 message(STATUS "${out}")
 
 # (b) The bench over every mechanism the registry lists: `attnkit mechanisms`
-# prints one line per mechanism, `  <name>  <supports: 7 flags>  <summary>`,
+# prints one line per mechanism, `  <name>  <supports: 8 flags>  <summary>`,
 # its options indented further.
 run_emulated("attnkit mechanisms" ${cli} mechanisms)
-string(REGEX MATCHALL "\n  [^ \n]+ +[c-][p-][x-][m-][d-][g-][a-]  " lines "${out}")
+string(REGEX MATCHALL "\n  [^ \n]+ +[c-][p-][x-][m-][d-][g-][a-][Rr-]  " lines "${out}")
 set(mechanisms "")
 foreach(line IN LISTS lines)
   string(REGEX REPLACE "^\n  ([^ ]+) .*" "\\1" name "${line}")

@@ -6,11 +6,13 @@
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/multihead.h>
 
+#include "models/decoding_util.h"
 #include "test_util.h"
 
 namespace attnkit {
 namespace {
 
+using testing::decode_all;
 using testing::expect_error;
 using testing::f64;
 using testing::rel_err;
@@ -39,13 +41,6 @@ TEST(AlibiPositions, MultiheadAttentionAddsThePenalty) {
 models::TransformerOptions small_alibi() {
   return models::TransformerOptions(11).layers(2).width(16).heads(4).ffn(24).dropout(0).max_length(16).positions(
       models::Positions::alibi);
-}
-
-torch::Tensor decode_all(models::Transformer& model, const torch::Tensor& tokens) {
-  auto state = model->start_decoding(tokens.size(0));
-  std::vector<torch::Tensor> out;
-  for (int64_t t = 0; t < tokens.size(1); ++t) out.push_back(model->step(tokens.select(1, t), state));
-  return torch::stack(out, 1);
 }
 
 // Tolerances as tests/models/transformer_test.cpp's: float64 1e-10, float32
@@ -96,7 +91,7 @@ TEST(AlibiPositions, OptionsAndRefusals) {
   EXPECT_EQ(models::to_string(models::positions_from_string("alibi+conv")), "conv+alibi");
   const auto o = small_alibi();
   EXPECT_EQ(models::TransformerOptions::from_json(o.to_json()).positions(), models::Positions::alibi);
-  expect_error([] { models::positions_from_string("relative+alibi"); }, {"choose relative or alibi"});
+  expect_error([] { models::positions_from_string("relative+alibi"); }, {"choose one of relative, alibi and rope"});
   expect_error([] { models::Transformer m(small_alibi().attention({"causal-linear"})); },
                {"ALiBi", "'causal-linear' takes no slopes", "full"});
   expect_error([] { models::Transformer m(small_alibi().attention({"agglomerative"})); }, {"ALiBi", "agglomerative"});

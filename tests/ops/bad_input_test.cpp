@@ -360,18 +360,21 @@ TEST(BadInputDispatcher, SoftmaxThroughTorchOps) {
                 .findSchemaOrThrow("attnkit::softmax_attention", "")
                 .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                      c10::optional<double>, bool, const c10::optional<torch::Tensor>&,
-                                     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&)>();
+                                     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                                     int64_t, double)>();
   auto q = Q(), k = K(), v = V();
-  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt);
+  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0);
   EXPECT_TRUE(torch::equal(good, softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true))));
-  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt); },
+  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0); },
                {"softmax_attention", "'k'", "feature size"});
-  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0); },
                {"softmax_attention", "scale"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt, 0, 10000.0); },
                {"softmax_attention", "key_lengths"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1})); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1}), 0, 10000.0); },
                {"softmax_attention", "'alibi_slopes'", "shape (H)"});
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 3, 10000.0); },
+               {"softmax_attention", "'rotary_dim'", "even number"});
 }
 
 TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {

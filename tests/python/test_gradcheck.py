@@ -103,6 +103,9 @@ def _op_cases():
     add("softmax alibi causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True,
                                                                        alibi_slopes=ops.alibi_slopes(2)),
         leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
+    add("softmax rotary causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, rotary_dim=2),
+        leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
+    add("rotary_embedding offset -2", lambda x: ops.rotary_embedding(x, 4, base=50.0, offset=-2), leaf(2, 1, 3, 5))
     add("softmax bias broadcast", lambda q, k, v, b: ops.softmax_attention(q, k, v, causal=True, bias=b),
         leaf(2, 2, 3, 3), leaf(2, 2, 4, 3), leaf(2, 2, 4, 2), leaf(1, 2, 1, 4))
     add("softmax bias full + key_lengths", lambda q, k, v, b: ops.softmax_attention(q, k, v, bias=b,
@@ -210,7 +213,7 @@ def test_op_gradcheck_float64(fn, inputs):
 def test_gradcheck_covers_every_op():
     """A new op must get cases above: the list of ops is closed."""
     tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
-              "clustered_attention", "sparse_attention", "linear"}
+              "clustered_attention", "sparse_attention", "linear", "rotary_embedding"}
     untensored = {"edge_pattern", "alibi_slopes", "isa", "isa_description", "machine_isa", "set_max_isa"}
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored
 

@@ -1247,3 +1247,45 @@ def test_nn_mechanisms_is_the_registry_module_under_its_old_name():
     assert b"attnkit.nn.mechanisms" in text
     back = pickle.loads(text)
     assert type(back) is ann.registry.SparseLocal and back.spec == "sparse-local:span=2"
+
+
+def test_multihead_rotary_positions():
+    """rotary_dim=4 of 8 features per head: the module's output (float64) is
+    the projections with q and k rotated by attnkit.rotary_embedding (query i
+    at i + S - L), for exact attention (rotated inside its kernel) and a sparse
+    pattern (rotated before the call); its weights see the rotation too."""
+    D, H, L, S = 16, 2, 5, 7
+    q, kv = torch.randn(2, L, D, dtype=f64), torch.randn(2, S, D, dtype=f64)
+    for spec in ("full", "sparse-local:span=2"):
+        kv_ = kv if spec == "full" else q  # the sparse patterns are self-attention: L == S
+        m = ann.MultiheadAttention(D, H, attention=spec, batch_first=True, rotary_dim=4, rotary_base=500.0).double()
+        p = dict(m.named_parameters())
+
+        def heads(x, w, b):
+            return torch.ops.attnkit.linear(x, w, b).view(2, x.shape[1], H, D // H).transpose(1, 2)
+
+        qh = attnkit.rotary_embedding(heads(q, p["q_proj.weight"], p["q_proj.bias"]), 4, base=500.0,
+                                      offset=kv_.shape[1] - L)
+        kh = attnkit.rotary_embedding(heads(kv_, p["k_proj.weight"], p["k_proj.bias"]), 4, base=500.0)
+        vh = heads(kv_, p["v_proj.weight"], p["v_proj.bias"])
+        attended = ann.Attention(spec)(qh, kh, vh)
+        want = torch.ops.attnkit.linear(attended.transpose(1, 2).reshape(2, L, D), p["out_proj.weight"],
+                                        p["out_proj.bias"])
+        out, weights = m(q, kv_, kv_, need_weights=(spec == "full"))
+        assert rel_err(out, want) <= F64_TOL, spec
+        if spec == "full":
+            unrotated = torch.softmax(qh @ kh.transpose(-2, -1) / (D // H) ** 0.5, -1).mean(1)
+            assert rel_err(weights, unrotated) <= F64_TOL
+    supports = {e["name"]: e["supports"]["rotary"] for e in attnkit.mechanisms()}
+    assert (supports["full"], supports["sparse-local"], supports["linear"]) == ("kernel", "inputs", "none")
+    with pytest.raises(RuntimeError, match=r"rotary positions.*'linear' has none"):
+        ann.MultiheadAttention(D, H, attention="linear", rotary_dim=4)
+
+
+def test_transformer_takes_rope_positions():
+    model = Transformer(11, layers=2, width=16, heads=2, ffn=24, dropout=0.0, positions="rope",
+                        rotary_fraction=0.5)
+    assert model.options["positions"] == "rope" and model.options["rotary_fraction"] == 0.5
+    assert "rotary_fraction" not in Transformer(11, width=16, heads=2, positions="rope").options
+    with pytest.raises(RuntimeError, match=r"choose one of relative, alibi and rope"):
+        Transformer(11, width=16, heads=2, positions="alibi+rope")

@@ -66,6 +66,27 @@ class OpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "alibi_slopes.*shape \\(H\\) = \\(4\\)"):
             attnkit.softmax_attention(q, k, v, alibi_slopes=torch.ones(3))
 
+    def test_rotary_positions_equal_rotating_q_and_k_first(self):
+        # Rotary positions inside the kernel (float32) against q and k rotated
+        # by attnkit.rotary_embedding, then plain attention, in float64 (the
+        # composite): values and the gradients of q, k, v; L < S, causal,
+        # half the features rotated. Query i sits at position i + S - L.
+        q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 3)
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        theirs = [t.double().requires_grad_() for t in (q, k, v)]
+        out = attnkit.softmax_attention(*mine, causal=True, rotary_dim=4, rotary_base=100.0)
+        rq = attnkit.rotary_embedding(theirs[0], 4, base=100.0, offset=4)
+        rk = attnkit.rotary_embedding(theirs[1], 4, base=100.0)
+        want = attnkit.softmax_attention(rq, rk, theirs[2], causal=True)
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+        cot = torch.randn_like(want)
+        (out * cot.float()).sum().backward()
+        (want * cot).sum().backward()
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+        with self.assertRaisesRegex(RuntimeError, "rotary_dim.*even number in \\[2, E\\] = \\[2, 8\\], got 5"):
+            attnkit.softmax_attention(q, k, v, rotary_dim=5)
+
     def test_float32_bias_gradient_matches_float64(self):
         # The float32 kernel's bias gradient, summed over the broadcast heads,
         # against the float64 composite's; bound 1e-5 relative to the largest entry.

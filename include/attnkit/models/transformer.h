@@ -57,6 +57,9 @@ enum class Positions : unsigned {
                         ///< scores by slope_h x the query-key distance, inside the kernel
                         ///< (mechanisms with MechanismSupports::alibi); no table, so no
                         ///< max_length limit of its own
+  rope = 1 << 5,        ///< rotary positions (Su et al.): every self-attention turns each head's
+                        ///< queries and keys to their positions (rotary_fraction of the head's
+                        ///< features), inside the kernel for exact attention; no table either
 };
 constexpr Positions operator|(Positions a, Positions b) {
   return static_cast<Positions>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -109,6 +112,10 @@ struct TransformerOptions {
   TORCH_ARG(int64_t, relative_clip) = 16;
   /// conv positions: filter width over the embeddings (the paper uses 8).
   TORCH_ARG(int64_t, conv_width) = 8;
+  /// rope positions: the fraction of each head's features rotated, rounded
+  /// down to an even count of at least 2 (rotary_dim()); the rest carry no
+  /// position (GPT-NeoX rotates a quarter).
+  TORCH_ARG(double, rotary_fraction) = 1.0;
   TORCH_ARG(Norm, norm) = Norm::pre;
   /// The output layer reuses the (target) embedding matrix.
   TORCH_ARG(bool, tie_embeddings) = true;
@@ -121,6 +128,9 @@ struct TransformerOptions {
   /// refuses unknown keys and wrong types with an error naming the key.
   std::string to_json() const;
   static TransformerOptions from_json(const std::string& json);
+  /// The rotated features per head with rope positions (0 without them):
+  /// rotary_fraction of width / heads, rounded down to an even count.
+  int64_t rotary_dim() const;
 };
 
 /// Checks `options` as the builder does and throws the builder's error:

@@ -29,6 +29,14 @@ struct MultiheadAttentionOptions {
   /// head's scores by slope_h times the query-key distance, with the paper's
   /// slopes (attnkit::alibi_slopes(heads)).
   TORCH_ARG(bool, alibi) = false;
+  /// Rotary positions (RoPE): the first rotary_dim entries (even, at most
+  /// width / heads) of each head's queries and keys turned to their
+  /// positions (query i of L at i + S - L, key j at j: ops.h
+  /// rotary_embedding), inside the kernel for a mechanism that rotates
+  /// (RotarySupport::kernel), else on q and k before the call
+  /// (RotarySupport::inputs). 0: none.
+  TORCH_ARG(int64_t, rotary_dim) = 0;
+  TORCH_ARG(double, rotary_base) = 10000.0;
   /// The mechanism behind the projections, as a registry spec string
   /// (nn/registry.h), e.g. "improved-clustered:clusters=25,topk=32".
   TORCH_ARG(std::string, attention) = "full";
@@ -56,6 +64,11 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
   int64_t kv_head_count() const;
   /// ALiBi's slopes (float32 (heads)) when options.alibi, else undefined.
   const torch::Tensor& alibi_slopes() const { return alibi_slopes_; }
+  /// Per-head rows x (N, heads, T, width / heads) turned to the positions
+  /// offset + t by the module's rotary positions; x itself when it has none.
+  /// Decoding rotates each step's query and key with it (offset: the step's
+  /// position), so that a cache holds rotated keys.
+  torch::Tensor rotate(const torch::Tensor& x, int64_t offset) const;
   /// Projected keys or values with kv_head_count() heads along `head_dim`, as
   /// the mechanism takes them: unchanged when it reads grouped heads
   /// (MechanismSupports::grouped_heads), else each head repeated over its
@@ -66,7 +79,8 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
   MultiheadAttentionOptions options;
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
   /// When set, forward() first hands it the per-head inputs of the mechanism,
-  /// q (N, H, L, D/H), k and v (N, H, S, D/H) (strided views, part of the
+  /// q (N, H, L, D/H), k and v (N, H, S, D/H) (with rotary positions q and k
+  /// rotated, also when the kernel would rotate them; strided views, part of the
   /// autograd graph; with grouped heads k and v as for_mechanism gives them,
   /// kv_heads heads when the mechanism reads groups): to study what a trained model's attention sees (e.g.
   /// `attnkit approx --run`). Not part of the module's state; not cloned.
@@ -78,6 +92,7 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
 
  private:
   bool mechanism_reads_groups_ = false;  // attention's MechanismSupports::grouped_heads
+  bool mechanism_rotates_ = false;       // attention's RotarySupport::kernel
   torch::Tensor alibi_slopes_;           // constants, not state: made from options
 };
 TORCH_MODULE(MultiheadAttention);

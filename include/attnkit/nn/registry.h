@@ -85,6 +85,16 @@ struct MechanismOption {
   void check(const MechanismSpec& spec) const;
 };
 
+/// How a mechanism takes rotary positions (RoPE; ops.h rotary_embedding).
+enum class RotarySupport {
+  none,    ///< not at all: its scores are no dot products of q and k (linear
+           ///< attention's feature maps, agglomerative classes), so rotated
+           ///< inputs would not give RoPE's relative form
+  inputs,  ///< its scores are dot products of q and k: q and k rotated before
+           ///< the call are RoPE exactly (nn::MultiheadAttention rotates them)
+  kernel,  ///< inside its kernel as q and k blocks load (AttendArgs::rotary_dim)
+};
+
 /// What a mechanism can honour. A front end asks before it calls; a call that
 /// needs an unsupported feature is refused with an error naming it.
 struct MechanismSupports {
@@ -102,6 +112,8 @@ struct MechanismSupports {
   /// (AttendArgs::alibi_slopes), computed inside the kernel; the decoding
   /// state takes them too (CausalState::set_alibi_slopes).
   bool alibi = false;
+  /// Rotary positions, and where they are applied.
+  RotarySupport rotary = RotarySupport::none;
 };
 
 /// Sizes of one per-head call: q (N, H, L, E), k (N, Hk, S, E), v (N, Hk, S, M)
@@ -121,6 +133,10 @@ struct AttendArgs {
   bool causal = false;
   torch::Tensor key_lengths;   ///< undefined, or int64 (N)
   torch::Tensor alibi_slopes;  ///< undefined, or floating (H): SoftmaxAttentionFuncOptions::alibi_slopes
+  /// Rotary positions inside the kernel (RotarySupport::kernel):
+  /// SoftmaxAttentionFuncOptions::rotary_dim and rotary_base. 0: none.
+  int64_t rotary_dim = 0;
+  double rotary_base = 10000.0;
 };
 
 /// A mechanism as a module over per-head tensors: (q, k, v) of the shapes in
@@ -192,6 +208,10 @@ bool usable_in_decoder(const MechanismInfo& info);
 
 /// Every mechanism, in the order `attnkit mechanisms` prints them.
 const std::vector<MechanismInfo>& mechanisms();
+
+/// The names of the mechanisms for which `holds` is true, in registry order,
+/// joined by ", ": what an error lists as the alternatives.
+std::string mechanism_names_where(const std::function<bool(const MechanismInfo&)>& holds);
 
 /// The entry named `name`; the error lists every known name.
 const MechanismInfo& find_mechanism(const std::string& name);

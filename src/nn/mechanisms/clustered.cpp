@@ -97,6 +97,7 @@ MechanismInfo clustered_entry(const std::string& name) {
   m.supports.key_lengths = true;
   m.supports.cross = true;
   m.supports.value_dim = true;
+  m.supports.rotary = RotarySupport::inputs;  // clusters and scores from the rotated q and k
   m.approximates_exact = true;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;

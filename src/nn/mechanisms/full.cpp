@@ -6,7 +6,12 @@ namespace attnkit::nn::registration {
 namespace {
 
 SoftmaxAttentionFuncOptions softmax_options(const AttendArgs& a) {
-  return SoftmaxAttentionFuncOptions().causal(a.causal).key_lengths(a.key_lengths).alibi_slopes(a.alibi_slopes);
+  return SoftmaxAttentionFuncOptions()
+      .causal(a.causal)
+      .key_lengths(a.key_lengths)
+      .alibi_slopes(a.alibi_slopes)
+      .rotary_dim(a.rotary_dim)
+      .rotary_base(a.rotary_base);
 }
 
 MechanismInfo full_entry() {
@@ -20,6 +25,7 @@ MechanismInfo full_entry() {
   m.supports.decoding_state = true;
   m.supports.grouped_heads = true;
   m.supports.alibi = true;
+  m.supports.rotary = RotarySupport::kernel;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;

@@ -53,6 +53,7 @@ MechanismInfo none_entry() {
   m.supports.key_lengths = true;
   m.supports.value_dim = true;
   m.supports.decoding_state = true;
+  m.supports.rotary = RotarySupport::inputs;  // reads no q or k: rotating them changes nothing
   m.always_causal = true;  // no position sees another
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;

@@ -31,6 +31,7 @@ MechanismInfo sac_entry() {
                             "weight of an entropy bonus on the predictor (0: none, the paper)")};
   m.validate = [](const MechanismSpec& spec) { SacOptions::from_spec(spec); };  // reward vs variant
   m.supports.value_dim = true;
+  m.supports.rotary = RotarySupport::inputs;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = [](const MechanismSpec& spec) -> std::shared_ptr<MechanismImpl> {

@@ -84,6 +84,7 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   m.always_causal = name == "causal" || name == "local-causal" || name == "segments-causal" ||
                     name == "strided";
   m.supports.value_dim = true;
+  m.supports.rotary = RotarySupport::inputs;
   m.supports.decoding_state = m.always_causal;
   if (m.always_causal)
     m.start_decoding = [name, param](const MechanismSpec& spec) {
