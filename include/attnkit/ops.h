@@ -53,6 +53,12 @@ struct SoftmaxAttentionFuncOptions {
   TORCH_ARG(int64_t, rotary_dim) = 0;
   /// RoPE's angles: position t times rotary_base^(-2c / rotary_dim).
   TORCH_ARG(double, rotary_base) = 10000.0;
+  /// A local window (sliding-window attention): query i sees only the keys
+  /// within window - 1 of its position i + S - L, before it when causal
+  /// (window keys: itself and window - 1 earlier ones), on both sides
+  /// otherwise (2 window - 1 keys). The kernel skips the tiles outside the
+  /// band: O(L window) work. 0: no window.
+  TORCH_ARG(int64_t, window) = 0;
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest
@@ -85,7 +91,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// bias, which may require grad); for bfloat16 the kernel too, its reason
 /// naming how: "bf16 on AMX tiles" (bf16 products with float32 accumulation
 /// and softmax, bf16 outputs), or the float32 kernel on converted inputs with
-/// the outputs rounded to bf16 (with a bias, ALiBi slopes, rotary positions or grouped heads,
+/// the outputs rounded to bf16 (with a bias, ALiBi slopes, rotary positions, a window or grouped heads,
 /// or where AMX is unavailable or ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
 /// the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,

@@ -41,9 +41,10 @@ constexpr int64_t kForwardGroup = 4;
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
 
-/// Query i of batch n sees exactly the keys [0, visible(i)) before the bias.
+/// Query i of batch n sees exactly the keys [visible.first(i), visible(i))
+/// before the bias.
 Visibility visibility_of(const SoftmaxAttentionParams& p, int64_t n) {
-  return Visibility(p.L, p.S, p.causal, key_limit(p.key_lengths, n, p.S));
+  return Visibility(p.L, p.S, p.causal, key_limit(p.key_lengths, n, p.S), p.window);
 }
 
 /// How the passes read q and k: in place or packed as their strides allow
@@ -123,9 +124,17 @@ void add_score_terms(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int6
 void mask_block(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                 float* s, int64_t lds) {
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t from = std::clamp<int64_t>(visible(i0 + r) - j0, 0, cols);
-    std::fill(s + r * lds + from, s + r * lds + cols, -kInf);
+    const int64_t begin = std::clamp<int64_t>(visible.first(i0 + r) - j0, 0, cols);
+    const int64_t end = std::clamp<int64_t>(visible(i0 + r) - j0, begin, cols);
+    std::fill(s + r * lds, s + r * lds + begin, -kInf);
+    std::fill(s + r * lds + end, s + r * lds + cols, -kInf);
   }
+}
+
+/// Whether some row of [i0, i0 + rows) does not see every key of [j0, j0 + cols).
+bool needs_mask(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+  // The first row sees the fewest keys at the end, the last the fewest at the start.
+  return j0 + cols > visible(i0) || visible.first(i0 + rows - 1) > j0;
 }
 
 // ---------------------------------------------------------------------------
@@ -168,20 +177,21 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
   std::fill(a.m, a.m + rows, -kInf);
   std::fill(a.l, a.l + rows, 0.f);
   // Keys at or past a block's key_end are invisible to all its rows (causal:
-  // the blocks above the diagonal; padding: past the last valid key): skipped.
-  // Keys below its all_see are visible to all its rows: no mask needed there.
+  // the blocks above the diagonal; padding: past the last valid key), and so
+  // are, with a window, the keys before its first row's window: skipped.
+  // A tile every row sees whole needs no mask.
+  const int64_t span_begin = std::max(j_begin, visible.first(i0));
   const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
-  if (j_begin >= span_end) return;  // nothing visible: no need to read q
+  if (span_begin >= span_end) return;  // nothing visible: no need to read q
   const Rows q = qk.queries(n, h, i0, rows, w.q);
-  for (int64_t j0 = j_begin; j0 < span_end; j0 += BK) {
+  for (int64_t j0 = span_begin; j0 < span_end; j0 += BK) {
     const int64_t span_cols = std::min(BK, span_end - j0);
     const Rows k = qk.keys(n, h, j0, span_cols, w.k);
     const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += BQ) {
       const int64_t block_rows = std::min(BQ, rows - b);
       const int64_t key_end = std::min(j_end, visible(i0 + b + block_rows - 1));
-      const int64_t all_see = visible(i0 + b);
-      if (j0 >= key_end) continue;
+      if (j0 >= key_end || j0 + span_cols <= visible.first(i0 + b)) continue;
       const int64_t cols = std::min(BK, key_end - j0);
       float* o = a.u + b * M;
       float* m = a.m + b;
@@ -189,7 +199,7 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
       add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
-      if (j0 + cols > all_see) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
+      if (needs_mask(visible, i0 + b, block_rows, j0, cols)) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
 
       // Online softmax: P = exp(s - m_new), l = l * exp(m - m_new) + rowsum(P),
       // and the accumulator rescaled by the same factor.
@@ -363,7 +373,7 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
   const int64_t BK = kBackwardBlockK;
   sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
   add_score_terms(p, n, h, i0, rows, j0, cols, prob, BK);
-  if (j0 + cols > visible(i0)) mask_block(visible, i0, rows, j0, cols, prob, BK);
+  if (needs_mask(visible, i0, rows, j0, cols)) mask_block(visible, i0, rows, j0, cols, prob, BK);
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = prob + r * BK;
     if (x.lse[r] == -kInf)  // a row with no visible key: P = 0, not NaN
@@ -498,8 +508,10 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
     std::fill(w.dk, w.dk + cols * E, 0.f);
     std::fill(w.dv, w.dv + cols * M, 0.f);
     // Causal: queries before the first that sees key j0 see none of these
-    // keys; start at the query block holding it.
-    for (int64_t i0 = visible.first_query(j0, L) / BQ * BQ; i0 < L; i0 += BQ) {
+    // keys; start at the query block holding it. With a window, queries from
+    // the end of the last key's window on see none either.
+    const int64_t query_end = std::min(L, visible.end_query(j0 + cols - 1, L));
+    for (int64_t i0 = visible.first_query(j0, L) / BQ * BQ; i0 < query_end; i0 += BQ) {
       const int64_t rows = std::min(BQ, L - i0);
       const TileInputs x{{q.row(i0), q.ld}, {dout.row(i0), dout.ld}, {k.row(j0), k.ld},
                          {v.row(j0), v.ld}, lse + i0,                w.d + i0};
@@ -575,6 +587,7 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& qk,
         row_deltas(p, n, h, x.dout, i0, rows, w.d);
         for (int64_t j0 = part.j_begin; j0 < j_end; j0 += BK) {
           const int64_t cols = std::min(BK, j_end - j0);
+          if (j0 + cols <= visible.first(i0)) continue;  // before every row's window
           x.k = qk.keys(n, h, j0, cols, w.k);
           x.v = rows_of(v, j0, cols, p.M, w.v);
           tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
@@ -615,7 +628,10 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   // Fewer blocks per span when there would be under 4 spans per thread to
   // balance. How rows are grouped into spans does not change any result.
   const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kForwardBlockQ);
-  int64_t group = kForwardGroup;
+  // With a window each query block reads its own band of keys, from its first
+  // row's window on: spans of one block, whatever the thread count (the key
+  // tiles then start where the band does, so grouping would change them).
+  int64_t group = p.window > 0 ? 1 : kForwardGroup;
   while (group > 1 && heads * ceil_div(blocks, group) < 4 * num_threads()) group /= 2;
   const int64_t span = group * kForwardBlockQ, spans = ceil_div(p.L, span);
   // Consecutive items share a head, so its keys and values stay in cache.

@@ -13,7 +13,9 @@
 //
 // Query i of batch n sees key j iff j < key_lengths[n] (when given) and, when
 // causal, j <= i + S - L (bottom-right aligned; see docs/MATH.md, Masks and
-// visibility); a bias entry of -inf hides a key too. A row with no visible key
+// visibility), and, with a window W, j > i + S - L - W (and j < i + S - L + W
+// when not causal); a bias entry of -inf hides a key too. A window's tiles
+// outside the band are skipped: the cost is O(L (W + block)), not O(L S). A row with no visible key
 // gets out = 0, lse = -inf and zero gradients. A NaN score of a visible key
 // (from q, k or the bias) makes its row's out and lse NaN, as torch's softmax.
 //
@@ -51,6 +53,8 @@ struct SoftmaxAttentionParams : QkvParams {
   int64_t rotary_dim = 0;                // RoPE on the first rotary_dim entries of q and k
                                          // (even, <= E); 0: none
   double rotary_base = 10000.0;          // theta_c = rotary_base^(-2c / rotary_dim)
+  int64_t window = 0;                    // > 0: each query sees only keys within window - 1
+                                         // of its position i + S - L; 0: none
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

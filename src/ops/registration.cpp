@@ -17,7 +17,7 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                    bool causal, const c10::optional<torch::Tensor>& key_lengths,
                                    const c10::optional<torch::Tensor>& bias,
                                    const c10::optional<torch::Tensor>& alibi_slopes,
-                                   int64_t rotary_dim, double rotary_base) {
+                                   int64_t rotary_dim, double rotary_base, int64_t window) {
   return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
@@ -25,7 +25,8 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .bias(bias.value_or(torch::Tensor()))
                                         .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
                                         .rotary_dim(rotary_dim)
-                                        .rotary_base(rotary_base));
+                                        .rotary_base(rotary_base)
+                                        .window(window));
 }
 
 torch::Tensor rotary_embedding_op(const torch::Tensor& x, int64_t dim, double base, int64_t offset) {
@@ -110,7 +111,7 @@ TORCH_LIBRARY(attnkit, m) {
   m.def(("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
          "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
          std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
-         ") -> Tensor")
+         ", int window=" + std::to_string(soft.window()) + ") -> Tensor")
             .c_str(),
         &softmax_attention_op);
   m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);

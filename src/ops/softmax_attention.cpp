@@ -66,6 +66,8 @@ void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch
   check_alibi_slopes(kSoftmaxOp, options.alibi_slopes(), q.size(1));
   detail::check_rotary(kSoftmaxOp, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(),
                        q.size(3));
+  TORCH_CHECK(options.window() >= 0, kSoftmaxOp, ": option 'window' must be >= 0 (0: no window), got ",
+              options.window());
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -78,6 +80,7 @@ struct SoftmaxConstants {
   torch::Tensor alibi_slopes;  // undefined, or contiguous float32 (H)
   int64_t rotary_dim;          // 0: no rotary positions
   double rotary_base;
+  int64_t window;              // 0: no window
 };
 
 /// Query heads per key/value head (1 without grouped-query heads).
@@ -113,6 +116,7 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.alibi_slopes = c.alibi_slopes.defined() ? c.alibi_slopes.data_ptr<float>() : nullptr;
   p.rotary_dim = c.rotary_dim;
   p.rotary_base = c.rotary_base;
+  p.window = c.window;
   if (bias.defined()) {
     // stride 0 on broadcast dimensions: no copy of a broadcast bias
     const auto full = bias.expand({p.N, p.H, p.L, p.S});
@@ -144,7 +148,8 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto &bias = saved[5], &key_lengths = saved[6];
     const SoftmaxConstants c{key_lengths, ctx->saved_data["scale"].toDouble(),
                              ctx->saved_data["causal"].toBool(), saved[7],
-                             ctx->saved_data["rotary_dim"].toInt(), ctx->saved_data["rotary_base"].toDouble()};
+                             ctx->saved_data["rotary_dim"].toInt(), ctx->saved_data["rotary_base"].toDouble(),
+                             ctx->saved_data["window"].toInt()};
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
@@ -187,6 +192,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     ctx->saved_data["has_bias"] = bias.defined();
     ctx->saved_data["rotary_dim"] = c.rotary_dim;
     ctx->saved_data["rotary_base"] = c.rotary_base;
+    ctx->saved_data["window"] = c.window;
     return out;
   }
 };
@@ -211,7 +217,7 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-                             torch::Tensor(), 0, 0.0};
+                             torch::Tensor(), 0, 0.0, 0};
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
@@ -243,6 +249,7 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   if (options.bias().defined()) return "a bias";
   if (options.alibi_slopes().defined()) return "ALiBi slopes";
   if (options.rotary_dim() > 0) return "rotary positions";
+  if (options.window() > 0) return "a window";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -290,7 +297,8 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   auto slopes = options.alibi_slopes();
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
-                           options.causal(), slopes, options.rotary_dim(), options.rotary_base()};
+                           options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
+                           options.window()};
   if (q.scalar_type() == torch::kBFloat16) {
     if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.

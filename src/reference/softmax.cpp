@@ -29,7 +29,12 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     const auto distance = (query_at - torch::arange(S, q.options()).view({1, S})).abs();
     scores = scores - o.alibi_slopes().to(q.scalar_type()).view({-1, 1, 1}) * distance;
   }
-  const auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
+  auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
+  if (o.window() > 0) {
+    // |i + S - L - j| < window: the band around the query's position.
+    const auto query_at = torch::arange(L, torch::kLong).add(S - L).view({L, 1});
+    visible = visible & ((query_at - torch::arange(S, torch::kLong).view({1, S})).abs() < o.window());
+  }
   auto a = detail::masked_softmax(scores, visible);
   // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a
   // visible key makes its row NaN, as torch's softmax (and the kernel) do.

@@ -332,8 +332,10 @@ TEST(MultiheadTest, UnknownMechanismListsKnownNames) {
   expect_error([&] { attend("softmax", q, q, q); }, fragments);
   expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("sparse-dilated")); },
                {"unknown attention mechanism 'sparse-dilated'", "sparse-local"});
+  expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("sparse-causal:span=3")); },
+               {"mechanism 'sparse-causal' has no option 'span'", "it takes none"});
   expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("full:span=3")); },
-               {"mechanism 'full' has no option 'span'", "it takes none"});
+               {"mechanism 'full' has no option 'span'", "accepted: window"});
   expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("clustered:topk=3")); },
                {"'clustered' has no option 'topk'", "accepted: clusters, bits"});
   expect_error([&] { MultiheadAttention(MultiheadAttentionOptions(4, 2).attention("clustered:clusters=x")); },

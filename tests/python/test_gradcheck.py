@@ -105,6 +105,8 @@ def _op_cases():
         leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
     add("softmax rotary causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, rotary_dim=2),
         leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
+    add("softmax window 2 L<S", lambda q, k, v: ops.softmax_attention(q, k, v, window=2),
+        leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
     add("rotary_embedding offset -2", lambda x: ops.rotary_embedding(x, 4, base=50.0, offset=-2), leaf(2, 1, 3, 5))
     add("softmax bias broadcast", lambda q, k, v, b: ops.softmax_attention(q, k, v, causal=True, bias=b),
         leaf(2, 2, 3, 3), leaf(2, 2, 4, 3), leaf(2, 2, 4, 2), leaf(1, 2, 1, 4))

@@ -87,6 +87,26 @@ class OpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "rotary_dim.*even number in \\[2, E\\] = \\[2, 8\\], got 5"):
             attnkit.softmax_attention(q, k, v, rotary_dim=5)
 
+    def test_window_matches_the_band_as_a_mask(self):
+        # window=3, causal and symmetric, L < S: the float32 kernel (tiles
+        # outside the band skipped) against the float64 composite given the
+        # band as a -inf bias; values and gradients.
+        q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 3)
+        L, S, W = 5, 9, 3
+        outside = (torch.arange(L).view(L, 1) + S - L - torch.arange(S)).abs() >= W
+        band = torch.zeros(L, S, dtype=torch.double).masked_fill(outside, float("-inf"))
+        for causal in (False, True):
+            mine = [t.clone().requires_grad_() for t in (q, k, v)]
+            theirs = [t.double().requires_grad_() for t in (q, k, v)]
+            out = attnkit.softmax_attention(*mine, causal=causal, window=W)
+            want = attnkit.softmax_attention(*theirs, causal=causal, bias=band)
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+            cot = torch.randn_like(want)
+            (out * cot.float()).sum().backward()
+            (want * cot).sum().backward()
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+
     def test_float32_bias_gradient_matches_float64(self):
         # The float32 kernel's bias gradient, summed over the broadcast heads,
         # against the float64 composite's; bound 1e-5 relative to the largest entry.
