@@ -38,6 +38,30 @@ constexpr int64_t kForwardBlockK = 256;
 // than single blocks; where they fit, both are equal (docs/PERFORMANCE.md,
 // "Why the kernels' constants").
 constexpr int64_t kForwardGroup = 4;
+
+/// The forward's tile: `q` query rows by `k` keys.
+struct ForwardTiles {
+  int64_t q, k;
+};
+
+// With a window W, a block of BQ queries sees a band of keys that is
+// (causal ? W : 2 W - 1) + BQ - 1 wide, and each of its rows sees W (or
+// 2 W - 1) of them. Tiles of 256 keys would cover a narrow band in two or
+// three products, the last one narrow, and compute up to 2x the visible
+// pairs; a key tile as wide as the band covers it in one, and 64 query rows
+// keep the band's edges, the pairs computed and masked beyond the visible
+// ones, at BQ - 1 per row (docs/PERFORMANCE.md, "Modern features", has the
+// tile shapes tried). A band wider than kMaxWindowBlockK keys takes the
+// dense tiles, whose waste at its edges is then small; a window wider than
+// all the keys is then computed exactly as no window.
+constexpr int64_t kWindowBlockQ = 64;
+constexpr int64_t kMaxWindowBlockK = 1024;
+
+ForwardTiles forward_tiles(const SoftmaxAttentionParams& p) {
+  const int64_t band = (p.causal ? p.window : 2 * p.window - 1) + kWindowBlockQ - 1;
+  if (p.window <= 0 || band > kMaxWindowBlockK) return {kForwardBlockQ, kForwardBlockK};
+  return {kWindowBlockQ, round_up16(band)};
+}
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
 
@@ -150,26 +174,27 @@ struct Accumulator {
 
 struct ForwardScratch {
   float *q, *k, *v;  // packed copies of blocks when the strides need it
-  float *s;          // scores, then probabilities: kForwardBlockQ x kForwardBlockK
+  float *s;          // scores, then probabilities: one tile (forward_tiles)
   Accumulator acc;   // for up to `rows` query rows
 
   /// Scratch for work items of up to `rows` query rows.
   ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer, int64_t rows)
       : q(slicer.take(rows * p.E)),
-        k(slicer.take(kForwardBlockK * p.E)),
-        v(slicer.take(kForwardBlockK * p.M)),
-        s(slicer.take(kForwardBlockQ * kForwardBlockK)),
+        k(slicer.take(forward_tiles(p).k * p.E)),
+        v(slicer.take(forward_tiles(p).k * p.M)),
+        s(slicer.take(forward_tiles(p).q * forward_tiles(p).k)),
         acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {}
 };
 
 /// The state `a` of queries [i0, i0 + rows) of head (n, h) over the keys
 /// [j_begin, j_end) (those of them each query sees), FlashAttention-2 style:
-/// for each key block, one query block of kForwardBlockQ rows at a time.
+/// for each key block, one query block (forward_tiles) at a time.
 /// `a` is overwritten, so it needs no initialisation.
 void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n, int64_t h,
                   int64_t i0, int64_t rows, int64_t j_begin, int64_t j_end,
                   const ForwardScratch& w, const Accumulator& a) {
-  const int64_t E = p.E, M = p.M, BQ = kForwardBlockQ, BK = kForwardBlockK;
+  const auto [BQ, BK] = forward_tiles(p);
+  const int64_t E = p.E, M = p.M;
   const Visibility visible = visibility_of(p, n);
   const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
 
@@ -279,7 +304,7 @@ struct KeySplit {
 
 /// The split for p's shape (see above); chunks == 1: none.
 KeySplit key_split(const SoftmaxAttentionParams& p) {
-  const int64_t items = p.N * p.H * ceil_div(p.L, kForwardBlockQ);
+  const int64_t items = p.N * p.H * ceil_div(p.L, forward_tiles(p).q);
   const int64_t chunks = std::min(ceil_div(kSplitItems, items), p.S / kSplitMinKeys);
   if (items >= kSplitItems || chunks < 2) return {p.S, 1};
   // Whole key blocks; S >= 2 kSplitMinKeys keeps at least two chunks.
@@ -290,8 +315,8 @@ KeySplit key_split(const SoftmaxAttentionParams& p) {
 /// The forward with the keys split: items are (head, query block, key chunk),
 /// then (head, query block) merges its chunks in order.
 void forward_split(const SoftmaxAttentionParams& p, const QkReader& qk, const KeySplit& split) {
-  const int64_t M = p.M, rows_max = std::min(p.L, kForwardBlockQ);
-  const int64_t blocks = ceil_div(p.L, kForwardBlockQ), items = p.N * p.H * blocks;
+  const int64_t M = p.M, BQ = forward_tiles(p).q, rows_max = std::min(p.L, BQ);
+  const int64_t blocks = ceil_div(p.L, BQ), items = p.N * p.H * blocks;
   const int64_t chunks = split.chunks;
   // One accumulator per (item, chunk), laid out as in a Slicer.
   const int64_t u_size = round_up16(rows_max * M), row_size = round_up16(rows_max);
@@ -304,8 +329,8 @@ void forward_split(const SoftmaxAttentionParams& p, const QkReader& qk, const Ke
   // Item -> head and first query; later query blocks (more keys when causal) first.
   const auto item_rows = [&](int64_t item, int64_t& n, int64_t& h, int64_t& i0) {
     const int64_t nh = item / blocks;
-    n = nh / p.H, h = nh % p.H, i0 = (blocks - 1 - item % blocks) * kForwardBlockQ;
-    return std::min(kForwardBlockQ, p.L - i0);
+    n = nh / p.H, h = nh % p.H, i0 = (blocks - 1 - item % blocks) * BQ;
+    return std::min(BQ, p.L - i0);
   };
 
   Slicer sizer(nullptr);
@@ -627,19 +652,19 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   if (split.chunks > 1) return forward_split(p, qk, split);
   // Fewer blocks per span when there would be under 4 spans per thread to
   // balance. How rows are grouped into spans does not change any result.
-  const int64_t heads = p.N * p.H, blocks = ceil_div(p.L, kForwardBlockQ);
+  const int64_t heads = p.N * p.H, BQ = forward_tiles(p).q, blocks = ceil_div(p.L, BQ);
   // With a window each query block reads its own band of keys, from its first
   // row's window on: spans of one block, whatever the thread count (the key
   // tiles then start where the band does, so grouping would change them).
   int64_t group = p.window > 0 ? 1 : kForwardGroup;
   while (group > 1 && heads * ceil_div(blocks, group) < 4 * num_threads()) group /= 2;
-  const int64_t span = group * kForwardBlockQ, spans = ceil_div(p.L, span);
+  const int64_t span = group * BQ, spans = ceil_div(p.L, span);
   // Consecutive items share a head, so its keys and values stay in cache.
   // Within a head the last spans come first: with causal masking they see
   // the most keys, and the dynamic schedule balances best longest-first.
   parallel_for_scratch(
       spans * heads,
-      [&](Slicer& s) { return ForwardScratch(p, s, kForwardGroup * kForwardBlockQ); },
+      [&](Slicer& s) { return ForwardScratch(p, s, group * BQ); },
       [&](int64_t t, const ForwardScratch& w) {
         const int64_t nh = t / spans, i0 = (spans - 1 - t % spans) * span;
         forward_span(p, qk, nh / p.H, nh % p.H, i0, std::min(span, p.L - i0), w);

@@ -74,8 +74,12 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// Each query block is computed by one thread in a fixed order, so the result
 /// is bitwise the same for any thread count.
 ///
+/// Query tiles are 128 rows by 256 keys; with a window whose band of keys
+/// (W, or 2 W - 1 when not causal, plus 63) fits in 1024, 64 rows by the
+/// band's width, so that one product covers each block's band.
+///
 /// Few queries over many keys (decoding: L = 1 over a long cache): when
-/// N H ceil(L / 128) < 64 and S >= 2048, each (batch, head, query block) item
+/// N H ceil(L / BQ) < 64 (BQ the query tile) and S >= 2048, each (batch, head, query block) item
 /// also splits its keys into chunks of >= 1024 keys (whole 256-key blocks),
 /// so that up to 64 items share the threads even at N = H = L = 1. Each chunk
 /// keeps its own row max, sum of exponentials and unnormalised output; a

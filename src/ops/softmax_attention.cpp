@@ -7,6 +7,7 @@
 
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -116,7 +117,9 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.alibi_slopes = c.alibi_slopes.defined() ? c.alibi_slopes.data_ptr<float>() : nullptr;
   p.rotary_dim = c.rotary_dim;
   p.rotary_base = c.rotary_base;
-  p.window = c.window;
+  // A window no narrower than max(L, S) covers every key of every query
+  // (|i + S - L - j| < max(L, S) always): no window, and the dense tiles.
+  p.window = c.window >= std::max(p.L, p.S) ? 0 : c.window;
   if (bias.defined()) {
     // stride 0 on broadcast dimensions: no copy of a broadcast bias
     const auto full = bias.expand({p.N, p.H, p.L, p.S});

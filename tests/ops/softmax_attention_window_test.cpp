@@ -9,7 +9,8 @@
 //   multiples of them, a bias per head and one shared by the heads, grouped
 //   heads, strided views, ALiBi and rotary positions together, and the shapes
 //   that take the forward's key split and the backward's key parts;
-// - a window no narrower than L + S is no window (bitwise: the same tiles);
+// - a window that covers every key (>= max(L, S)) is no window, bitwise (the
+//   op drops it, and the kernel takes its dense tiles);
 // - the band given as a -inf bias instead (to rounding);
 // - bitwise the same on 1 and 2 threads;
 // - the registry's full:window=W: its decoding state, one step at a time,
