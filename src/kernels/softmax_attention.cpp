@@ -645,8 +645,32 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
 
 }  // namespace
 
+/// Decoding with grouped-query heads: one query (L = 1) per head, and the
+/// heads of a group share their keys and values. Attended head by head, each
+/// key/value head's cache would be streamed once per query head of its group.
+/// Seen as attention of Hkv heads whose G = H / Hkv query *rows* are the
+/// group's heads (row r of head g: query head g G + r), one product reads the
+/// cache once per group. The rows' layout lines up: q, out and lse of query
+/// head g G + r sit at head stride times (g G + r), and lse's (n, h) index
+/// n H + g G + r is (n Hkv + g) G + r. Taken when nothing about a row depends
+/// on its query head or position beyond q itself: no bias, ALiBi, rotary
+/// positions or window; the causal mask of a single query over S keys hides
+/// nothing, so it is dropped. Returns false when p is not such a call.
+bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
+  if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0) return false;
+  const int64_t G = p.kv_group;
+  rows = p;
+  rows.H = p.H / G, rows.L = G, rows.kv_group = 1, rows.causal = false;
+  rows.q_stride[2] = p.q_stride[1], rows.q_stride[1] = G * p.q_stride[1];
+  rows.out_stride[2] = p.out_stride[1], rows.out_stride[1] = G * p.out_stride[1];
+  return true;
+}
+
 void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   if (p.N == 0 || p.H == 0 || p.L == 0) return;
+  // (Qualified: the dispatching declaration of the same name is visible here too.)
+  if (SoftmaxAttentionParams rows; as_grouped_rows(p, rows))
+    return ATTNKIT_ISA_NAMESPACE::softmax_attention_forward(rows);
   const QkReader qk(p);
   const KeySplit split = key_split(p);
   if (split.chunks > 1) return forward_split(p, qk, split);
@@ -673,6 +697,7 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
 
 int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p) {
   if (p.N == 0 || p.H == 0 || p.L == 0) return 1;
+  if (SoftmaxAttentionParams rows; as_grouped_rows(p, rows)) return key_split(rows).chunks;
   return key_split(p).chunks;
 }
 

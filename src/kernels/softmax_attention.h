@@ -74,6 +74,12 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// Each query block is computed by one thread in a fixed order, so the result
 /// is bitwise the same for any thread count.
 ///
+/// Decoding with grouped-query heads (L = 1, kv_group G > 1, and no bias,
+/// ALiBi, rotary positions or window) attends the G query heads of each
+/// key/value head as the G rows of one block, so each key/value head's keys
+/// are read once per group, not once per query head; equal to the head-by-head
+/// result to rounding, and like it bitwise the same for any thread count.
+///
 /// Query tiles are 128 rows by 256 keys; with a window whose band of keys
 /// (W, or 2 W - 1 when not causal, plus 63) fits in 1024, 64 rows by the
 /// band's width, so that one product covers each block's band.
