@@ -78,13 +78,17 @@ class RotaryTable {
     const float* sn = sin_.data() + (position - first_) * half_;
     const float sign = inverse ? -1.f : 1.f;
     const int64_t h = half_;
-    if (xs == 1) {  // the common case, as a loop the compiler vectorises
+    if (xs == 1 && dst != x) {
+      turn(x, x + h, cs, sn, sign, h, dst, dst + h);
+      std::copy(x + 2 * h, x + cols, dst + 2 * h);
+      return;
+    }
+    if (xs == 1) {  // in place (a gradient rotated back): each pair read before it is written
       for (int64_t c = 0; c < h; ++c) {
         const float a = x[c], b = x[c + h], s = sign * sn[c];
         dst[c] = a * cs[c] - b * s;
         dst[c + h] = b * cs[c] + a * s;
       }
-      for (int64_t c = 2 * h; c < cols; ++c) dst[c] = x[c];
       return;
     }
     for (int64_t c = 0; c < h; ++c) {
@@ -111,6 +115,18 @@ class RotaryTable {
   }
 
  private:
+  /// The pairs (a_c, b_c) turned by (cs_c, sign sn_c) into (ya_c, yb_c), c < n:
+  /// separate, non-overlapping arrays, so the loop vectorises.
+  static void turn(const float* __restrict a, const float* __restrict b, const float* __restrict cs,
+                   const float* __restrict sn, float sign, int64_t n, float* __restrict ya,
+                   float* __restrict yb) {
+    for (int64_t c = 0; c < n; ++c) {
+      const float s = sign * sn[c];
+      ya[c] = a[c] * cs[c] - b[c] * s;
+      yb[c] = b[c] * cs[c] + a[c] * s;
+    }
+  }
+
   int64_t half_ = 0;   // dim / 2: the pairs rotated
   int64_t first_ = 0;  // the table's first position
   Buffer<float> cos_, sin_;
