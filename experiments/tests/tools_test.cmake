@@ -24,7 +24,8 @@ read_fields("${json}" config N H E attention threads load_average_at_start load_
 require_length("${json}" 3 "figure-clustered config.attention" config attention)
 string(JSON first GET "${json}" config attention 0)
 string(JSON improved GET "${json}" config attention 2)
-if(NOT first STREQUAL "full" OR NOT improved MATCHES "^improved-clustered:.*topk=32")
+# (Specs with every default written: exact attention's is "full:window=0".)
+if(NOT first MATCHES "^full(:window=0)?$" OR NOT improved MATCHES "^improved-clustered:.*topk=32")
   message(FATAL_ERROR "figure-clustered config.attention: '${first}', '${improved}'")
 endif()
 # 3 mechanisms x 2 lengths.
