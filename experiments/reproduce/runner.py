@@ -99,6 +99,20 @@ def loadavg():
         return f.read().strip()
 
 
+def tool_environment(binary):
+    """The environment a tool runs in. A copy of the tools made for long runs
+    (e.g. /work/bin-runs, frozen while the build tree changes) keeps its
+    libattnkit.so beside the binaries, but the binaries' RUNPATH names the
+    build tree: without LD_LIBRARY_PATH they would load the build tree's
+    library, which may no longer match them (a changed struct crashed runs
+    that way). So a libattnkit.so.0 beside the binary goes first."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(binary))
+    if os.path.exists(os.path.join(here, "libattnkit.so.0")):
+        env["LD_LIBRARY_PATH"] = here + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
+
+
 def session(directory, what, argv, log_name):
     """Runs argv with its output appended to DIRECTORY/log_name; records the
     session's wall time and the machine load at its start and end in
@@ -107,7 +121,7 @@ def session(directory, what, argv, log_name):
     with open(os.path.join(directory, log_name), "a") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, env=tool_environment(argv[0]))
     record = {"what": what, "start": start, "end": time.time(), "loadavg_start": load_start,
               "loadavg_end": loadavg(), "returncode": rc}
     with open(os.path.join(directory, "sessions.jsonl"), "a") as f:
