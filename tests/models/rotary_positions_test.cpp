@@ -14,7 +14,6 @@
 namespace attnkit {
 namespace {
 
-using testing::decode_all;
 using testing::expect_error;
 using testing::f64;
 using testing::rel_err;
@@ -64,8 +63,6 @@ models::TransformerOptions small_rope() {
       models::Positions::rope);
 }
 
-// Tolerances as tests/models/transformer_test.cpp's: float64 1e-10, float32
-// 1e-5 relative to the largest logit (the same sums in another order).
 TEST(RotaryPositions, DecodingEqualsTheForward) {
   std::vector<models::TransformerOptions> variants{
       small_rope(),
@@ -75,16 +72,7 @@ TEST(RotaryPositions, DecodingEqualsTheForward) {
       small_rope().attention({"sparse-local-causal:span=3"}),
       small_rope().norm(models::Norm::post),
   };
-  for (auto dtype : {torch::kFloat64, torch::kFloat32})
-    for (const auto& options : variants) {
-      SCOPED_TRACE(options.to_json() + " " + c10::toString(dtype));
-      torch::manual_seed(62);
-      models::Transformer model(options);
-      model->to(dtype);
-      model->eval();
-      auto tokens = torch::randint(0, 11, {2, 13}, torch::kLong);
-      EXPECT_LE(rel_err(decode_all(model, tokens), model->forward(tokens)), dtype == torch::kFloat64 ? 1e-10 : 1e-5);
-    }
+  testing::expect_decoding_equals_forward(variants, 62);
 }
 
 TEST(RotaryPositions, RunsPastMaxLengthAndSeesOrder) {

@@ -17,6 +17,21 @@ def composite(q, k, v, causal=False):
     return torch.softmax(s, -1) @ v
 
 
+
+def _float32_matches_float64(mine_fn, theirs_fn, inputs):
+    """mine_fn on float32 leaves (the kernel) against theirs_fn on float64
+    leaves (the composite): the output to 2e-5, the gradients under a random
+    cotangent to 5e-5 (absolute; N(0, 1) inputs)."""
+    mine = [t.clone().requires_grad_() for t in inputs]
+    theirs = [t.double().requires_grad_() for t in inputs]
+    out, want = mine_fn(*mine), theirs_fn(*theirs)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+    cot = torch.randn_like(want)
+    (out * cot.float()).sum().backward()
+    (want * cot).sum().backward()
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+
 class OpsTest(unittest.TestCase):
     def test_softmax_matches_composite_with_keywords(self):
         q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
@@ -53,16 +68,9 @@ class OpsTest(unittest.TestCase):
         L, S = 5, 9
         penalty = -slopes.double().view(4, 1, 1) * (torch.arange(L).view(L, 1) + S - L - torch.arange(S)).abs()
         for causal in (False, True):
-            mine = [t.clone().requires_grad_() for t in (q, k, v)]
-            theirs = [t.double().requires_grad_() for t in (q, k, v)]
-            out = attnkit.softmax_attention(*mine, causal=causal, alibi_slopes=slopes)
-            want = attnkit.softmax_attention(*theirs, causal=causal, bias=penalty)
-            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
-            cot = torch.randn_like(want)
-            (out * cot.float()).sum().backward()
-            (want * cot).sum().backward()
-            for a, b in zip(mine, theirs):
-                torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+            _float32_matches_float64(
+                lambda *x: attnkit.softmax_attention(*x, causal=causal, alibi_slopes=slopes),
+                lambda *x: attnkit.softmax_attention(*x, causal=causal, bias=penalty), (q, k, v))
         with self.assertRaisesRegex(RuntimeError, "alibi_slopes.*shape \\(H\\) = \\(4\\)"):
             attnkit.softmax_attention(q, k, v, alibi_slopes=torch.ones(3))
 
@@ -72,18 +80,13 @@ class OpsTest(unittest.TestCase):
         # composite): values and the gradients of q, k, v; L < S, causal,
         # half the features rotated. Query i sits at position i + S - L.
         q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 3)
-        mine = [t.clone().requires_grad_() for t in (q, k, v)]
-        theirs = [t.double().requires_grad_() for t in (q, k, v)]
-        out = attnkit.softmax_attention(*mine, causal=True, rotary_dim=4, rotary_base=100.0)
-        rq = attnkit.rotary_embedding(theirs[0], 4, base=100.0, offset=4)
-        rk = attnkit.rotary_embedding(theirs[1], 4, base=100.0)
-        want = attnkit.softmax_attention(rq, rk, theirs[2], causal=True)
-        torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
-        cot = torch.randn_like(want)
-        (out * cot.float()).sum().backward()
-        (want * cot).sum().backward()
-        for a, b in zip(mine, theirs):
-            torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+        def rotate_first(q, k, v):
+            rq = attnkit.rotary_embedding(q, 4, base=100.0, offset=4)
+            rk = attnkit.rotary_embedding(k, 4, base=100.0)
+            return attnkit.softmax_attention(rq, rk, v, causal=True)
+        _float32_matches_float64(
+            lambda *x: attnkit.softmax_attention(*x, causal=True, rotary_dim=4, rotary_base=100.0),
+            rotate_first, (q, k, v))
         with self.assertRaisesRegex(RuntimeError, "rotary_dim.*even number in \\[2, E\\] = \\[2, 8\\], got 5"):
             attnkit.softmax_attention(q, k, v, rotary_dim=5)
 
@@ -96,16 +99,9 @@ class OpsTest(unittest.TestCase):
         outside = (torch.arange(L).view(L, 1) + S - L - torch.arange(S)).abs() >= W
         band = torch.zeros(L, S, dtype=torch.double).masked_fill(outside, float("-inf"))
         for causal in (False, True):
-            mine = [t.clone().requires_grad_() for t in (q, k, v)]
-            theirs = [t.double().requires_grad_() for t in (q, k, v)]
-            out = attnkit.softmax_attention(*mine, causal=causal, window=W)
-            want = attnkit.softmax_attention(*theirs, causal=causal, bias=band)
-            torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
-            cot = torch.randn_like(want)
-            (out * cot.float()).sum().backward()
-            (want * cot).sum().backward()
-            for a, b in zip(mine, theirs):
-                torch.testing.assert_close(a.grad.double(), b.grad, rtol=0, atol=5e-5)
+            _float32_matches_float64(
+                lambda *x: attnkit.softmax_attention(*x, causal=causal, window=W),
+                lambda *x: attnkit.softmax_attention(*x, causal=causal, bias=band), (q, k, v))
 
     def test_float32_bias_gradient_matches_float64(self):
         # The float32 kernel's bias gradient, summed over the broadcast heads,
