@@ -15,6 +15,7 @@
 #include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
+#include "ops/head_features.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -43,28 +44,13 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
-void check_alibi_slopes(const char* op, const torch::Tensor& slopes, int64_t H) {
-  if (!slopes.defined()) return;
-  TORCH_CHECK(slopes.device().is_cpu() && slopes.is_floating_point(), op,
-              ": argument 'alibi_slopes' must be a floating CPU tensor, got ", slopes.scalar_type(),
-              " on ", slopes.device());
-  TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == H, op,
-              ": argument 'alibi_slopes' must have shape (H) = (", H, "), one slope per query head, got ",
-              detail::shape_str(slopes));
-  TORCH_CHECK(!slopes.requires_grad(), op,
-              ": argument 'alibi_slopes' requires grad, but ALiBi's slopes are constants here (the "
-              "kernel gives them no gradient); detach them, or learn a bias tensor instead");
-  TORCH_CHECK(H == 0 || torch::isfinite(slopes).all().item<bool>(), op,
-              ": argument 'alibi_slopes' has a non-finite entry");
-}
-
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
   detail::check_qkv(kSoftmaxOp, q, k, v, /*grouped_heads=*/true);
   detail::check_scale(kSoftmaxOp, options.scale(), q.scalar_type());
   detail::check_lengths(kSoftmaxOp, "key_lengths", options.key_lengths(), q.size(0), k.size(2));
   check_bias(kSoftmaxOp, options.bias(), q, k.size(2));
-  check_alibi_slopes(kSoftmaxOp, options.alibi_slopes(), q.size(1));
+  detail::check_alibi_slopes(kSoftmaxOp, options.alibi_slopes(), q.size(1));
   detail::check_rotary(kSoftmaxOp, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(),
                        q.size(3));
   TORCH_CHECK(options.window() >= 0, kSoftmaxOp, ": option 'window' must be >= 0 (0: no window), got ",
@@ -84,23 +70,6 @@ struct SoftmaxConstants {
   int64_t window;              // 0: no window
 };
 
-/// Query heads per key/value head (1 without grouped-query heads).
-int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
-  return k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
-}
-
-/// The gradient of key or value heads that groups of `group` query heads
-/// share: `per_query_head` (N, H, S, X) summed over each group, its heads
-/// added in increasing order (one fixed order: bitwise the same on any
-/// thread count).
-torch::Tensor sum_over_groups(const torch::Tensor& per_query_head, int64_t group) {
-  const auto sizes = per_query_head.sizes();
-  const auto grouped = per_query_head.view({sizes[0], sizes[1] / group, group, sizes[2], sizes[3]});
-  auto sum = grouped.select(2, 0).clone(torch::MemoryFormat::Contiguous);
-  for (int64_t g = 1; g < group; ++g) sum.add_(grouped.select(2, g));
-  return sum;
-}
-
 /// The kernel reads strides, so views of q, k, v, out and a broadcast bias
 /// cost no copy.
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
@@ -109,7 +78,7 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
                                             const torch::Tensor& out, const torch::Tensor& lse) {
   kernels::SoftmaxAttentionParams p;
   detail::bind_qkv(p, q, k, v, out);
-  p.kv_group = kv_group(q, k);
+  p.kv_group = detail::kv_group(q, k);
   p.lse = lse.data_ptr<float>();
   p.scale = static_cast<float>(c.scale);
   p.causal = c.causal;
@@ -173,8 +142,8 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     }
     kernels::softmax_attention_backward(p);
     if (p.kv_group > 1) {
-      dk = sum_over_groups(dk, p.kv_group);
-      dv = sum_over_groups(dv, p.kv_group);
+      dk = detail::sum_over_groups(dk, p.kv_group);
+      dv = detail::sum_over_groups(dv, p.kv_group);
     }
     tensor_list result = {dq, dk, dv};
     if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());

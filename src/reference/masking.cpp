@@ -25,4 +25,16 @@ torch::Tensor masked_softmax(const torch::Tensor& scores, const torch::Tensor& v
   return torch::softmax(safe, -1) * row_has_key;
 }
 
+torch::Tensor repeat_kv_heads(const torch::Tensor& k, int64_t H) {
+  const int64_t group = k.size(1) == 0 ? 1 : H / k.size(1);
+  return group > 1 ? k.repeat_interleave(group, 1) : k;
+}
+
+torch::Tensor alibi_penalty(const torch::Tensor& slopes, int64_t L, int64_t S,
+                            const torch::TensorOptions& options) {
+  const auto query_at = torch::arange(L, options).add(static_cast<double>(S - L)).view({L, 1});
+  const auto distance = (query_at - torch::arange(S, options).view({1, S})).abs();
+  return -slopes.to(options.dtype()).view({-1, 1, 1}) * distance;
+}
+
 }  // namespace attnkit::detail

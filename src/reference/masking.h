@@ -17,4 +17,13 @@ torch::Tensor visibility(int64_t N, int64_t L, int64_t S, bool causal,
 /// visible are all zeros, with zero gradient and no NaN anywhere.
 torch::Tensor masked_softmax(const torch::Tensor& scores, const torch::Tensor& visible);
 
+/// Grouped-query heads: k (N, Hkv, S, X) with each head repeated over its
+/// group of H / Hkv query heads, (N, H, S, X); k itself when Hkv == H.
+torch::Tensor repeat_kv_heads(const torch::Tensor& k, int64_t H);
+
+/// ALiBi's penalty -slope_h |i + S - L - j| (query i at key position
+/// i + S - L), (H, L, S) in `options`' dtype, from floating (H) slopes.
+torch::Tensor alibi_penalty(const torch::Tensor& slopes, int64_t L, int64_t S,
+                            const torch::TensorOptions& options);
+
 }  // namespace attnkit::detail

@@ -11,9 +11,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
   // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
-  const int64_t group = k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
-  const auto keys = group > 1 ? k.repeat_interleave(group, 1) : k;
-  const auto values = group > 1 ? v.repeat_interleave(group, 1) : v;
+  const auto keys = detail::repeat_kv_heads(k, q.size(1)), values = detail::repeat_kv_heads(v, q.size(1));
   // Rotary positions: query i at position i + S - L, key j at j.
   const auto rotate = [&](const torch::Tensor& x, int64_t offset) {
     return o.rotary_dim() == 0 ? x
@@ -23,12 +21,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   };
   auto scores = torch::matmul(rotate(q, S - L), rotate(keys, 0).transpose(-2, -1)) * scale;
   if (o.bias().defined()) scores = scores + o.bias();
-  if (o.alibi_slopes().defined()) {
-    // -slope_h |i + S - L - j|: query i at position i + S - L of the keys.
-    const auto query_at = torch::arange(L, q.options()).add(static_cast<double>(S - L)).view({L, 1});
-    const auto distance = (query_at - torch::arange(S, q.options()).view({1, S})).abs();
-    scores = scores - o.alibi_slopes().to(q.scalar_type()).view({-1, 1, 1}) * distance;
-  }
+  if (o.alibi_slopes().defined()) scores = scores + detail::alibi_penalty(o.alibi_slopes(), L, S, q.options());
   auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());
   if (o.window() > 0) {
     // |i + S - L - j| < window: the band around the query's position.

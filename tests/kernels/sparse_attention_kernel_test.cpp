@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/sparse_cases.h"
 #include "reference/reference.h"
 #include "test_util.h"
 
@@ -25,129 +26,7 @@ namespace {
 using testing::f32;
 using testing::f64;
 using testing::rel_err;
-
-// Float32 against float64, element by element, relative to the element's
-// error scale: the sum of the absolute values of the terms that make it
-// (Magnitudes below), so that an entry near zero by cancellation (with one key
-// per row every dq and dk is exactly 0 in exact arithmetic) is judged by the
-// size of what cancelled, not by its own. Every term is a product of a
-// softmax weight P_ij, whose float32 relative error is that of the exponent
-// scale q_i . k_j - lse_i (a few units of 2^-24 = 6e-8 times the size of the
-// score and of lse), with float32 sums of up to a few hundred terms. Measured
-// worst over this file (also with every block forced onto the tiled path and,
-// separately, onto the edge-at-a-time path): 1.0e-6 at the default scale,
-// 4.7e-6 (5.3e-6 all tiled) with scale 2.5, whose scores reach about 40.
-// 1e-5 is the project's float32 bound (the clustered kernels' kF32Tol). A
-// wrong column, row, mask or gradient term shows up at 1e-2 or more.
-constexpr double kFloatTol = 1e-5;
-
-struct Inputs {
-  torch::Tensor q, k, v, dout;  // float32 values; the reference reads them cast to float64
-};
-
-Inputs make_inputs(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M,
-                   uint64_t seed) {
-  torch::manual_seed(seed);
-  return {torch::randn({N, H, L, E}, f32()), torch::randn({N, H, S, E}, f32()),
-          torch::randn({N, H, S, M}, f32()), torch::randn({N, H, L, M}, f32())};
-}
-
-struct Result {
-  torch::Tensor out, dq, dk, dv;
-};
-
-/// out and the gradients of sum(out * dout): the op on float32 leaves, or the
-/// reference on float64 copies of the same values.
-Result run(const Inputs& in, const EdgeList& edges, const SparseAttentionFuncOptions& o,
-           bool reference) {
-  const auto dtype = reference ? torch::kDouble : torch::kFloat;
-  auto leaf = [&](const torch::Tensor& x) { return x.detach().to(dtype).requires_grad_(); };
-  auto q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
-  auto out = reference ? reference::sparse_attention(q, k, v, edges, o)
-                       : sparse_attention(q, k, v, edges, o);
-  if (!reference) {
-    EXPECT_EQ(out.scalar_type(), torch::kFloat);
-    EXPECT_NE(testing::grad_fn_name(out).find("SparseAttentionFunction"), std::string::npos)
-        << testing::grad_fn_name(out);
-  }
-  out.backward(in.dout.to(dtype));
-  return {out.detach(), q.grad(), k.grad(), v.grad()};
-}
-
-/// The error scale of every entry of out, dq, dk, dv (float64): with the
-/// reference weights P (zero off the edges), dP = dout v^T and
-/// D_i = dout_i . out_i, the gradient dq_i = scale sum_j P_ij (dP_ij - D_i) k_j
-/// has terms of size scale P_ij (|dout_i| . |v_j| + |dout_i| . |out_i|) |k_j|
-/// (the dot products' own terms counted too: dP_ij - D_i cancels exactly when
-/// a row has one edge, and the kernel computes dP and D in different orders);
-/// likewise out_i = sum_j P_ij v_j, dk_j = scale sum_i P_ij (dP_ij - D_i) q_i
-/// and dv_j = sum_i P_ij dout_i.
-Result magnitudes(const Inputs& in, const EdgeList& edges, const SparseAttentionFuncOptions& o) {
-  torch::NoGradGuard no_grad;
-  auto q = in.q.to(torch::kDouble), k = in.k.to(torch::kDouble), v = in.v.to(torch::kDouble),
-       dout = in.dout.to(torch::kDouble);
-  torch::Tensor p;
-  auto out = reference::sparse_attention(q, k, v, edges, o, &p);
-  const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  auto dp = torch::matmul(dout.abs(), v.abs().transpose(-2, -1));
-  auto d = (dout.abs() * out.abs()).sum(-1, /*keepdim=*/true);
-  auto t = p * (dp + d);
-  return {torch::matmul(p, v.abs()), scale * torch::matmul(t, k.abs()),
-          scale * torch::matmul(t.transpose(-2, -1), q.abs()),
-          torch::matmul(p.transpose(-2, -1), dout.abs())};
-}
-
-/// Every entry of got within kFloatTol of its error scale from want.
-void expect_close(const Result& got, const Result& want, const Result& scale) {
-  EXPECT_TRUE(testing::all_finite(got.out) && testing::all_finite(got.dq) &&
-              testing::all_finite(got.dk) && testing::all_finite(got.dv));
-  EXPECT_LT(testing::scaled_err(got.out, want.out, scale.out), kFloatTol) << "out";
-  EXPECT_LT(testing::scaled_err(got.dq, want.dq, scale.dq), kFloatTol) << "dq";
-  EXPECT_LT(testing::scaled_err(got.dk, want.dk, scale.dk), kFloatTol) << "dk";
-  EXPECT_LT(testing::scaled_err(got.dv, want.dv, scale.dv), kFloatTol) << "dv";
-}
-
-void expect_matches_reference(const Inputs& in, const EdgeList& edges, const std::string& what,
-                              const SparseAttentionFuncOptions& o = {}) {
-  SCOPED_TRACE(what);
-  expect_close(run(in, edges, o, false), run(in, edges, o, true), magnitudes(in, edges, o));
-}
-
-/// CSR rows over S keys: each key with probability `density`, and a row empty
-/// with probability `empty` (on top of the rows the draw leaves empty).
-std::vector<std::vector<int64_t>> random_rows(int64_t L, int64_t S, double density, double empty,
-                                              std::mt19937& rng) {
-  std::bernoulli_distribution keep(density), drop(empty);
-  std::vector<std::vector<int64_t>> rows(L);
-  for (auto& row : rows) {
-    if (drop(rng)) continue;
-    for (int64_t j = 0; j < S; ++j)
-      if (keep(rng)) row.push_back(j);
-  }
-  return rows;
-}
-
-EdgeList shared_list(const std::vector<std::vector<int64_t>>& rows) {
-  std::vector<int64_t> off{0}, col;
-  for (const auto& r : rows) {
-    col.insert(col.end(), r.begin(), r.end());
-    off.push_back(static_cast<int64_t>(col.size()));
-  }
-  return {torch::tensor(off, torch::kLong), torch::tensor(col, torch::kLong)};
-}
-
-/// One list per head, heads' columns laid one after the other.
-EdgeList per_head_list(const std::vector<EdgeList>& heads) {
-  std::vector<torch::Tensor> offsets, columns;
-  int64_t base = 0;
-  for (const auto& e : heads) {
-    TORCH_CHECK(!e.per_head());
-    offsets.push_back(e.offsets + base);
-    columns.push_back(e.columns);
-    base += e.num_edges();
-  }
-  return {torch::stack(offsets), torch::cat(columns)};
-}
+using namespace testing::sparse;
 
 TEST(SparseAttentionKernel, DispatchTakesTheKernelForFloat32AndBfloat16) {
   auto q = torch::randn({1, 2, 6, 3}), v = torch::randn({1, 2, 6, 2});
@@ -369,22 +248,11 @@ TEST(SparseAttentionKernel, AllEdgesEqualTheExactKernel) {
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "full");
     const auto e = causal ? edges::causal(150, 280) : edges::full(150, 280);
-    auto leaves = [&] {
-      return std::vector<torch::Tensor>{in.q.clone().requires_grad_(), in.k.clone().requires_grad_(),
-                                        in.v.clone().requires_grad_()};
-    };
-    auto a = leaves(), b = leaves();
-    auto sparse = sparse_attention(a[0], a[1], a[2], e);
-    auto exact = softmax_attention(b[0], b[1], b[2], SoftmaxAttentionFuncOptions().causal(causal));
-    sparse.backward(in.dout);
-    exact.backward(in.dout);
-    EXPECT_LT(rel_err(sparse, exact), kFloatTol);
-    for (int i = 0; i < 3; ++i) EXPECT_LT(rel_err(a[i].grad(), b[i].grad()), kFloatTol) << "input " << i;
+    expect_equals_exact(in, e, {}, SoftmaxAttentionFuncOptions().causal(causal));
   }
 }
 
 TEST(SparseAttentionKernel, ResultsAreBitwiseTheSameForOneAndTwoThreads) {
-  const int previous = num_threads();
   std::mt19937 rng(19);
   const int64_t L = 200, S = 260;
   const auto in = make_inputs(1, 2, L, S, 16, 16, 20);
@@ -394,16 +262,8 @@ TEST(SparseAttentionKernel, ResultsAreBitwiseTheSameForOneAndTwoThreads) {
       {"per-head", per_head_list({edges::causal(L, S), shared_list(random_rows(L, S, 0.6, 0.1, rng))})}};
   for (const auto& [name, e] : lists) {
     SCOPED_TRACE(name);
-    set_num_threads(1);
-    const Result one = run(in, e, {}, false);
-    set_num_threads(2);
-    const Result two = run(in, e, {}, false);
-    EXPECT_TRUE(torch::equal(one.out, two.out));
-    EXPECT_TRUE(torch::equal(one.dq, two.dq));
-    EXPECT_TRUE(torch::equal(one.dk, two.dk));
-    EXPECT_TRUE(torch::equal(one.dv, two.dv));
+    expect_same_on_one_and_two_threads(in, e);
   }
-  set_num_threads(previous);
 }
 
 TEST(SparseAttentionKernel, NothingOfSizeLTimesSAt16k) {
