@@ -85,7 +85,7 @@ void add_train_command(CLI::App& app) {
   // (Checked by models::positions_from_string, whose error names the schemes.)
   cmd->add_option("--positions", f->positions,
                   "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, "
-                  "conv, alibi (linear distance penalties in exact attention's kernel), rope (rotary positions)")
+                  "conv, alibi (linear distance penalties inside the kernels of exact and sparse attention), rope (rotary positions)")
       ->capture_default_str();
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--rotary-fraction", f->rotary_fraction,

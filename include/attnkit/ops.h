@@ -238,7 +238,10 @@ Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tenso
 // ----------------------------------------------------------------------------
 // Sparse attention over neighbour lists (the SAC paper; docs/MATH.md, "Sparse
 // attention"):
-//   out_i = sum_{j in N(i)} softmax_{j in N(i)}(scale q_i . k_j) v_j.
+//   out_i = sum_{j in N(i)} softmax_{j in N(i)}(scale q_i . k_j - alibi_ij) v_j.
+// Grouped-query heads as for softmax_attention: k and v may have Hkv heads, a
+// divisor of q's H; query head h reads key and value head h / (H / Hkv), with
+// no copy. Edge lists are per query head (or shared).
 // ----------------------------------------------------------------------------
 /// Compressed sparse rows of a bipartite graph from L queries to S keys.
 /// Shared by all heads: offsets int64 (L+1), columns int64 (nnz).
@@ -258,6 +261,12 @@ struct EdgeList {
 
 struct SparseAttentionFuncOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// ALiBi, as SoftmaxAttentionFuncOptions::alibi_slopes: floating (H), one
+  /// slope per query head; each edge's score gets -slope_h |i + S - L - j|
+  /// (query i at key position i + S - L), computed inside the kernel, so one
+  /// query over a decoding cache sits at its end. Constants: no gradient.
+  /// Undefined: none.
+  TORCH_ARG(torch::Tensor, alibi_slopes) = {};
 };
 /// float32 runs the edge-list kernel (src/kernels/sparse_attention.h): time
 /// O(nnz (E + M)) per head, with banded blocks of rows (local, segments,

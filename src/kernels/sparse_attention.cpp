@@ -108,6 +108,46 @@ void zero_outside(float* x, const Run& run, int64_t cols) {
   std::fill(x + run.end, x + cols, 0.f);
 }
 
+/// The rows one query head reads of an operand: its own head of q, out and
+/// dout (group 1), head kv_head(h) = h / group of k and v (grouped-query
+/// heads: k and v have H / group heads).
+struct OperandRows {
+  const HeadRows& x;
+  int64_t group = 1;
+  const float* row(int64_t n, int64_t h, int64_t r) const { return x.row(n, h / group, r); }
+  int64_t ld() const { return x.ld(); }
+};
+
+/// ALiBi: s[r * lds + c] -= slope_h |i0 + r + S - L - (j0 + c)| for the rows
+/// [i0, i0 + rows) and keys [j0, j0 + cols) of head h (query i at key
+/// position i + S - L); nothing without slopes.
+void sub_alibi(const SparseAttentionParams& p, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+               int64_t cols, float* s, int64_t lds) {
+  if (!p.alibi_slopes) return;
+  const float slope = p.alibi_slopes[h];
+  const int64_t first = i0 + p.S - p.L - j0;  // row i0's distance to key j0
+  for (int64_t r = 0; r < rows; ++r) vec::sub_distance(s + r * lds, cols, static_cast<float>(first + r), slope);
+}
+
+/// ALiBi on one row's gathered scores: x[t] -= slope_h |i + S - L - cols[t]|.
+void sub_alibi_edges(const SparseAttentionParams& p, int64_t h, int64_t i, const int64_t* cols,
+                     int64_t count, float* x) {
+  if (!p.alibi_slopes) return;
+  const float slope = p.alibi_slopes[h];
+  const int64_t at = i + p.S - p.L;
+  for (int64_t t = 0; t < count; ++t) x[t] -= slope * std::fabs(static_cast<float>(at - cols[t]));
+}
+
+#if ATTNKIT_BAND_KERNELS
+/// The band kernels' Block for rows [i0, i0 + rows) over the keys of `shape`,
+/// with head h's ALiBi slope (0: none) and row i0's distance to the first key.
+band::Block band_block(const SparseAttentionParams& p, int64_t h, int64_t i0, int64_t rows,
+                       const BlockShape& shape, const int32_t* first, const int32_t* last) {
+  return {rows, shape.hi - shape.lo, first, last, p.alibi_slopes ? p.alibi_slopes[h] : 0.f,
+          i0 + p.S - p.L - shape.lo};
+}
+#endif
+
 /// The per-edge paths gather key/value (or query/output-gradient) rows from
 /// anywhere in the sequence, which the hardware prefetchers cannot guess: each
 /// loop asks for the rows of the edge kPrefetchAhead edges ahead, so that many
@@ -126,7 +166,7 @@ inline void prefetch_row(const float* row, int64_t count) {
 /// values outgrow the caches (L = 16384), this made the forward of a span-64
 /// band measurably faster (docs/PERFORMANCE.md, "Why the kernels' constants").
 struct Rows {
-  const HeadRows* x;
+  const OperandRows* x;
   int64_t width;  // floats per row
 };
 
@@ -199,7 +239,7 @@ struct ForwardScratch {
 };
 
 struct Inputs {
-  const HeadRows &q, &k, &v;
+  OperandRows q, k, v;
 };
 
 /// out_i = u / l and lse_i = m + log l; l == 0 means no edge: out 0, lse -inf
@@ -224,6 +264,7 @@ void forward_dense(const SparseAttentionParams& p, const Inputs& in, const Lines
     const int64_t cols = std::min(kTile, shape.hi - j0);
     sgemm(false, true, rows, cols, E, p.scale, in.q.row(n, h, i0), in.q.ld(), in.k.row(n, h, j0),
           in.k.ld(), 0.f, w.s, kTile);
+    sub_alibi(p, h, i0, rows, j0, cols, w.s, kTile);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = w.s + r * kTile;
       const Run run = mask_holes(g.idx, g.begin(i0 + r), g.end(i0 + r), j0, cols, sr);
@@ -292,7 +333,7 @@ bool forward_band(const SparseAttentionParams& p, const Inputs& in, const Lines&
   alignas(64) int32_t first[band::kRows], last[band::kRows];
   if (!band_runs(g, i0, rows, shape, {in.q.ld()}, first, last)) return false;
   alignas(64) float m[band::kRows], l[band::kRows];
-  band::forward({rows, shape.hi - shape.lo, first, last}, {in.q.row(n, h, i0), in.q.ld()},
+  band::forward(band_block(p, h, i0, rows, shape, first, last), {in.q.row(n, h, i0), in.q.ld()},
                 {in.k.row(n, h, shape.lo), in.k.ld()}, {in.v.row(n, h, shape.lo), in.v.ld()}, p.E,
                 p.M, p.scale, {w.qt, nullptr, w.s, nullptr}, w.u, m, l);
   for (int64_t r = 0; r < rows; ++r) write_row(p, n, h, i0 + r, w.u + r * p.M, m[r], l[r]);
@@ -314,6 +355,7 @@ void forward_row(const SparseAttentionParams& p, const Inputs& in, const Lines& 
   // The values are asked for with their keys, for the weighted sum below.
   gather_dots(in.q.row(n, h, i), count, key, p.E, w.row, [&](int64_t t) { prefetch_row(value(t), p.M); });
   vec::scale(w.row, count, p.scale);
+  sub_alibi_edges(p, h, i, cols, count, w.row);
   const float m = vec::max(w.row, count);
   const float l = vec::exp_shift_sum(w.row, count, m);
   for (int64_t t = 0; t < count; ++t) vec::axpy(w.u, w.row[t], value(t), p.M);
@@ -387,7 +429,7 @@ struct PartLayout {
 };
 
 struct GradInputs {
-  const HeadRows &q, &k, &v, &dout;
+  OperandRows q, k, v, dout;
   const float* lse;  // (N, H, L)
 };
 
@@ -436,6 +478,7 @@ void grad_dense(const SparseAttentionBackwardParams& p, const GradInputs& in, co
     const int64_t cols = std::min(kTile, shape.hi - j0);
     sgemm(false, true, rows, cols, E, p.scale, q, in.q.ld(), in.k.row(n, h, j0), in.k.ld(), 0.f,
           w.p, kTile);
+    sub_alibi(p, h, i0, rows, j0, cols, w.p, kTile);
     sgemm(false, true, rows, cols, M, 1.f, dout, in.dout.ld(), in.v.row(n, h, j0), in.v.ld(), 0.f,
           w.ds, kTile);
     for (int64_t r = 0; r < rows; ++r) {
@@ -471,7 +514,7 @@ bool grad_band(const SparseAttentionBackwardParams& p, const GradInputs& in, con
                const KeyGrads& out, const GradScratch& w) {
   alignas(64) int32_t first[band::kRows], last[band::kRows];
   if (!band_runs(g, i0, rows, shape, {in.q.ld(), in.dout.ld()}, first, last)) return false;
-  band::backward({rows, shape.hi - shape.lo, first, last}, {in.q.row(n, h, i0), in.q.ld()},
+  band::backward(band_block(p, h, i0, rows, shape, first, last), {in.q.row(n, h, i0), in.q.ld()},
                  {in.k.row(n, h, shape.lo), in.k.ld()}, {in.v.row(n, h, shape.lo), in.v.ld()},
                  {in.dout.row(n, h, i0), in.dout.ld()}, p.E, p.M, p.scale,
                  in.lse + (n * p.H + h) * p.L + i0, w.d, {w.qt, w.dot, w.p, w.ds}, w.dq,
@@ -499,6 +542,7 @@ void grad_row(const SparseAttentionBackwardParams& p, const GradInputs& in, cons
     gather_dots(in.q.row(n, h, i), count, key, E, w.p_row, [&](int64_t t) { prefetch_row(value(t), M); });
     gather_dots(in.dout.row(n, h, i), count, value, M, w.ds_row, kNothing);
     vec::scale(w.p_row, count, p.scale);
+    sub_alibi_edges(p, h, i, cols, count, w.p_row);
     vec::exp_shift(w.p_row, count, in.lse[(n * p.H + h) * p.L + i]);
     vec::softmax_grad(w.ds_row, w.p_row, count, d);
     const float* q = in.q.row(n, h, i);
@@ -566,9 +610,11 @@ void sum_parts(const SparseAttentionBackwardParams& p, const PartLayout& layout,
 }  // namespace
 
 void sparse_attention_forward(const SparseAttentionParams& p) {
-  const HeadRows q(p.q, p.q_stride, p.N, p.H, p.L, p.E);
-  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, p.E);
-  const HeadRows v(p.v, p.v_stride, p.N, p.H, p.S, p.M);
+  const int64_t Hk = p.H / p.kv_group;
+  const HeadRows q_rows(p.q, p.q_stride, p.N, p.H, p.L, p.E);
+  const HeadRows k_rows(p.k, p.k_stride, p.N, Hk, p.S, p.E);
+  const HeadRows v_rows(p.v, p.v_stride, p.N, Hk, p.S, p.M);
+  const OperandRows q{q_rows}, k{k_rows, p.kv_group}, v{v_rows, p.kv_group};
   const Inputs in{q, k, v};
   parallel_for_scratch(
       p.N * p.H * ceil_div(p.L, kBlockRows),
@@ -589,11 +635,14 @@ void sparse_attention_forward(const SparseAttentionParams& p) {
 }
 
 void sparse_attention_backward(const SparseAttentionBackwardParams& p) {
-  const HeadRows q(p.q, p.q_stride, p.N, p.H, p.L, p.E);
-  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, p.E);
-  const HeadRows v(p.v, p.v_stride, p.N, p.H, p.S, p.M);
-  const HeadRows out(p.out, p.out_stride, p.N, p.H, p.L, p.M);
-  const HeadRows dout(p.dout, p.dout_stride, p.N, p.H, p.L, p.M);
+  const int64_t Hk = p.H / p.kv_group;
+  const HeadRows q_rows(p.q, p.q_stride, p.N, p.H, p.L, p.E);
+  const HeadRows k_rows(p.k, p.k_stride, p.N, Hk, p.S, p.E);
+  const HeadRows v_rows(p.v, p.v_stride, p.N, Hk, p.S, p.M);
+  const HeadRows out_rows(p.out, p.out_stride, p.N, p.H, p.L, p.M);
+  const HeadRows dout_rows(p.dout, p.dout_stride, p.N, p.H, p.L, p.M);
+  const OperandRows q{q_rows}, k{k_rows, p.kv_group}, v{v_rows, p.kv_group}, out{out_rows},
+      dout{dout_rows};
   const GradInputs in{q, k, v, dout, p.lse};
   const PartLayout layout(p);
   const int64_t parts = layout.parts, blocks = ceil_div(p.L, kBlockRows);

@@ -2,10 +2,18 @@
 // attention"): forward and backward over pointers, sizes and strides.
 // Torch-free.
 //
-//   out_i = sum_{j in N(i)} P_ij v_j,  P_ij = exp(scale q_i . k_j - lse_i),
-//   lse_i = log sum_{j in N(i)} exp(scale q_i . k_j),
+//   out_i = sum_{j in N(i)} P_ij v_j,  P_ij = exp(s_ij - lse_i),
+//   lse_i = log sum_{j in N(i)} exp(s_ij),  s_ij = scale q_i . k_j - alibi_ij,
+//   alibi_ij = slope_h |i + S - L - j|  (ALiBi, when slopes are given),
 //
-// with N(i) the columns of row i of the head's edge list. A row with no edge
+// with N(i) the columns of row i of the head's edge list. ALiBi's penalty is
+// computed where each score is (per tile, band block or edge), with the
+// causal mask's bottom-right alignment (query i at key position i + S - L),
+// in the forward and in the backward's recomputation: nothing of size L x S.
+// Grouped-query heads (kv_group > 1): k and v have H / kv_group heads, query
+// head h reads kv_head(h); dk and dv are still per *query* head, (N, H, S, E)
+// and (N, H, S, M), each query head's share, which the caller sums over its
+// group in a fixed order (as the exact kernel's). A row with no edge
 // gets out = 0, lse = -inf and zero gradients (as the reference's masked
 // softmax). A NaN score makes its row's out and lse NaN.
 //
@@ -56,6 +64,9 @@ struct SparseAttentionParams : QkvParams {
   const int64_t* offsets = nullptr;
   const int64_t* columns = nullptr;
   int64_t lists = 1;
+
+  const float* alibi_slopes = nullptr;  // (H) ALiBi slopes (any sign); nullptr: none.
+                                        // Constants: the backward gives them no gradient
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

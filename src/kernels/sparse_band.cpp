@@ -529,10 +529,23 @@ void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* 
 // The kernels, the same at every level: the queries (and output gradients)
 // transposed, the scores key by key, the softmax down the keys, the products.
 
+namespace {
+
+/// ALiBi on a block's transposed scores st (keys x 32): key c's lane r gets
+/// -slope |from + r - c| = -slope |(c - from) - r|.
+void sub_alibi_keys(const Block& b, float* st) {
+  if (b.slope == 0.f) return;
+  for (int64_t c = 0; c < b.keys; ++c)
+    vec::sub_distance(st + c * kRows, kRows, static_cast<float>(c - b.from), b.slope);
+}
+
+}  // namespace
+
 void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
              const Scratch& w, float* u, float* m, float* l) {
   transpose_rows(q.data, q.ld, b.rows, E, w.qt);
   score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, w.s);  // keys x 32
+  sub_alibi_keys(b, w.s);
   softmax_keys(b, w.s, m, l);
   // u = P v: output rows r, summed over the keys (P^T is w.s: key c's row).
   weigh_all<Sum::keys>(w.s, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
@@ -546,6 +559,7 @@ void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int6
   float* pt = w.s;    // keys x 32: scores, then P
   float* dst = w.ds;  // keys x 32: dP, then dS
   score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, pt);
+  sub_alibi_keys(b, pt);
   score_all_keys(v.data, v.ld, b.keys, w.dot, M, 1.f, dst);
   alignas(64) float lse_rows[kRows] = {}, d_rows[kRows] = {};  // padding rows: 0
   std::copy(lse, lse + b.rows, lse_rows);

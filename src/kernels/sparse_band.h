@@ -46,6 +46,11 @@ struct Block {
   int64_t rows, keys;
   const int32_t* first;
   const int32_t* last;
+  /// ALiBi: the score of row r and key c gets -slope |from + r - c| (from:
+  /// row 0's position minus key 0's), added where the scores are made, in
+  /// both passes. slope 0: none.
+  float slope = 0.f;
+  int64_t from = 0;
 };
 
 /// The caller's scratch: qt (E x kRows) and dot (M x kRows) for the queries
@@ -56,13 +61,13 @@ struct Scratch {
   float *qt, *dot, *s, *ds;
 };
 
-/// Forward: P = exp(scale q k^T - m) on the rows' runs, 0 elsewhere; u = P v
+/// Forward: P = exp(scale q k^T - alibi - m) on the rows' runs, 0 elsewhere; u = P v
 /// (rows x M, row stride M, written); m[r] and l[r] (kRows each) the row's
 /// largest score and sum of P: -inf and 0 for a row without keys.
 void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
              const Scratch& w, float* u, float* m, float* l);
 
-/// Backward, with P = exp(scale q k^T - lse) on the runs (0 elsewhere) and
+/// Backward, with P = exp(scale q k^T - alibi - lse) on the runs (0 elsewhere) and
 /// dS = P (dout v^T - d): dv_j += P^T dout and dk_j += scale dS^T q for the
 /// block's keys (rows of M and E floats, ld_v and ld_k apart), and
 /// dq = scale dS k (rows x E, row stride E, written). lse and d hold the

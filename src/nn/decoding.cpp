@@ -77,11 +77,7 @@ void CausalState::set_alibi_slopes(const torch::Tensor&) {
 
 // --- CachedSoftmaxState -------------------------------------------------------------------
 
-void CachedSoftmaxState::set_alibi_slopes(const torch::Tensor& slopes) {
-  TORCH_CHECK(!positions_, "CachedSoftmaxState: ALiBi needs the keys' distances, which a gathered "
-              "state's positions do not keep in order; only window states take slopes");
-  alibi_slopes_ = slopes;
-}
+void CachedSoftmaxState::set_alibi_slopes(const torch::Tensor& slopes) { alibi_slopes_ = slopes; }
 
 CachedSoftmaxState::CachedSoftmaxState(std::function<int64_t(int64_t)> window_begin)
     : window_begin_(std::move(window_begin)) {}
@@ -99,22 +95,30 @@ torch::Tensor CachedSoftmaxState::step(const torch::Tensor& q, const torch::Tens
   const int64_t t = cache_.size();
   cache_.append(k, v);
   torch::Tensor keys, values;
+  auto options = SoftmaxAttentionFuncOptions();
   if (positions_) {
     const auto seen = positions_(t);
     auto index = torch::tensor(seen, torch::kLong);
     keys = cache_.keys().index_select(2, index);
     values = cache_.values().index_select(2, index);
+    if (alibi_slopes_.defined()) {
+      // The gathered keys are not consecutive: ALiBi's penalties
+      // -slope_h (t - position) per kept position, as a (1, H, 1, kept) bias.
+      const auto distance = (t - index).to(q.scalar_type());
+      options.bias(-alibi_slopes_.to(q.scalar_type()).view({1, -1, 1, 1}) * distance.view({1, 1, 1, -1}));
+    }
   } else {
     const int64_t begin = std::clamp<int64_t>(window_begin_(t), 0, t);
     cache_.forget_before(begin);
     keys = cache_.keys(begin);
     values = cache_.values(begin);
+    // The query sits at the end of its consecutive keys: the kernel's
+    // bottom-right alignment gives ALiBi's distances.
+    options.alibi_slopes(alibi_slopes_);
   }
   // One query over every visible key: no mask; the kernel splits long key
   // ranges across threads.
-  return softmax_attention(q.unsqueeze(2), keys, values,
-                           SoftmaxAttentionFuncOptions().alibi_slopes(alibi_slopes_))
-      .squeeze(2);
+  return softmax_attention(q.unsqueeze(2), keys, values, options).squeeze(2);
 }
 
 }  // namespace attnkit::nn

@@ -6,6 +6,7 @@
 #include <ostream>
 
 #include "base/checks.h"
+#include "nn/mechanisms/mechanism.h"
 
 namespace attnkit::nn {
 
@@ -51,10 +52,11 @@ SacAttentionImpl::SacAttentionImpl(MechanismSpec spec)
 
 torch::Tensor SacAttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const AttendArgs& args) {
-  detail::check_qkv("sac", q, k, v);
+  detail::check_qkv("sac", q, k, v, /*grouped_heads=*/true);
   check_supports(find_mechanism("sac"), q, k, v, args);
+  const auto options = registration::sparse_options(args);
   if (structures_.empty())
-    return sparse_attention(q, k, v, edges::random(q.size(2), options_.alpha, options_.seed));
+    return sparse_attention(q, k, v, edges::random(q.size(2), options_.alpha, options_.seed), options);
   const int64_t N = q.size(0);
   TORCH_CHECK(static_cast<int64_t>(structures_.size()) == N, "sac: the model set ",
               structures_.size(), " structures for a batch of ", N, " sequences");
@@ -63,7 +65,7 @@ torch::Tensor SacAttentionImpl::forward(const torch::Tensor& q, const torch::Ten
   out.reserve(N);
   for (int64_t b = 0; b < N; ++b) {
     out.push_back(sparse_attention(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
-                                   structures_[b]));
+                                   structures_[b], options));
   }
   return N == 1 ? out[0] : torch::cat(out, 0);
 }

@@ -86,8 +86,10 @@ torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor sparse_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& offsets,
-                                  const torch::Tensor& columns, c10::optional<double> scale) {
-  return sparse_attention(q, k, v, EdgeList{offsets, columns}, SparseAttentionFuncOptions().scale(scale));
+                                  const torch::Tensor& columns, c10::optional<double> scale,
+                                  const c10::optional<torch::Tensor>& alibi_slopes) {
+  return sparse_attention(q, k, v, EdgeList{offsets, columns},
+                          SparseAttentionFuncOptions().scale(scale).alibi_slopes(alibi_slopes.value_or(torch::Tensor())));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> edge_pattern_op(c10::string_view name, int64_t n,
@@ -146,7 +148,7 @@ TORCH_LIBRARY(attnkit, m) {
             .c_str(),
         &clustered_attention_op);
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, *, "
-        "float? scale=None) -> Tensor",
+        "float? scale=None, Tensor? alibi_slopes=None) -> Tensor",
         &sparse_attention_op);
   m.def("edge_pattern(str name, int n, int param=0) -> (Tensor offsets, Tensor columns)",
         &edge_pattern_op);

@@ -9,6 +9,7 @@
 #include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
+#include "ops/head_features.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -22,18 +23,21 @@ using torch::autograd::tensor_list;
 
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const EdgeList& edges, const SparseAttentionFuncOptions& options) {
-  detail::check_qkv(kSparseOp, q, k, v);
+  detail::check_qkv(kSparseOp, q, k, v, /*grouped_heads=*/true);
   detail::check_scale(kSparseOp, options.scale(), q.scalar_type());
+  detail::check_alibi_slopes(kSparseOp, options.alibi_slopes(), q.size(1));
   check_edge_list(edges, q.size(2), k.size(2), q.size(1), kSparseOp);
 }
 
-/// The edge list as the kernel reads it (contiguous int64) and the scale:
-/// constants of the autograd graph, passed as one struct (see
-/// softmax_attention.cpp: apply records the device of every tensor argument).
+/// The edge list as the kernel reads it (contiguous int64), the scale and
+/// the ALiBi slopes: constants of the autograd graph, passed as one struct
+/// (see softmax_attention.cpp: apply records the device of every tensor
+/// argument).
 struct SparseConstants {
-  torch::Tensor offsets;  // (lists, L + 1)
-  torch::Tensor columns;  // (nnz)
+  torch::Tensor offsets;       // (lists, L + 1)
+  torch::Tensor columns;       // (nnz)
   double scale;
+  torch::Tensor alibi_slopes;  // undefined, or contiguous float32 (H)
 };
 
 /// The kernel reads strides, so views of q, k, v and out cost no copy.
@@ -47,6 +51,8 @@ kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::
   p.offsets = c.offsets.data_ptr<int64_t>();
   p.lists = c.offsets.size(0);
   p.columns = c.columns.data_ptr<int64_t>();
+  p.kv_group = detail::kv_group(q, k);
+  p.alibi_slopes = c.alibi_slopes.defined() ? c.alibi_slopes.data_ptr<float>() : nullptr;
   return p;
 }
 
@@ -58,7 +64,7 @@ class SparseAttentionFunction : public torch::autograd::Function<SparseAttention
     auto out = torch::empty({N, H, L, M}, q.options());
     auto lse = torch::empty({N, H, L}, q.options());
     kernels::sparse_attention_forward(make_params(q, k, v, c, out, lse));
-    ctx->save_for_backward({q, k, v, out, lse, c.offsets, c.columns});
+    ctx->save_for_backward({q, k, v, out, lse, c.offsets, c.columns, c.alibi_slopes});
     ctx->saved_data["scale"] = c.scale;
     return out;
   }
@@ -68,11 +74,17 @@ class SparseAttentionFunction : public torch::autograd::Function<SparseAttention
     // forward and backward raises instead of changing the gradients.
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const SparseConstants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble()};
+    const SparseConstants c{saved[5], saved[6], ctx->saved_data["scale"].toDouble(), saved[7]};
     kernels::SparseAttentionBackwardParams p;
     static_cast<kernels::SparseAttentionParams&>(p) = make_params(q, k, v, c, out, lse);
-    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
+    // Grouped-query heads: the kernel writes each query head's share of dk
+    // and dv (kernels/sparse_attention.h), summed over each group below.
+    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0], /*per_query_head=*/p.kv_group > 1);
     kernels::sparse_attention_backward(p);
+    if (p.kv_group > 1) {
+      dk = detail::sum_over_groups(dk, p.kv_group);
+      dv = detail::sum_over_groups(dv, p.kv_group);
+    }
     return detail::once_differentiable(kSparseOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
   }
 };
@@ -82,8 +94,10 @@ torch::Tensor run_kernel(const torch::Tensor& q, const torch::Tensor& k, const t
                          const EdgeList& edges, const SparseAttentionFuncOptions& options) {
   // (lists, L + 1): one list for all heads, or one per head (H may be 0).
   auto offsets = edges.per_head() ? edges.offsets : edges.offsets.unsqueeze(0);
+  auto slopes = options.alibi_slopes();
+  if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SparseConstants c{offsets.contiguous(), edges.columns.contiguous(),
-                    detail::scale_or_default(options.scale(), q.size(3))};
+                          detail::scale_or_default(options.scale(), q.size(3)), slopes};
   return SparseAttentionFunction::apply(q, k, v, c);
 }
 

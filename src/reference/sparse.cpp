@@ -24,10 +24,13 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const SparseAttentionFuncOptions& o, torch::Tensor* weights) {
   const int64_t H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
+  const auto keys = detail::repeat_kv_heads(k, H), values = detail::repeat_kv_heads(v, H);
+  auto scores = torch::matmul(q, keys.transpose(-2, -1)) * scale;
+  if (o.alibi_slopes().defined()) scores = scores + detail::alibi_penalty(o.alibi_slopes(), L, S, q.options());
   auto a = masked_softmax(scores, edge_mask(edges, H, L, S).unsqueeze(0));
   if (weights) *weights = a;
-  return torch::matmul(a, v);
+  return torch::matmul(a, values);
 }
 
 }  // namespace attnkit::reference

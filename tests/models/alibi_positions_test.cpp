@@ -48,8 +48,33 @@ TEST(AlibiPositions, DecodingEqualsTheForward) {
       small_alibi().positions(models::Positions::conv | models::Positions::alibi).conv_width(3),
       small_alibi().kv_heads(2),
       small_alibi().norm(models::Norm::post),
+      // Sparse patterns: a window state (local, segments) and a gathered one
+      // (strided, whose kept positions are not consecutive), with grouped heads.
+      small_alibi().attention({"sparse-local-causal:span=3"}),
+      small_alibi().attention({"sparse-local-causal:span=3"}).kv_heads(2),
+      small_alibi().attention({"sparse-segments-causal:segment=4"}).kv_heads(1),
+      small_alibi().attention({"sparse-strided:stride=3"}),
+      small_alibi().attention({"sparse-strided:stride=3"}).kv_heads(2),
   };
   testing::expect_decoding_equals_forward(variants, 52);
+}
+
+TEST(AlibiPositions, SparseMechanismsPassTheSlopesToTheKernel) {
+  // Through the registry (and SAC's module) the slopes reach sparse_attention
+  // over the mechanism's edges: the same call, bitwise.
+  torch::manual_seed(55);
+  const int64_t H = 4, L = 40;
+  const auto q = torch::randn({2, H, L, 8}), k = torch::randn({2, H, L, 8}), v = torch::randn({2, H, L, 8});
+  const auto slopes = alibi_slopes(H);
+  for (const std::string spec : {"sparse-local:span=3", "sparse-random:edges=4", "sparse-bp-tree", "sac:alpha=3"}) {
+    SCOPED_TRACE(spec);
+    const int64_t n = spec == "sparse-bp-tree" ? L - 1 : L;  // 2t - 1 nodes
+    const auto qn = q.narrow(2, 0, n), kn = k.narrow(2, 0, n), vn = v.narrow(2, 0, n);
+    const auto [info, parsed] = nn::resolve_mechanism(spec);
+    const auto want = sparse_attention(qn, kn, vn, info->edges(n, parsed), SparseAttentionFuncOptions().alibi_slopes(slopes));
+    EXPECT_TRUE(torch::equal(nn::attend(spec, qn, kn, vn, {false, {}, slopes}), want));
+    EXPECT_TRUE(torch::equal(nn::make_mechanism(spec)->forward(qn, kn, vn, {false, {}, slopes}), want));
+  }
 }
 
 TEST(AlibiPositions, RunsPastMaxLengthAndSeesPositions) {

@@ -95,12 +95,21 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
   EXPECT_TRUE(full.supports.grouped_heads);
   const auto& linear = nn::find_mechanism("linear");
   EXPECT_FALSE(linear.supports.grouped_heads);
+  // The sparse patterns and SAC read groups in the sparse kernel.
+  EXPECT_TRUE(nn::find_mechanism("sparse-local").supports.grouped_heads);
+  EXPECT_TRUE(nn::find_mechanism("sac").supports.grouped_heads);
   torch::manual_seed(43);
   auto q = torch::randn({1, 4, 3, 2}), k = torch::randn({1, 2, 3, 2}), v = torch::randn({1, 2, 3, 2});
   // A grouped call of a mechanism that reads groups equals repeated heads.
-  EXPECT_LT(rel_err(nn::attend("full", q, k, v), nn::attend("full", q, k.repeat_interleave(2, 1),
+  for (const std::string spec : {"full", "sparse-local:span=1", "sparse-random:edges=2", "sac"}) {
+    SCOPED_TRACE(spec);
+    EXPECT_LT(rel_err(nn::attend(spec, q, k, v), nn::attend(spec, q, k.repeat_interleave(2, 1),
                                                             v.repeat_interleave(2, 1))),
-            1e-6);
+              1e-6);
+    EXPECT_LT(rel_err(nn::make_mechanism(spec)->forward(q, k, v),
+                      nn::make_mechanism(spec)->forward(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))),
+              1e-6);
+  }
   expect_error([&] { nn::attend("linear", q, k, v); },
                {"linear", "reads no grouped-query heads", "head count 4", "got 2"});
   expect_error([&] { nn::attend("full", q, k.narrow(1, 0, 1).expand({1, 3, 3, 2}), v); },
@@ -121,6 +130,20 @@ TEST(GroupedHeads, KeyValueCacheHoldsTheKeyValueHeadsOnly) {
   }
   EXPECT_EQ(grouped.cache().keys().size(1), Hk);
   EXPECT_EQ(repeated.cache().keys().size(1), H);
+  // The sparse patterns' states, window (local) and gathered (strided), get
+  // the kv heads as they are: their caches hold Hk heads.
+  for (const std::string spec : {"sparse-local-causal:span=2", "sparse-strided:stride=2"}) {
+    SCOPED_TRACE(spec);
+    const auto [info, parsed] = nn::resolve_mechanism(spec);
+    auto state = info->start_decoding(parsed);
+    auto again = info->start_decoding(parsed);
+    for (int64_t t = 0; t < T; ++t) {
+      auto a = state->step(q[t], k[t], v[t]);
+      auto b = again->step(q[t], k[t].repeat_interleave(2, 1), v[t].repeat_interleave(2, 1));
+      EXPECT_LT(rel_err(a, b), kSameMathTol) << "step " << t;
+    }
+    EXPECT_EQ(dynamic_cast<nn::CachedSoftmaxState&>(*state).cache().keys(T - 1).size(1), Hk);  // the last position
+  }
 }
 
 models::TransformerOptions small_grouped(int64_t kv_heads) {

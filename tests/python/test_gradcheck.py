@@ -186,6 +186,9 @@ def _op_cases():
     o1, c1 = ops.edge_pattern("full", 1)
     add("sparse L=1 strided", lambda q, k, v: ops.sparse_attention(T(q), T(k), T(v), o1, c1),
         transposed(1, 2, 1, 3), transposed(1, 2, 1, 3), transposed(1, 2, 1, 2))
+    add("sparse alibi local, grouped heads", lambda q, k, v: ops.sparse_attention(
+        q, k, v, *ops.edge_pattern("local", 5, 1), alibi_slopes=ops.alibi_slopes(4)),
+        leaf(1, 4, 5, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
 
     # scaled_dot_product_attention (torch 2's API): a float mask with its
     # gradient, is_causal with L != S (top-left), grouped-query heads, 3-D inputs

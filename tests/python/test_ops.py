@@ -74,6 +74,24 @@ class OpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "alibi_slopes.*shape \\(H\\) = \\(4\\)"):
             attnkit.softmax_attention(q, k, v, alibi_slopes=torch.ones(3))
 
+    def test_sparse_alibi_and_grouped_heads(self):
+        # sparse_attention with ALiBi slopes and k, v of 2 heads for 4 query
+        # heads (float32 kernel) against the float64 composite of exact
+        # attention given the pattern as a -inf bias, the penalty as a bias
+        # and k, v repeated: values and the gradients of q, k, v.
+        q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 3)
+        offsets, columns = attnkit.edge_pattern("local", 9, 2)
+        slopes = attnkit.alibi_slopes(4)
+        at = torch.arange(9)
+        distance = (at.view(9, 1) - at).abs()
+        bias = (-slopes.double().view(4, 1, 1) * distance).masked_fill(distance > 2, float("-inf"))
+        _float32_matches_float64(
+            lambda q, k, v: attnkit.sparse_attention(q, k, v, offsets, columns, alibi_slopes=slopes),
+            lambda q, k, v: attnkit.softmax_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                      bias=bias), (q, k, v))
+        with self.assertRaisesRegex(RuntimeError, "sparse_attention: argument 'alibi_slopes'.*shape \\(H\\) = \\(4\\)"):
+            attnkit.sparse_attention(q, k, v, offsets, columns, alibi_slopes=torch.ones(3))
+
     def test_rotary_positions_equal_rotating_q_and_k_first(self):
         # Rotary positions inside the kernel (float32) against q and k rotated
         # by attnkit.rotary_embedding, then plain attention, in float64 (the

@@ -71,8 +71,10 @@ class CachedSoftmaxState : public CausalState {
   torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v) override;
   int64_t steps() const override { return cache_.size(); }
-  /// The query of a step sits at the end of its visible keys, so the kernel's
-  /// bottom-right alignment gives ALiBi's distances (window states only).
+  /// ALiBi's penalties -slope_h (t - position) for query t: a window state's
+  /// query sits at the end of its consecutive keys (the kernel's bottom-right
+  /// alignment gives the distances); a gathered state passes the penalties of
+  /// the positions it keeps as a bias.
   void set_alibi_slopes(const torch::Tensor& slopes) override;
   const KeyValueCache& cache() const { return cache_; }
 

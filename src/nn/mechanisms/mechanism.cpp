@@ -81,6 +81,10 @@ class EdgeListCache {
 
 }  // namespace
 
+SparseAttentionFuncOptions sparse_options(const AttendArgs& args) {
+  return SparseAttentionFuncOptions().alibi_slopes(args.alibi_slopes);
+}
+
 /// The entry is looked up when the factory runs, after the table is built.
 std::shared_ptr<MechanismImpl> make_functional(const MechanismSpec& spec) {
   return std::make_shared<FunctionalMechanism>(&find_mechanism(spec.name), spec);
@@ -90,14 +94,14 @@ void attend_over_edges(MechanismInfo& m, EdgeBuilder build) {
   m.edges = build;
   const auto cache = std::make_shared<EdgeListCache>(build);
   const auto edges = [cache](int64_t n, const MechanismSpec& spec) { return (*cache)(n, spec); };
-  m.run = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec));
+  m.run = [edges](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec), sparse_options(a));
   };
-  m.reference = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return reference::sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec), {});
+  m.reference = [edges](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return reference::sparse_attention(x[0], x[1], x[2], edges(x[0].size(2), spec), sparse_options(a));
   };
-  m.dispatch = [edges](const Inputs& x, const AttendArgs&, const MechanismSpec& spec) {
-    return sparse_attention_dispatch(x[0], x[1], x[2], edges(x[0].size(2), spec));
+  m.dispatch = [edges](const Inputs& x, const AttendArgs& a, const MechanismSpec& spec) {
+    return sparse_attention_dispatch(x[0], x[1], x[2], edges(x[0].size(2), spec), sparse_options(a));
   };
   m.flops = [edges](const AttentionShape& s, bool, const MechanismSpec& spec) -> c10::optional<double> {
     const auto e = edges(s.L, spec);

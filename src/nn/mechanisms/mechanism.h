@@ -43,6 +43,9 @@ MechanismInputs sample_qkv(const AttentionShape& s, torch::Dtype dtype);
 /// call checked against what the entry supports.
 std::shared_ptr<MechanismImpl> make_functional(const MechanismSpec& spec);
 
+/// The sparse_attention options of a call's settings (ALiBi's slopes).
+SparseAttentionFuncOptions sparse_options(const AttendArgs& args);
+
 /// Builds the edge list of a sparse mechanism over n nodes from its spec.
 using EdgeBuilder = std::function<EdgeList(int64_t n, const MechanismSpec&)>;
 

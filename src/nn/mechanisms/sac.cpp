@@ -31,6 +31,11 @@ MechanismInfo sac_entry() {
                             "weight of an entropy bonus on the predictor (0: none, the paper)")};
   m.validate = [](const MechanismSpec& spec) { SacOptions::from_spec(spec); };  // reward vs variant
   m.supports.value_dim = true;
+  m.supports.grouped_heads = true;
+  m.supports.alibi = true;
+  // Rotary positions on q and k before the call: rotating keys as the
+  // kernel loads them would repeat it per edge or band block (docs/MATH.md,
+  // "Sparse attention", counts it).
   m.supports.rotary = RotarySupport::inputs;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;

@@ -84,6 +84,11 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
   m.always_causal = name == "causal" || name == "local-causal" || name == "segments-causal" ||
                     name == "strided";
   m.supports.value_dim = true;
+  m.supports.grouped_heads = true;
+  m.supports.alibi = true;
+  // Rotary positions on q and k before the call: rotating keys as the
+  // kernel loads them would repeat it per edge or band block (docs/MATH.md,
+  // "Sparse attention", counts it).
   m.supports.rotary = RotarySupport::inputs;
   m.supports.decoding_state = m.always_causal;
   if (m.always_causal)
