@@ -121,10 +121,12 @@ class MultiheadAttention(BridgedModule):
     (N, num_heads, L, S)), differentiable; only for exact attention ("full").
     ``kv_heads`` (a divisor of num_heads; 0: as many) gives grouped-query
     attention: k_proj and v_proj project to kv_heads heads, each serving
-    num_heads / kv_heads query heads (read in place by exact attention,
-    repeated for mechanisms that do not read groups). ``alibi=True`` adds
-    ALiBi's distance penalties (attnkit.alibi_slopes(num_heads)) inside the
-    kernel, for mechanisms that take them ("full"). ``rotary_dim`` (even, at
+    num_heads / kv_heads query heads (read in place by exact and sparse
+    attention and SAC, repeated for mechanisms that do not read groups:
+    ``supports["grouped_heads"]``). ``alibi=True`` adds ALiBi's distance
+    penalties (attnkit.alibi_slopes(num_heads)) inside the kernel, for
+    mechanisms that take them ("full", "sparse-*", "sac";
+    ``supports["alibi"]``). ``rotary_dim`` (even, at
     most embed_dim / num_heads; 0: none) gives rotary positions on that many
     features of each head's queries and keys (``rotary_base``: their angles'
     base), inside the kernel for "full", on q and k before the call for the

@@ -6,7 +6,7 @@
 // keys, 256-wide tiles), N H below 8 (a head's rows in several parts, whose key
 // gradients are summed) and at 8 (one part), strided inputs, a scale option;
 // all edges equal the exact softmax kernel; results are bitwise the same for 1
-// and 2 threads.
+// and 2 threads, also with ALiBi slopes.
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
@@ -263,6 +263,7 @@ TEST(SparseAttentionKernel, ResultsAreBitwiseTheSameForOneAndTwoThreads) {
   for (const auto& [name, e] : lists) {
     SCOPED_TRACE(name);
     expect_same_on_one_and_two_threads(in, e);
+    expect_same_on_one_and_two_threads(in, e, SparseAttentionFuncOptions().alibi_slopes(alibi_slopes(2)));
   }
 }
 

@@ -176,6 +176,16 @@ TEST(SacStructure, ModuleAttendsOverTheStructuresItIsGiven) {
                                                       structures[b], {});
     EXPECT_LT(testing::rel_err(out.narrow(0, b, 1), expected), 1e-12) << "sequence " << b;
   }
+  // Grouped-query heads (k and v with 1 head for 2 query heads) and ALiBi
+  // slopes reach sparse attention over each sequence's structure.
+  const auto slopes = alibi_slopes(H).to(torch::kDouble);
+  const auto k1 = k.narrow(1, 0, 1), v1 = v.narrow(1, 0, 1);
+  const auto grouped = module->forward(q, k1, v1, {false, {}, slopes});
+  for (int64_t b = 0; b < N; ++b) {
+    const auto expected = reference::sparse_attention(q.narrow(0, b, 1), k1.narrow(0, b, 1), v1.narrow(0, b, 1),
+                                                      structures[b], SparseAttentionFuncOptions().alibi_slopes(slopes));
+    EXPECT_LT(testing::rel_err(grouped.narrow(0, b, 1), expected), 1e-12) << "sequence " << b;
+  }
   expect_error([&] { module->forward(q.narrow(0, 0, 2), k.narrow(0, 0, 2), v.narrow(0, 0, 2)); },
                {"sac", "3 structures", "batch of 2"});
   expect_error([] { resolve_mechanism("sac:variant=star"); }, {"variant", "shared, all-connected, head-adaptive"});
@@ -287,6 +297,22 @@ TEST(SacModel, EvaluatesWithBeamSearchOrASeededSampleOfTheSamePredictor) {
   expect_error([&] { model->set_attention({"sac:alpha=3,hidden=8,max_distance=4,variant=all-connected"}); },
                {"only beam, decode and seed may change"});
   expect_error([] { models::Transformer(sac_encoder("sac:decode=greedy")); }, {"decode", "greedy"});
+}
+
+TEST(SacModel, TakesAlibiAndGroupedHeads) {
+  // ALiBi and one key/value head for the two query heads: the blocks pass
+  // both to the sparse kernel (no repeated heads), for every variant.
+  for (const std::string variant : {"shared", "head-adaptive"}) {
+    SCOPED_TRACE(variant);
+    torch::manual_seed(3);
+    models::Transformer model(
+        sac_encoder("sac:alpha=2,hidden=8,variant=" + variant).kv_heads(1).positions(models::Positions::alibi));
+    model->eval();
+    const auto logits = model->forward(torch::randint(12, {2, 9}, torch::kInt64));
+    EXPECT_EQ(logits.size(0), 2);
+    EXPECT_EQ(logits.size(1), 9);
+    EXPECT_TRUE(testing::all_finite(logits));
+  }
 }
 
 TEST(SacModel, RefusesWhatItCannotDo) {
