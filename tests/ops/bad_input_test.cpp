@@ -395,9 +395,13 @@ TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {
   auto sparse = c10::Dispatcher::singleton()
                     .findSchemaOrThrow("attnkit::sparse_attention", "")
                     .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                         const torch::Tensor&, const torch::Tensor&, c10::optional<double>)>();
-  expect_error([&] { sparse.call(q, k, v, i64({0, 1, 1, 1, 1}), i64({S}), c10::nullopt); },
+                                         const torch::Tensor&, const torch::Tensor&, c10::optional<double>,
+                                         const c10::optional<torch::Tensor>&)>();
+  expect_error([&] { sparse.call(q, k, v, i64({0, 1, 1, 1, 1}), i64({S}), c10::nullopt, c10::nullopt); },
                {"sparse_attention", "columns"});
+  const auto full = edges::full(L, S);
+  expect_error([&] { sparse.call(q, k, v, full.offsets, full.columns, c10::nullopt, torch::ones({q.size(1) + 1})); },
+               {"sparse_attention", "'alibi_slopes'", "shape (H)"});
 
   auto linear = c10::Dispatcher::singleton()
                     .findSchemaOrThrow("attnkit::linear_attention", "")
