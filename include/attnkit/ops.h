@@ -208,7 +208,9 @@ Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::
 // Queries are hashed with `bits` random hyperplanes drawn from `seed`, grouped
 // by Hamming K-means into `clusters` groups, and each group attends through its
 // centroid. See docs/MATH.md, "Clustered attention" and "Improved clustered
-// attention", and docs/API.md for the exact rules.
+// attention", and docs/API.md for the exact rules. Grouped-query heads as in
+// exact attention: k and v may have Hkv heads, a divisor of q's H (queries are
+// clustered per query head; each head's clusters attend over its group's keys).
 // ----------------------------------------------------------------------------
 struct ClusteredAttentionFuncOptions {
   /// The most K-means iterations a call may ask for.

@@ -120,7 +120,7 @@ void centroid_rows_forward(const ClusteredAttentionParams& p, const Clustering& 
                            int64_t rows, float* panel) {
   const int64_t n = nh / p.H, h = nh % p.H, valid = visible_keys(p, n);
   const int64_t ldp = round_up16(p.S), kk = p.topk;
-  sgemm(false, true, rows, valid, p.E, p.scale, cl.centroids(nh) + c0 * p.E, p.E, k.row(n, h, 0),
+  sgemm(false, true, rows, valid, p.E, p.scale, cl.centroids(nh) + c0 * p.E, p.E, k.row(n, p.kv_head(h), 0),
         k.ld(), 0.f, panel, ldp);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t c = nh * p.C + c0 + r;
@@ -146,7 +146,7 @@ void centroid_rows_forward(const ClusteredAttentionParams& p, const Clustering& 
       p.mass[c] = mass;
     }
   }
-  sgemm(false, false, rows, p.M, valid, 1.f, panel, ldp, v.row(n, h, 0), v.ld(), 0.f,
+  sgemm(false, false, rows, p.M, valid, 1.f, panel, ldp, v.row(n, p.kv_head(h), 0), v.ld(), 0.f,
         p.background + (nh * p.C + c0) * p.M, p.M);
 }
 
@@ -173,8 +173,8 @@ void cluster_outputs_improved(const ClusteredAttentionParams& p, const Clusterin
   float *kt = w, *vt = kt + kk * E, *qm = vt + kk * M, *s = qm + kMemberBlock * E,
         *o = s + kMemberBlock * kk;
   const int64_t* top = p.top + (nh * p.C + c) * kk;
-  gather_rows(head_matrix(p.k, p.k_stride, n, h), top, kv, E, kt);
-  gather_rows(head_matrix(p.v, p.v_stride, n, h), top, kv, M, vt);
+  gather_rows(head_matrix(p.k, p.k_stride, n, p.kv_head(h)), top, kv, E, kt);
+  gather_rows(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), top, kv, M, vt);
   const Strided q = head_matrix(p.q, p.q_stride, n, h);
   for (int64_t r0 = 0; r0 < count; r0 += kMemberBlock) {
     const int64_t rows = std::min(kMemberBlock, count - r0);
@@ -246,8 +246,8 @@ void cluster_backward_sparse(const ClusteredAttentionBackwardParams& p, const Cl
   const float* query_lse = p.query_lse + nh * p.L;
   float *kt = w, *vt = kt + kk * E, *qm = vt + kk * M, *gm = qm + kMemberBlock * E,
         *prob = gm + kMemberBlock * M, *ds = prob + kMemberBlock * kk, *dqm = ds + kMemberBlock * kk;
-  gather_rows(head_matrix(p.k, p.k_stride, n, h), top, kv, E, kt);
-  gather_rows(head_matrix(p.v, p.v_stride, n, h), top, kv, M, vt);
+  gather_rows(head_matrix(p.k, p.k_stride, n, p.kv_head(h)), top, kv, E, kt);
+  gather_rows(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), top, kv, M, vt);
   const Strided q = head_matrix(p.q, p.q_stride, n, h);
   const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
   float* dq = head_of(p.dq, p.dq_stride, n, h);
@@ -305,13 +305,13 @@ void centroid_rows_backward(const ClusteredAttentionBackwardParams& p, const Clu
   std::fill(dqc, dqc + rows * E, 0.f);
   for (int64_t j0 = 0; j0 < valid; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, valid - j0);
-    sgemm(false, true, rows, cols, E, p.scale, qc, E, k.row(n, h, j0), k.ld(), 0.f, a, kKeyBlock);
+    sgemm(false, true, rows, cols, E, p.scale, qc, E, k.row(n, p.kv_head(h), j0), k.ld(), 0.f, a, kKeyBlock);
     for (int64_t r = 0; r < rows; ++r) vec::exp_shift(a + r * kKeyBlock, cols, lse[r]);
-    sgemm(false, true, rows, cols, M, 1.f, g, M, v.row(n, h, j0), v.ld(), 0.f, da, kKeyBlock);
+    sgemm(false, true, rows, cols, M, 1.f, g, M, v.row(n, p.kv_head(h), j0), v.ld(), 0.f, da, kKeyBlock);
     if (p.topk > 0) mark_top_gradients(p, st, nh, c0, rows, j0, cols, kv, da, kKeyBlock);
     for (int64_t r = 0; r < rows; ++r)
       vec::softmax_grad(da + r * kKeyBlock, a + r * kKeyBlock, cols, st.d[nh * p.C + c0 + r]);
-    sgemm(false, false, rows, E, cols, p.scale, da, kKeyBlock, k.row(n, h, j0), k.ld(), 1.f, dqc, E);
+    sgemm(false, false, rows, E, cols, p.scale, da, kKeyBlock, k.row(n, p.kv_head(h), j0), k.ld(), 1.f, dqc, E);
   }
   float* dq = head_of(p.dq, p.dq_stride, n, h);
   for (int64_t r = 0; r < rows; ++r) {
@@ -339,9 +339,9 @@ void key_block_backward(const ClusteredAttentionBackwardParams& p, const Cluster
   if (seen > 0) {
     const float* g = st.g.data() + nh * C * M;
     const float* lse = p.centroid_lse + nh * C;
-    sgemm(false, true, C, seen, E, p.scale, cl.centroids(nh), E, k.row(n, h, j0), k.ld(), 0.f, a, ld);
+    sgemm(false, true, C, seen, E, p.scale, cl.centroids(nh), E, k.row(n, p.kv_head(h), j0), k.ld(), 0.f, a, ld);
     for (int64_t c = 0; c < C; ++c) vec::exp_shift(a + c * ld, seen, lse[c]);
-    sgemm(false, true, C, seen, M, 1.f, g, M, v.row(n, h, j0), v.ld(), 0.f, da, ld);
+    sgemm(false, true, C, seen, M, 1.f, g, M, v.row(n, p.kv_head(h), j0), v.ld(), 0.f, da, ld);
     if (kk > 0) mark_top_gradients(p, st, nh, 0, C, j0, seen, kv, da, ld);
     for (int64_t c = 0; c < C; ++c) vec::softmax_grad(da + c * ld, a + c * ld, seen, st.d[nh * C + c]);
     if (kk > 0)
@@ -376,7 +376,8 @@ void clustered_attention_forward(const ClusteredAttentionParams& p) {
   const int64_t heads = p.N * p.H, C = p.C, E = p.E, M = p.M, kk = p.topk;
   if (heads == 0) return;
   Clustering cl(p);
-  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
+  const int64_t kv_heads = p.H / p.kv_group;  // k and v have these heads (grouped-query heads)
+  const HeadRows k(p.k, p.k_stride, p.N, kv_heads, p.S, E), v(p.v, p.v_stride, p.N, kv_heads, p.S, M);
 
   // Members and centroids; padded queries output 0.
   parallel_for(heads, 0, [&](int64_t nh, float*) {
@@ -415,7 +416,8 @@ void clustered_attention_backward(const ClusteredAttentionBackwardParams& p) {
   const int64_t heads = p.N * p.H, C = p.C, E = p.E, M = p.M, kk = p.topk;
   if (heads == 0) return;
   Clustering cl(p);
-  const HeadRows k(p.k, p.k_stride, p.N, p.H, p.S, E), v(p.v, p.v_stride, p.N, p.H, p.S, M);
+  const int64_t kv_heads = p.H / p.kv_group;  // k and v have these heads (grouped-query heads)
+  const HeadRows k(p.k, p.k_stride, p.N, kv_heads, p.S, E), v(p.v, p.v_stride, p.N, kv_heads, p.S, M);
   // The phases after the first run on passes of heads_per_pass heads, which
   // bounds the per-cluster sparse buffers (see BackwardState). Each work item
   // is the same whatever the pass, so the result does not depend on it.

@@ -40,7 +40,10 @@ struct ClusterParams {
 void cluster_queries(const ClusterParams& p);
 
 /// q, k, v, out (written by the forward; any strides) and the sizes come from
-/// QkvParams.
+/// QkvParams. Grouped-query heads (kv_group > 1): k and v have H / kv_group
+/// heads and query head h reads head kv_head(h); queries are clustered per
+/// query head as always. The backward then writes dk and dv per query head,
+/// (N, H, S, E) and (N, H, S, M): the caller sums each group's heads.
 struct ClusteredAttentionParams : QkvParams {
   const int64_t* labels = nullptr;       // (N, H, L) contiguous, in [0, C) or -1 (padded)
   const int64_t* key_lengths = nullptr;  // (N), each in [0, S]; nullptr: all visible

@@ -7,6 +7,7 @@
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"
+#include "ops/head_features.h"
 #include "reference/reference.h"
 
 #include <torch/autograd.h>
@@ -77,12 +78,10 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
-    auto dout = grads[0];
-    auto dq = torch::empty(q.sizes(), q.options());
-    auto dk = torch::empty(k.sizes(), k.options());
-    auto dv = torch::empty(v.sizes(), v.options());
+    const auto& dout = grads[0];
+    torch::Tensor dq, dk, dv;
     if (!dout.defined()) {
-      dq.zero_(), dk.zero_(), dv.zero_();
+      dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
     } else {
       kernels::ClusteredAttentionBackwardParams p;
       fill(p, q, k, v, saved[3], saved[4], ctx->saved_data["clusters"].toInt(),
@@ -92,11 +91,13 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
       p.top = saved[7].data_ptr<int64_t>();
       p.mass = saved[8].data_ptr<float>();
       p.query_lse = saved[9].data_ptr<float>();
-      detail::bind(p.dout, p.dout_stride, dout);
-      detail::bind(p.dq, p.dq_stride, dq);
-      detail::bind(p.dk, p.dk_stride, dk);
-      detail::bind(p.dv, p.dv_stride, dv);
+      // Grouped-query heads: the kernel writes each query head's share of dk
+      // and dv, summed here over each group in a fixed order.
+      const auto bound = detail::bind_qkv_grads(p, q, k, v, dout, /*per_query_head=*/p.kv_group > 1);
       kernels::clustered_attention_backward(p);
+      dq = bound[0];
+      dk = p.kv_group > 1 ? detail::sum_over_groups(bound[1], p.kv_group) : bound[1];
+      dv = p.kv_group > 1 ? detail::sum_over_groups(bound[2], p.kv_group) : bound[2];
     }
     const torch::Tensor none;
     return detail::once_differentiable("clustered_attention",
@@ -115,6 +116,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
     p.key_lengths = data_or_null(key_lengths);
     p.N = q.size(0), p.H = q.size(1), p.L = q.size(2), p.S = k.size(2);
     p.E = q.size(3), p.M = v.size(3);
+    p.kv_group = detail::kv_group(q, k);
     p.C = clusters, p.topk = topk;
     p.scale = static_cast<float>(scale);
   }
@@ -125,7 +127,7 @@ class ClusteredAttentionFunction : public torch::autograd::Function<ClusteredAtt
 torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const ClusteredAttentionFuncOptions& options) {
   constexpr const char* op = "clustered_attention";
-  detail::check_qkv(op, q, k, v);
+  detail::check_qkv(op, q, k, v, /*grouped_heads=*/true);
   const int64_t L = q.size(2), S = k.size(2);
   TORCH_CHECK(options.clusters() >= 1, op, ": option 'clusters' must be >= 1, got ",
               options.clusters());

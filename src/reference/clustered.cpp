@@ -195,8 +195,10 @@ torch::Tensor clustered_attention(const torch::Tensor& q, const torch::Tensor& k
     labels = hamming_kmeans(hashes, o.clusters(), o.bits(), o.iterations(), o.seed(),
                             o.query_lengths());
   }
-  return clustered_attention_given_labels(q, k, v, labels, o.clusters(), o.topk(), scale,
-                                          o.key_lengths(), weights);
+  // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
+  return clustered_attention_given_labels(q, detail::repeat_kv_heads(k, q.size(1)),
+                                          detail::repeat_kv_heads(v, q.size(1)), labels, o.clusters(),
+                                          o.topk(), scale, o.key_lengths(), weights);
 }
 
 }  // namespace attnkit::reference

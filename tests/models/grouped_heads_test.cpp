@@ -1,8 +1,8 @@
 // Grouped-query heads in the modules and the builder (kv_heads): a
 // MultiheadAttention with kv_heads key/value heads equals the same module
 // whose k and v projections are repeated over each group, for exact attention
-// (which reads the groups in place) and for mechanisms that do not (the
-// module repeats them); the KV cache of exact attention keeps kv_heads heads;
+// and clustered attention (which read the groups in place) and for
+// mechanisms that do not (the module repeats them); the KV cache of exact attention keeps kv_heads heads;
 // decoding equals the forward; options round-trip and old ones still load;
 // the refusals name what is wrong.
 #include <attnkit/models/transformer.h>
@@ -49,8 +49,10 @@ nn::MultiheadAttention with_repeated_projections(nn::MultiheadAttention& grouped
 
 TEST(GroupedHeads, MultiheadAttentionEqualsRepeatedProjections) {
   const int64_t N = 2, D = 12, H = 6;
-  // full reads the groups in place; the others get them repeated by the module.
-  for (const std::string spec : {"full", "linear", "causal-linear", "sparse-local:span=2", "none"})
+  // full and the clustered pair read the groups in place; the others get them
+  // repeated by the module.
+  for (const std::string spec : {"full", "linear", "causal-linear", "sparse-local:span=2", "none",
+                                 "improved-clustered:clusters=2,topk=3", "clustered:clusters=3"})
     for (int64_t Hk : {1, 2, 3, 6}) {
       SCOPED_TRACE(spec + " kv_heads " + std::to_string(Hk));
       torch::manual_seed(41);

@@ -322,6 +322,132 @@ TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
   EXPECT_LE(rel_err(strided.dv, packed.dv), kF32Tol);
 }
 
+// Grouped-query heads: k and v with Hkv heads, a divisor of H, and query head
+// h reading head h / (H / Hkv). The definition is k and v repeated over each
+// group (the reference does exactly that), so the kernel is compared with the
+// float64 reference on the grouped inputs, and with itself on repeated ones.
+struct GroupedCase {
+  int64_t N, H, Hkv, L, S, E, M, clusters, topk;
+  bool lengths;
+};
+
+std::string describe(const GroupedCase& c) {
+  return "N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " Hkv " + std::to_string(c.Hkv) + " L " +
+         std::to_string(c.L) + " S " + std::to_string(c.S) + " E " + std::to_string(c.E) + " M " +
+         std::to_string(c.M) + " C " + std::to_string(c.clusters) + " topk " + std::to_string(c.topk) +
+         (c.lengths ? " with lengths" : "");
+}
+
+const std::vector<GroupedCase>& grouped_cases() {
+  static const std::vector<GroupedCase> cases{
+      {2, 4, 2, 50, 41, 16, 8, 6, 0, true},  {2, 4, 2, 50, 41, 16, 8, 6, 5, true},   // pairs
+      {1, 6, 1, 33, 70, 8, 12, 5, 7, false}, {1, 6, 1, 33, 70, 8, 12, 5, 0, false},  // multi-query
+      {2, 6, 3, 130, 300, 8, 4, 3, 12, true}, {1, 2, 1, 1, 1, 2, 2, 1, 1, false}};   // L = S = 1
+  return cases;
+}
+
+ClusteredAttentionFuncOptions grouped_options(const GroupedCase& c) {
+  auto o = ClusteredAttentionFuncOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(4);
+  if (c.lengths) {
+    auto key_lengths = torch::randint(std::min<int64_t>(c.S, c.topk + 1), c.S + 1, {c.N}, torch::kLong);
+    key_lengths[0] = std::max<int64_t>(1, c.topk / 2);  // fewer keys than topk: padded top keys
+    auto query_lengths = torch::randint(1, c.L + 1, {c.N}, torch::kLong);
+    query_lengths[c.N - 1] = c.L;
+    o.key_lengths(key_lengths).query_lengths(query_lengths);
+  }
+  return o;
+}
+
+TEST(ClusteredOp, GroupedHeadsMatchReferenceGivenItsLabels) {
+  torch::manual_seed(710);
+  for (const GroupedCase& c : grouped_cases()) {
+    SCOPED_TRACE(describe(c));
+    auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
+    auto k = torch::randn({c.N, c.Hkv, c.S, c.E}, f32()), v = torch::randn({c.N, c.Hkv, c.S, c.M}, f32());
+    const auto o = grouped_options(c);
+    auto cot = torch::randn({c.N, c.H, c.L, c.M}, f32());
+    auto fast = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v, cot);
+    auto labels = op_labels(q, o);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.E));
+    auto ref = run(
+        [&](auto& a, auto& b, auto& d) {
+          return reference::clustered_attention_given_labels(a, detail::repeat_kv_heads(b, c.H),
+                                                             detail::repeat_kv_heads(d, c.H), labels, c.clusters,
+                                                             c.topk, scale, o.key_lengths());
+        },
+        q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), cot);
+    ASSERT_EQ(fast.dk.sizes(), k.sizes());
+    ASSERT_EQ(fast.dv.sizes(), v.sizes());
+    EXPECT_LE(rel_err(fast.out, ref.out), kF32Tol);
+    EXPECT_LE(rel_err(fast.dq, ref.dq), kF32Tol);
+    EXPECT_LE(rel_err(fast.dk, ref.dk), kF32Tol);
+    EXPECT_LE(rel_err(fast.dv, ref.dv), kF32Tol);
+  }
+}
+
+TEST(ClusteredOp, GroupedHeadsEqualRepeatingKeysAndValues) {
+  // The same labels and the same key rows: out and dq are bitwise those of
+  // repeated k and v; dk and dv sum each group's shares (the kernel's in
+  // increasing head order, autograd's through repeat_interleave), equal to
+  // rounding: a sum of at most 6 float32 terms, bounded by 1e-6 relative.
+  torch::manual_seed(711);
+  for (const GroupedCase& c : grouped_cases()) {
+    SCOPED_TRACE(describe(c));
+    auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
+    auto k = torch::randn({c.N, c.Hkv, c.S, c.E}, f32()), v = torch::randn({c.N, c.Hkv, c.S, c.M}, f32());
+    const auto o = grouped_options(c);
+    auto cot = torch::randn({c.N, c.H, c.L, c.M}, f32());
+    auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
+    auto grouped = run(f, q, k, v, cot);
+    auto repeated = run(
+        [&](auto& a, auto& b, auto& d) {
+          return clustered_attention(a, detail::repeat_kv_heads(b, c.H), detail::repeat_kv_heads(d, c.H), o);
+        },
+        q, k, v, cot);
+    EXPECT_TRUE(torch::equal(grouped.out, repeated.out));
+    EXPECT_TRUE(torch::equal(grouped.dq, repeated.dq));
+    EXPECT_LE(rel_err(grouped.dk, repeated.dk), 1e-6);
+    EXPECT_LE(rel_err(grouped.dv, repeated.dv), 1e-6);
+  }
+}
+
+TEST(ClusteredOp, GroupedHeadsBitwiseOnOneOrTwoThreadsAndStridedKeys) {
+  torch::manual_seed(712);
+  const int64_t N = 2, H = 4, Hkv = 2, L = 300, S = 280, E = 16, M = 8;
+  auto q = grouped_queries(N, H, L, E, 6);
+  // k and v as (N, S, Hkv, X) storage viewed as (N, Hkv, S, X).
+  auto k = torch::randn({N, S, Hkv, E}, f32()).transpose(1, 2);
+  auto v = torch::randn({N, S, Hkv, M}, f32()).transpose(1, 2);
+  auto cot = torch::randn({N, H, L, M}, f32());
+  const int previous = num_threads();
+  for (int64_t topk : {0, 8}) {
+    auto o = ClusteredAttentionFuncOptions().clusters(20).topk(topk).seed(12).key_lengths(torch::tensor({S, S / 2}));
+    auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
+    std::vector<Grads> results;
+    for (int threads : {1, 2}) {
+      set_num_threads(threads);
+      results.push_back(run(f, q, k, v, cot));
+    }
+    set_num_threads(previous);
+    for (const auto& [a, b] : {std::pair{results[0].out, results[1].out}, {results[0].dq, results[1].dq},
+                               {results[0].dk, results[1].dk}, {results[0].dv, results[1].dv}})
+      EXPECT_TRUE(torch::equal(a, b)) << "topk " << topk;
+    auto packed = run(f, q, k.contiguous(), v.contiguous(), cot);
+    EXPECT_LE(rel_err(results[0].out, packed.out), kF32Tol) << "topk " << topk;
+    EXPECT_LE(rel_err(results[0].dk, packed.dk), kF32Tol) << "topk " << topk;
+    EXPECT_LE(rel_err(results[0].dv, packed.dv), kF32Tol) << "topk " << topk;
+  }
+}
+
+TEST(ClusteredOp, GroupedHeadsRefuseKeyHeadsThatDoNotDivide) {
+  auto q = torch::randn({1, 6, 8, 4}, f32()), k = torch::randn({1, 4, 8, 4}, f32()),
+       v = torch::randn({1, 4, 8, 4}, f32());
+  expect_error([&] { clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(2)); },
+               {"clustered_attention", "'k'", "head count 4", "must divide", "6"});
+  expect_error([&] { clustered_attention(q, k.narrow(1, 0, 2), v, ClusteredAttentionFuncOptions().clusters(2)); },
+               {"clustered_attention", "'v'", "head count"});
+}
+
 TEST(ClusteredOp, DispatchNamesTheBackendThatRuns) {
   torch::manual_seed(710);
   auto q = torch::randn({1, 2, 12, 4}, f32()).requires_grad_(), k = torch::randn({1, 2, 10, 4}, f32()),

@@ -218,6 +218,26 @@ class OpsTest(unittest.TestCase):
         self.assertTrue(torch.equal(a, b))
         torch.testing.assert_close(a, composite(q, k, v), rtol=1e-5, atol=1e-5)
 
+    def test_clustered_grouped_query_heads_equal_repeated_keys_and_values(self):
+        # k and v with 2 heads for 4 query heads, read in place: the output is
+        # bitwise that of the repeated heads (the same labels, the same key rows),
+        # the gradients their group sums; improved and plain, with key lengths.
+        q, k, v = torch.randn(2, 4, 20, 8), torch.randn(2, 2, 15, 8), torch.randn(2, 2, 15, 6)
+        for topk in (0, 5):
+            options = dict(clusters=4, topk=topk, seed=1, key_lengths=torch.tensor([15, 9]))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attnkit.clustered_attention(*leaves, **options)
+            repeated = [t.clone().requires_grad_() for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))]
+            want = attnkit.clustered_attention(*repeated, **options)
+            self.assertTrue(torch.equal(out, want))
+            cot = torch.randn_like(out)
+            (out * cot).sum().backward()
+            (want * cot).sum().backward()
+            torch.testing.assert_close(leaves[0].grad, repeated[0].grad, rtol=0, atol=0)
+            for mine, theirs in zip(leaves[1:], repeated[1:]):
+                group_sum = theirs.grad.view(2, 2, 2, *theirs.shape[2:]).sum(2)
+                torch.testing.assert_close(mine.grad, group_sum, rtol=1e-6, atol=1e-6)
+
     def test_bad_input_names_the_argument(self):
         q = torch.randn(1, 1, 4, 8)
         with self.assertRaisesRegex(RuntimeError, "'k'"):

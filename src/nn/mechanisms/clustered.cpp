@@ -61,7 +61,7 @@ class ClusteredMechanism : public MechanismImpl {
   }
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const AttendArgs& args) override {
-    detail::check_qkv(info_->name.c_str(), q, k, v);
+    detail::check_qkv(info_->name.c_str(), q, k, v, /*grouped_heads=*/true);
     check_supports(*info_, q, k, v, args);
     return module_->forward(q, k, v, args.key_lengths);
   }
@@ -97,6 +97,7 @@ MechanismInfo clustered_entry(const std::string& name) {
   m.supports.key_lengths = true;
   m.supports.cross = true;
   m.supports.value_dim = true;
+  m.supports.grouped_heads = true;  // each query head's clusters attend over its group's keys
   m.supports.rotary = RotarySupport::inputs;  // clusters and scores from the rotated q and k
   m.approximates_exact = true;
   m.inputs = {"q", "k", "v"};
