@@ -52,9 +52,9 @@ nn::MultiheadAttention with_repeated_projections(nn::MultiheadAttention& grouped
 
 TEST(GroupedHeads, MultiheadAttentionEqualsRepeatedProjections) {
   const int64_t N = 2, D = 12, H = 6;
-  // full, linear and causal-linear read the groups in place; the others get
-  // them repeated by the module.
-  for (const std::string spec : {"full", "linear", "causal-linear", "sparse-local:span=2", "none"})
+  // full, the linear and sparse mechanisms read the groups in place; the
+  // others get them repeated by the module.
+  for (const std::string spec : {"full", "linear", "causal-linear", "gated-linear", "sparse-local:span=2", "none"})
     for (int64_t Hk : {1, 2, 3, 6}) {
       SCOPED_TRACE(spec + " kv_heads " + std::to_string(Hk));
       torch::manual_seed(41);
@@ -97,7 +97,8 @@ TEST(GroupedHeads, GradientsEqualThoseOfRepeatedProjectionsSummedOverGroups) {
 TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
   const auto& full = nn::find_mechanism("full");
   EXPECT_TRUE(full.supports.grouped_heads);
-  for (const char* name : {"linear", "causal-linear"}) EXPECT_TRUE(nn::find_mechanism(name).supports.grouped_heads);
+  for (const char* name : {"linear", "causal-linear", "gated-linear"})
+    EXPECT_TRUE(nn::find_mechanism(name).supports.grouped_heads);
   // The sparse patterns and SAC read groups in the sparse kernel.
   EXPECT_TRUE(nn::find_mechanism("sparse-local").supports.grouped_heads);
   EXPECT_TRUE(nn::find_mechanism("sac").supports.grouped_heads);
@@ -106,7 +107,7 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
   auto q = torch::randn({1, 4, 3, 2}), k = torch::randn({1, 2, 3, 2}), v = torch::randn({1, 2, 3, 2});
   // A grouped call of a mechanism that reads groups equals repeated heads.
   for (const std::string spec :
-       {"full", "linear", "causal-linear", "sparse-local:span=1", "sparse-random:edges=2", "sac"}) {
+       {"full", "linear", "causal-linear", "gated-linear", "sparse-local:span=1", "sparse-random:edges=2", "sac"}) {
     SCOPED_TRACE(spec);
     EXPECT_LT(rel_err(nn::attend(spec, q, k, v), nn::attend(spec, q, k.repeat_interleave(2, 1),
                                                             v.repeat_interleave(2, 1))),
@@ -114,6 +115,14 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
     EXPECT_LT(rel_err(nn::make_mechanism(spec)->forward(q, k, v),
                       nn::make_mechanism(spec)->forward(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))),
               1e-6);
+  }
+  // The float64 definitions of the linear mechanisms read the groups too.
+  for (const char* name : {"linear", "causal-linear", "gated-linear"}) {
+    const auto& info = nn::find_mechanism(name);
+    const auto spec = nn::resolve_mechanism(name).second;
+    const std::vector<torch::Tensor> x{q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble)};
+    const std::vector<torch::Tensor> repeated{x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1)};
+    EXPECT_LT(rel_err(info.reference(x, {}, spec), info.reference(repeated, {}, spec)), kSameMathTol) << name;
   }
   expect_error([&] { nn::attend("clustered", q, k, v); },
                {"clustered", "reads no grouped-query heads", "head count 4", "got 2"});
@@ -172,7 +181,7 @@ TEST(GroupedHeads, EveryMechanismThatReadsGroupsDecodesThemInPlace) {
                 kSameMathTol)
           << "step " << t;
   }
-  for (const char* name : {"full", "linear", "causal-linear"})
+  for (const char* name : {"full", "linear", "causal-linear", "gated-linear"})
     EXPECT_NE(std::find(decoders.begin(), decoders.end(), name), decoders.end()) << name;
 }
 
