@@ -931,10 +931,10 @@ def test_multihead_grouped_heads_match_torch_with_repeated_projections():
     out, weights = m(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     t_out, t_weights = t(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     assert rel_err(out, t_out) <= F64_TOL and rel_err(weights, t_weights) <= F64_TOL
-    # Linear attention reads the groups in place, a sparse pattern gets them
-    # repeated by the module: either way the output is that of full heads with
-    # the repeated projections.
-    for spec in ("linear", "causal-linear", "sparse-local:span=2"):
+    # Linear attention and the sparse patterns read the groups in place,
+    # "none" gets them repeated by the module: either way the output is that
+    # of full heads with the repeated projections.
+    for spec in ("linear", "causal-linear", "sparse-local:span=2", "none"):
         g = ann.MultiheadAttention(D, H, attention=spec, batch_first=True, kv_heads=Hk).double()
         f = ann.MultiheadAttention(D, H, attention=spec, batch_first=True).double()
         gp = dict(g.named_parameters())
@@ -945,7 +945,7 @@ def test_multihead_grouped_heads_match_torch_with_repeated_projections():
         x = torch.randn(2, 5, D, dtype=f64)
         assert rel_err(g(x, x, x)[0], f(x, x, x)[0]) <= F64_TOL, spec
     grouped = {e["name"]: e["supports"]["grouped_heads"] for e in attnkit.mechanisms()}
-    assert grouped["full"] and grouped["linear"] and grouped["causal-linear"] and not grouped["sparse-local"]
+    assert grouped["full"] and grouped["linear"] and grouped["causal-linear"] and not grouped["clustered"]
     with pytest.raises(RuntimeError, match=r"kv_heads \(3\) must divide heads \(4\)"):
         ann.MultiheadAttention(D, H, kv_heads=3)
 
