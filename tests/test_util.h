@@ -43,6 +43,15 @@ inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   return (a64 - b64).abs().max().item<double>() / scale;
 }
 
+/// max |a - b| / max(max |b|, 1), in float64; b is the reference: the error
+/// relative to the largest entry, in absolute terms where entries are below 1.
+inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+  EXPECT_EQ(a64.sizes(), b64.sizes());
+  if (b64.numel() == 0) return 0.0;
+  return (a64 - b64).abs().max().item<double>() / std::max(b64.abs().max().item<double>(), 1.0);
+}
+
 /// max_i |a_i - b_i| / scale_i: the error of every element against its own
 /// scale (broadcastable to b, positive). With scale_i the sum of the absolute
 /// values of the terms that make b_i (term_magnitudes below), a float32 result

@@ -136,6 +136,9 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
 //   out_l = phi(q_l)^T S / (phi(q_l) . z + eps)   (the division when normalize)
 //   S = sum_s phi(k_s) v_s^T,  z = sum_s phi(k_s)  (over visible s when causal).
 // feature_map = identity, normalize = false, k = v = H is the paper's C q.
+// Grouped-query heads: k and v may have Hkv heads, a divisor of q's H; query
+// head h then reads key and value head h / (H / Hkv), whose state S, z the
+// kernel builds once for the group (multi-query: Hkv = 1).
 // ----------------------------------------------------------------------------
 enum class FeatureMap { identity, elu };  // elu means elu(x) + 1
 
@@ -144,6 +147,16 @@ struct LinearAttentionFuncOptions {
   TORCH_ARG(bool, normalize) = false;
   TORCH_ARG(bool, causal) = false;
   TORCH_ARG(double, eps) = 1e-6;
+  /// Rotary positions in RoFormer's linear form (Su et al., 2021, section
+  /// 3.4.4): the numerator reads phi(q_i) rotated to position i + S - L and
+  /// phi(k_j) rotated to position j (the first rotary_dim entries, even,
+  /// <= E, in the pairs of rotary_embedding), the normaliser the unrotated
+  /// features, so that it stays positive:
+  ///   out_i = sum_j (R_i phi(q_i))^T (R_j phi(k_j)) v_j / (phi(q_i) . sum_j phi(k_j) + eps).
+  /// Inside the kernel; 0: none.
+  TORCH_ARG(int64_t, rotary_dim) = 0;
+  /// RoPE's angles: position t times rotary_base^(-2c / rotary_dim).
+  TORCH_ARG(double, rotary_base) = 10000.0;
 };
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v,

@@ -121,16 +121,18 @@ class MultiheadAttention(BridgedModule):
     (N, num_heads, L, S)), differentiable; only for exact attention ("full").
     ``kv_heads`` (a divisor of num_heads; 0: as many) gives grouped-query
     attention: k_proj and v_proj project to kv_heads heads, each serving
-    num_heads / kv_heads query heads (read in place by exact and sparse
-    attention and SAC, repeated for mechanisms that do not read groups:
+    num_heads / kv_heads query heads (read in place by exact, sparse and
+    linear attention and SAC, repeated for mechanisms that do not read groups:
     ``supports["grouped_heads"]``). ``alibi=True`` adds ALiBi's distance
     penalties (attnkit.alibi_slopes(num_heads)) inside the kernel, for
     mechanisms that take them ("full", "sparse-*", "sac";
     ``supports["alibi"]``). ``rotary_dim`` (even, at
     most embed_dim / num_heads; 0: none) gives rotary positions on that many
     features of each head's queries and keys (``rotary_base``: their angles'
-    base), inside the kernel for "full", on q and k before the call for the
-    other mechanisms whose scores are dot products (``supports["rotary"]``).
+    base), inside the kernel for "full" and for "linear" / "causal-linear"
+    (RoFormer's form: phi(q), phi(k) turned in the numerator only), on q and
+    k before the call for the other mechanisms whose scores are dot products
+    (``supports["rotary"]``).
     """
 
     # embed_dim and num_heads (the width and heads of every other module) keep
@@ -303,11 +305,15 @@ class LinearAttention(BridgedModule):
     """linear_attention as a module (no parameters): phi(q) (sum phi(k) v^T),
     optionally normalised. Defaults are the op's (identity map, no
     normaliser); the registry's "linear" (mechanisms.Linear) defaults to the
-    normalised elu form."""
+    normalised elu form. rotary_dim > 0 adds rotary positions in RoFormer's
+    linear form (phi(q), phi(k) rotated in the numerator only); k and v may
+    have fewer heads than q (grouped-query heads)."""
 
-    def __init__(self, feature_map="identity", normalize=False, causal=False, eps=1e-6):
+    def __init__(self, feature_map="identity", normalize=False, causal=False, eps=1e-6,
+                 rotary_dim=0, rotary_base=10000.0):
         super().__init__("LinearAttention", {"feature_map": feature_map, "normalize": normalize,
-                                             "causal": causal, "eps": eps})
+                                             "causal": causal, "eps": eps, "rotary_dim": rotary_dim,
+                                             "rotary_base": rotary_base})
 
     def forward(self, q, k, v):
         return self._call("forward", q, k, v)[0]

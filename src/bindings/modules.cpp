@@ -294,7 +294,9 @@ const std::map<std::string, Factory>& factories() {
                                    .feature_map(feature_map_from_string(s.get<std::string>("feature_map", "identity")))
                                    .normalize(s.get<bool>("normalize", false))
                                    .causal(s.get<bool>("causal", false))
-                                   .eps(s.get<double>("eps", 1e-6)));
+                                   .eps(s.get<double>("eps", 1e-6))
+                                   .rotary_dim(s.get<int64_t>("rotary_dim", 0))
+                                   .rotary_base(s.get<double>("rotary_base", 10000.0)));
          return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
                           expect_method("LinearAttention", method, {"forward"});
                           const char* what = "LinearAttention";

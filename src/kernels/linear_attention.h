@@ -17,7 +17,19 @@
 // dimension in the order the shape is given, any values (a (N, L, H, E) tensor
 // viewed as (N, H, L, E) costs no copy). Output matrices may have any row
 // strides but need a unit last stride, so that GEMMs write them in place.
-// Threads: num_threads() over (batch, head); each head is computed by one
+// Grouped-query heads (QkvParams::kv_group > 1): k and v have H / kv_group
+// heads, query head h reads kv head kv_head(h). Work is per key/value head:
+// its state S (and z) is built once and read by every query head of its
+// group, and its dk, dv are computed once from R summed over the group's
+// query heads (in head order) rather than per query head and then added.
+//
+// Rotary positions (rotary_dim > 0; RoFormer's linear form, Su et al.,
+// section 3.4.4): the numerator reads phi(q_i) rotated to position i + S - L
+// and phi(k_j) rotated to position j (kernels/common/rotary.h, the exact
+// kernel's alignment), the normaliser reads them unrotated:
+//   out_i = sum_j (R_i phi(q_i))^T (R_j phi(k_j)) v_j / (phi(q_i) . sum_j phi(k_j) + eps).
+//
+// Threads: num_threads() over (batch, key/value head); each is computed by one
 // thread in a fixed order, so results are bitwise the same for any thread count.
 #pragma once
 
@@ -34,7 +46,8 @@ enum class FeatureMapKind { identity, elu };  // elu means elu(x) + 1
 /// forward+backward (docs/PERFORMANCE.md, "Why the kernels' constants").
 constexpr int64_t kDefaultLinearChunk = 32;
 
-/// q, k, v, out and the sizes come from QkvParams; out needs a unit last stride.
+/// q, k, v, out, the sizes and kv_group come from QkvParams; out needs a unit
+/// last stride.
 struct LinearAttentionParams : QkvParams {
   float* den = nullptr;  // (N, H, L) contiguous, when normalize: phi(q_l) . z_l + eps,
                          // written by the forward, read by the backward
@@ -43,17 +56,20 @@ struct LinearAttentionParams : QkvParams {
   bool causal = false;
   float eps = 1e-6f;
   int64_t chunk = kDefaultLinearChunk;  // causal only; >= 1
+  int64_t rotary_dim = 0;               // 0, or even in [2, E]: rotated entries of phi(q), phi(k)
+  double rotary_base = 10000.0;         // > 0
 };
 
 /// Reads q, k, v, out and den as the forward left them; writes dq, dk, dv (each
-/// fully overwritten; unit last strides).
+/// fully overwritten; unit last strides; dk, dv in k's and v's head count).
 struct LinearAttentionBackwardParams : LinearAttentionParams, QkvGrads {};
 
 /// Writes out (and den when normalize).
 void linear_attention_forward(const LinearAttentionParams& p);
 /// Writes dq, dk, dv. Scratch per thread (forward too): O(B (E + M) + E M +
 /// chunk^2) with B = max(chunk, 256): features are recomputed per block, no
-/// per-token state or feature of the whole sequence is stored.
+/// per-token state or feature of the whole sequence is stored. With rotary
+/// positions, a table of max(L, S) x rotary_dim angles shared by the threads.
 void linear_attention_backward(const LinearAttentionBackwardParams& p);
 
 }  // namespace attnkit::kernels

@@ -78,10 +78,7 @@ Visibility visibility_of(const SoftmaxAttentionParams& p, int64_t n) {
 class QkReader {
  public:
   explicit QkReader(const SoftmaxAttentionParams& p)
-      : p_(p),
-        rotary_(p.rotary_dim > 0 ? RotaryTable(p.rotary_dim, p.rotary_base, std::min<int64_t>(0, p.S - p.L),
-                                               std::max(p.L, p.S))
-                                 : RotaryTable()) {}
+      : p_(p), rotary_(RotaryTable::for_attention(p.rotary_dim, p.rotary_base, p.L, p.S)) {}
 
   /// Whether every block is rewritten into its pack (then packs are needed
   /// whatever the strides).

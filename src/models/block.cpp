@@ -107,6 +107,8 @@ std::unique_ptr<BlockState> TransformerBlockImpl::start_decoding(const torch::Te
                 "' has no incremental decoding state");
     state->self = info_->start_decoding(nn::resolve_mechanism(spec_).second);
     if (self_->options.alibi()) state->self->set_alibi_slopes(self_->alibi_slopes());
+    if (self_->options.rotary_dim() > 0)
+      state->self_rotates = state->self->rotate_inside(self_->options.rotary_dim(), self_->options.rotary_base());
   }
   if (cross_) {
     TORCH_CHECK(memory.defined(), "Transformer: decoding a cross-attention block needs the encoder output");
@@ -129,10 +131,11 @@ torch::Tensor TransformerBlockImpl::self_attention_step(const torch::Tensor& h_t
     // Grouped heads reach a state that reads groups as they are: its cache
     // holds kv_heads heads.
     // Rotary positions turn the step's query and key at its position once,
-    // so the cache holds rotated keys.
+    // so the cache holds rotated keys; unless the state rotates them itself.
     const int64_t Hk = self_->kv_head_count(), t = state.position;
-    auto q = self_->rotate(self_->q_proj(h_t).view({N, H, 1, dh}), t).view({N, H, dh});
-    auto k = self_->for_mechanism(self_->rotate(self_->k_proj(h_t).view({N, Hk, 1, dh}), t).view({N, Hk, dh}));
+    auto rotate = [&](const torch::Tensor& x) { return state.self_rotates ? x : self_->rotate(x, t); };
+    auto q = rotate(self_->q_proj(h_t).view({N, H, 1, dh})).view({N, H, dh});
+    auto k = self_->for_mechanism(rotate(self_->k_proj(h_t).view({N, Hk, 1, dh})).view({N, Hk, dh}));
     auto v = self_->for_mechanism(self_->v_proj(h_t).view({N, Hk, dh}));
     return self_->out_proj(state.self->step(q, k, v).reshape({N, d}));
   }

@@ -19,6 +19,7 @@ namespace attnkit::models {
 struct BlockState {
   int64_t position = 0;
   std::unique_ptr<nn::CausalState> self;    // multi-head blocks
+  bool self_rotates = false;                // `self` applies the rotary positions itself
   nn::KeyValueCache relative;               // relative-position blocks
   nn::AgglomerativeState agglomerative;     // agglomerative blocks
   torch::Tensor cross_keys, cross_values;   // (N, H or kv heads, S, dh): the projected encoder output

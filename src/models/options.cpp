@@ -189,7 +189,8 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               "' takes no slopes (mechanisms that do: ",
               nn::mechanism_names_where([](const nn::MechanismInfo& m) { return m.supports.alibi; }), ")");
   TORCH_CHECK(!has(o.positions(), Positions::rope) || info->supports.rotary != nn::RotarySupport::none, where,
-              ": rotary positions rotate q and k, which needs scores that are their dot products; '", text,
+              ": rotary positions rotate q and k (or linear attention's features of them), which needs scores that "
+              "are their dot products; '", text,
               "' has none (mechanisms that take them: ",
               nn::mechanism_names_where(
                   [](const nn::MechanismInfo& m) { return m.supports.rotary != nn::RotarySupport::none; }),

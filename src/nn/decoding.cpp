@@ -75,6 +75,8 @@ void CausalState::set_alibi_slopes(const torch::Tensor&) {
   TORCH_CHECK(false, "this decoding state does not take ALiBi slopes");
 }
 
+bool CausalState::rotate_inside(int64_t, double) { return false; }
+
 // --- CachedSoftmaxState -------------------------------------------------------------------
 
 void CachedSoftmaxState::set_alibi_slopes(const torch::Tensor& slopes) { alibi_slopes_ = slopes; }

@@ -27,7 +27,7 @@ void check_takes_alibi(const std::string& spec) {
 bool rotates_in_kernel(const std::string& spec) {
   const auto* info = resolve_mechanism(spec).first;
   TORCH_CHECK(info->supports.rotary != RotarySupport::none, "MultiheadAttention: rotary positions need a "
-              "mechanism whose scores are dot products of q and k (MechanismSupports::rotary); '", spec,
+              "mechanism whose scores are dot products of q and k, or of their features (MechanismSupports::rotary); '", spec,
               "' has none (mechanisms that take them: ",
               mechanism_names_where([](const MechanismInfo& m) { return m.supports.rotary != RotarySupport::none; }),
               ")");

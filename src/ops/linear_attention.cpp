@@ -9,6 +9,7 @@
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"
+#include "ops/head_features.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -29,21 +30,16 @@ kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, con
                                                      torch::Tensor& den,
                                                      const LinearAttentionFuncOptions& o) {
   kernels::LinearAttentionBackwardParams p;
-  detail::bind(p.q, p.q_stride, q);
-  detail::bind(p.k, p.k_stride, k);
-  detail::bind(p.v, p.v_stride, v);
-  detail::bind(p.out, p.out_stride, out);
+  detail::bind_qkv(p, q, k, v, out);
+  // Grouped-query heads: the kernel reads each key/value head for its group.
+  p.kv_group = detail::kv_group(q, k);
   p.den = den.defined() ? den.data_ptr<float>() : nullptr;
-  p.N = q.size(0);
-  p.H = q.size(1);
-  p.L = q.size(2);
-  p.S = k.size(2);
-  p.E = q.size(3);
-  p.M = v.size(3);
   p.feature_map = kernel_feature_map(o.feature_map());
   p.normalize = o.normalize();
   p.causal = o.causal();
   p.eps = static_cast<float>(o.eps());
+  p.rotary_dim = o.rotary_dim();
+  p.rotary_base = o.rotary_base();
   return p;
 }
 
@@ -53,7 +49,9 @@ LinearAttentionFuncOptions options_from(const AutogradContext* ctx) {
       .feature_map(d.at("elu").toBool() ? FeatureMap::elu : FeatureMap::identity)
       .normalize(d.at("normalize").toBool())
       .causal(d.at("causal").toBool())
-      .eps(d.at("eps").toDouble());
+      .eps(d.at("eps").toDouble())
+      .rotary_dim(d.at("rotary_dim").toInt())
+      .rotary_base(d.at("rotary_base").toDouble());
 }
 
 class LinearAttentionFunction : public torch::autograd::Function<LinearAttentionFunction> {
@@ -69,21 +67,19 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
     ctx->saved_data["normalize"] = o.normalize();
     ctx->saved_data["causal"] = o.causal();
     ctx->saved_data["eps"] = o.eps();
+    ctx->saved_data["rotary_dim"] = o.rotary_dim();
+    ctx->saved_data["rotary_base"] = o.rotary_base();
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
-    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
     auto p = linear_params(q, k, v, out, den, options_from(ctx));
     const torch::Tensor& dout = grads[0];
-    detail::bind(p.dout, p.dout_stride, dout);
-    detail::bind(p.dq, p.dq_stride, dq);
-    detail::bind(p.dk, p.dk_stride, dk);
-    detail::bind(p.dv, p.dv_stride, dv);
+    // Grouped-query heads: dk and dv in k's and v's head count, each summed
+    // by the kernel over its group in head order (kernels/linear_attention.h).
+    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, dout);
     kernels::linear_attention_backward(p);
     return detail::once_differentiable("linear_attention", {dq, dk, dv, torch::Tensor()},
                                        {q, k, v, dout});
@@ -159,9 +155,10 @@ std::string to_string(FeatureMap map) { return map == FeatureMap::elu ? "elu" : 
 torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const LinearAttentionFuncOptions& options) {
   constexpr const char* op = "linear_attention";
-  detail::check_qkv(op, q, k, v);
+  detail::check_qkv(op, q, k, v, /*grouped_heads=*/true);
   detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
   TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
+  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(3));
   // bfloat16 keeps 8 bits: the normalised form's gradient subtracts nearly
   // equal terms (S v and z out), which in bfloat16 arithmetic lost up to 7%
   // (measured, tests/ops/regressions_test.cpp). So bf16 inputs take the

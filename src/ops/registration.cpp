@@ -47,12 +47,15 @@ torch::Tensor scaled_dot_product_attention_op(const torch::Tensor& query, const 
 
 torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, c10::string_view feature_map,
-                                  bool normalize, bool causal, double eps) {
+                                  bool normalize, bool causal, double eps, int64_t rotary_dim,
+                                  double rotary_base) {
   return linear_attention(q, k, v, LinearAttentionFuncOptions()
                                        .feature_map(feature_map_from_string(std::string(feature_map)))
                                        .normalize(normalize)
                                        .causal(causal)
-                                       .eps(eps));
+                                       .eps(eps)
+                                       .rotary_dim(rotary_dim)
+                                       .rotary_base(rotary_base));
 }
 
 torch::Tensor gated_linear_attention_op(const torch::Tensor& f, const torch::Tensor& q,
@@ -129,7 +132,8 @@ TORCH_LIBRARY(attnkit, m) {
   const LinearAttentionFuncOptions lin;
   m.def(("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='" + to_string(lin.feature_map()) +
          "', bool normalize=" + schema_bool(lin.normalize()) + ", bool causal=" + schema_bool(lin.causal()) +
-         ", float eps=" + schema_float(lin.eps()) + ") -> Tensor")
+         ", float eps=" + schema_float(lin.eps()) + ", int rotary_dim=" + std::to_string(lin.rotary_dim()) +
+         ", float rotary_base=" + schema_float(lin.rotary_base()) + ") -> Tensor")
             .c_str(),
         &linear_attention_op);
   m.def("gated_linear_attention(Tensor f, Tensor q, Tensor alpha, Tensor beta, *, "

@@ -1,13 +1,16 @@
 // Grouped-query heads in the modules and the builder (kv_heads): a
 // MultiheadAttention with kv_heads key/value heads equals the same module
-// whose k and v projections are repeated over each group, for exact attention
+// whose k and v projections are repeated over each group, for exact, linear
 // and clustered attention (which read the groups in place) and for
-// mechanisms that do not (the module repeats them); the KV cache of exact attention keeps kv_heads heads;
+// mechanisms that do not (the module repeats them); the KV cache of exact
+// attention and the state of causal linear attention keep kv_heads heads;
 // decoding equals the forward; options round-trip and old ones still load;
 // the refusals name what is wrong.
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/multihead.h>
+
+#include <algorithm>
 
 #include "models/decoding_util.h"
 #include "test_util.h"
@@ -49,9 +52,9 @@ nn::MultiheadAttention with_repeated_projections(nn::MultiheadAttention& grouped
 
 TEST(GroupedHeads, MultiheadAttentionEqualsRepeatedProjections) {
   const int64_t N = 2, D = 12, H = 6;
-  // full and the clustered pair read the groups in place; the others get them
-  // repeated by the module.
-  for (const std::string spec : {"full", "linear", "causal-linear", "sparse-local:span=2", "none",
+  // full, the linear, sparse and clustered mechanisms read the groups in
+  // place; `none` gets them repeated by the module.
+  for (const std::string spec : {"full", "linear", "causal-linear", "gated-linear", "sparse-local:span=2", "none",
                                  "improved-clustered:clusters=2,topk=3", "clustered:clusters=3"})
     for (int64_t Hk : {1, 2, 3, 6}) {
       SCOPED_TRACE(spec + " kv_heads " + std::to_string(Hk));
@@ -95,15 +98,17 @@ TEST(GroupedHeads, GradientsEqualThoseOfRepeatedProjectionsSummedOverGroups) {
 TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
   const auto& full = nn::find_mechanism("full");
   EXPECT_TRUE(full.supports.grouped_heads);
-  const auto& linear = nn::find_mechanism("linear");
-  EXPECT_FALSE(linear.supports.grouped_heads);
+  for (const char* name : {"linear", "causal-linear", "gated-linear"})
+    EXPECT_TRUE(nn::find_mechanism(name).supports.grouped_heads);
   // The sparse patterns and SAC read groups in the sparse kernel.
   EXPECT_TRUE(nn::find_mechanism("sparse-local").supports.grouped_heads);
   EXPECT_TRUE(nn::find_mechanism("sac").supports.grouped_heads);
+  EXPECT_FALSE(nn::find_mechanism("clustered").supports.grouped_heads);
   torch::manual_seed(43);
   auto q = torch::randn({1, 4, 3, 2}), k = torch::randn({1, 2, 3, 2}), v = torch::randn({1, 2, 3, 2});
   // A grouped call of a mechanism that reads groups equals repeated heads.
-  for (const std::string spec : {"full", "sparse-local:span=1", "sparse-random:edges=2", "sac"}) {
+  for (const std::string spec :
+       {"full", "linear", "causal-linear", "gated-linear", "sparse-local:span=1", "sparse-random:edges=2", "sac"}) {
     SCOPED_TRACE(spec);
     EXPECT_LT(rel_err(nn::attend(spec, q, k, v), nn::attend(spec, q, k.repeat_interleave(2, 1),
                                                             v.repeat_interleave(2, 1))),
@@ -112,8 +117,16 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
                       nn::make_mechanism(spec)->forward(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))),
               1e-6);
   }
-  expect_error([&] { nn::attend("linear", q, k, v); },
-               {"linear", "reads no grouped-query heads", "head count 4", "got 2"});
+  // The float64 definitions of the linear mechanisms read the groups too.
+  for (const char* name : {"linear", "causal-linear", "gated-linear"}) {
+    const auto& info = nn::find_mechanism(name);
+    const auto spec = nn::resolve_mechanism(name).second;
+    const std::vector<torch::Tensor> x{q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble)};
+    const std::vector<torch::Tensor> repeated{x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1)};
+    EXPECT_LT(rel_err(info.reference(x, {}, spec), info.reference(repeated, {}, spec)), kSameMathTol) << name;
+  }
+  expect_error([&] { nn::attend("clustered", q, k, v); },
+               {"clustered", "reads no grouped-query heads", "head count 4", "got 2"});
   expect_error([&] { nn::attend("full", q, k.narrow(1, 0, 1).expand({1, 3, 3, 2}), v); },
                {"head count 3", "must divide q's head count 4"});
 }
@@ -146,6 +159,31 @@ TEST(GroupedHeads, KeyValueCacheHoldsTheKeyValueHeadsOnly) {
     }
     EXPECT_EQ(dynamic_cast<nn::CachedSoftmaxState&>(*state).cache().keys(T - 1).size(1), Hk);  // the last position
   }
+}
+
+TEST(GroupedHeads, EveryMechanismThatReadsGroupsDecodesThemInPlace) {
+  // What `attnkit mechanisms` flags 'g' (grouped_heads) and the decoding state
+  // agree on: a state of such a mechanism takes k and v with kv_heads heads
+  // and steps to what repeating them gives.
+  torch::manual_seed(48);
+  const int64_t N = 2, H = 4, Hk = 2, E = 3, T = 6;
+  std::vector<std::string> decoders;
+  for (const auto& info : nn::mechanisms()) {
+    if (!info.supports.grouped_heads || !info.start_decoding) continue;
+    SCOPED_TRACE(info.name);
+    decoders.push_back(info.name);
+    const auto spec = nn::resolve_mechanism(info.name).second;
+    auto grouped = info.start_decoding(spec), repeated = info.start_decoding(spec);
+    auto q = torch::randn({T, N, H, E}, f64()), k = torch::randn({T, N, Hk, E}, f64());
+    auto v = torch::randn({T, N, Hk, E}, f64());
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_LT(rel_err(grouped->step(q[t], k[t], v[t]),
+                        repeated->step(q[t], k[t].repeat_interleave(2, 1), v[t].repeat_interleave(2, 1))),
+                kSameMathTol)
+          << "step " << t;
+  }
+  for (const char* name : {"full", "linear", "causal-linear", "gated-linear"})
+    EXPECT_NE(std::find(decoders.begin(), decoders.end(), name), decoders.end()) << name;
 }
 
 models::TransformerOptions small_grouped(int64_t kv_heads) {

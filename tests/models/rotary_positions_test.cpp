@@ -1,10 +1,12 @@
 // Rotary positions in the modules and the builder (Positions::rope): a
 // MultiheadAttention with rotary_dim equals the same projections with q and k
 // rotated by the op (inside the kernel for "full", before the call for the
-// other dot-product mechanisms); token-by-token decoding, where each step's
-// query and key are rotated once at their position, equals the causal
-// forward; a model with rope alone runs past max_length and sees order; the
-// options round-trip and the refusals name the problem.
+// other dot-product mechanisms), and for linear attention the op with its
+// rotary_dim (RoFormer's form: phi(q), phi(k) turned in the numerator only);
+// token-by-token decoding, where each step's query and key are rotated once
+// at their position (by causal linear attention's state itself), equals the
+// causal forward; a model with rope alone runs past max_length and sees
+// order; the options round-trip and the refusals name the problem.
 #include <attnkit/models/transformer.h>
 #include <attnkit/nn/multihead.h>
 
@@ -58,6 +60,32 @@ TEST(RotaryPositions, MultiheadAttentionRotatesQueriesAndKeys) {
   }
 }
 
+TEST(RotaryPositions, MultiheadLinearAttentionPassesRotaryDimToTheKernel) {
+  // No rotation of q and k gives RoFormer's linear form: the module hands
+  // rotary_dim to the op, with grouped heads read in place.
+  torch::manual_seed(65);
+  const int64_t N = 2, D = 16, H = 4, Hk = 2, dh = D / H;
+  for (const std::string spec : {"linear", "causal-linear"})
+    for (auto dtype : {torch::kDouble, torch::kFloat}) {
+      SCOPED_TRACE(spec + " " + c10::toString(dtype));
+      nn::MultiheadAttention m(nn::MultiheadAttentionOptions(D, H).kv_heads(Hk).rotary_dim(2).rotary_base(50.0).attention(spec));
+      m->to(dtype);
+      const int64_t L = 6, S = spec == "linear" ? 9 : 6;
+      const auto query = torch::randn({N, L, D}, dtype), kv = torch::randn({N, S, D}, dtype);
+      auto heads = [&](const torch::Tensor& x, int64_t T, int64_t h) { return x.view({N, T, h, dh}).transpose(1, 2); };
+      const auto o = LinearAttentionFuncOptions()
+                         .feature_map(FeatureMap::elu)
+                         .normalize(true)
+                         .causal(spec == "causal-linear")
+                         .rotary_dim(2)
+                         .rotary_base(50.0);
+      const auto attended = linear_attention(heads(m->q_proj(query), L, H), heads(m->k_proj(kv), S, Hk),
+                                             heads(m->v_proj(kv), S, Hk), o);
+      const auto want = m->out_proj(attended.transpose(1, 2).reshape({N, L, D}));
+      EXPECT_LT(rel_err(m->forward(query, kv, kv), want), 1e-12);
+    }
+}
+
 models::TransformerOptions small_rope() {
   return models::TransformerOptions(11).layers(2).width(16).heads(2).ffn(24).dropout(0).max_length(16).positions(
       models::Positions::rope);
@@ -70,6 +98,10 @@ TEST(RotaryPositions, DecodingEqualsTheForward) {
       small_rope().positions(models::Positions::conv | models::Positions::rope).conv_width(3),
       small_rope().heads(4).kv_heads(2),
       small_rope().attention({"sparse-local-causal:span=3"}),
+      // Causal linear attention's state rotates phi(q), phi(k) itself.
+      small_rope().attention({"causal-linear"}),
+      small_rope().attention({"causal-linear:feature_map=identity,normalize=false"}).rotary_fraction(0.5),
+      small_rope().heads(4).kv_heads(1).attention({"causal-linear"}),
       small_rope().norm(models::Norm::post),
   };
   testing::expect_decoding_equals_forward(variants, 62);
@@ -109,14 +141,14 @@ TEST(RotaryPositions, OptionsAndRefusals) {
   expect_error([] { models::Transformer m(small_rope().rotary_fraction(0.2)); },
                {"rotary_fraction 0.2 of 8 features per head rotates 0", "at least one pair"});
   expect_error([] { models::Transformer m(small_rope().rotary_fraction(1.5)); }, {"rotary_fraction must be in (0, 1]"});
-  expect_error([] { models::Transformer m(small_rope().attention({"causal-linear"})); },
-               {"rotary positions", "'causal-linear' has none", "full"});
+  expect_error([] { models::Transformer m(small_rope().attention({"gated-linear"})); },
+               {"rotary positions", "'gated-linear' has none", "full", "causal-linear"});
   expect_error([] { models::Transformer m(small_rope().attention({"agglomerative"})); },
                {"rotary positions", "'agglomerative' has none"});
   expect_error([] { nn::MultiheadAttention(nn::MultiheadAttentionOptions(8, 2).rotary_dim(6)); },
                {"MultiheadAttention", "option 'rotary_dim'", "[2, E] = [2, 4], got 6"});
   nn::MultiheadAttention m(nn::MultiheadAttentionOptions(8, 2).rotary_dim(4));
-  expect_error([&] { m->set_attention("linear"); }, {"rotary positions", "'linear' has none"});
+  expect_error([&] { m->set_attention("gated-linear"); }, {"rotary positions", "'gated-linear' has none"});
   // A mechanism that does not rotate in its kernel refuses rotary_dim in a direct call.
   auto q = torch::randn({1, 2, 3, 4});
   nn::AttendArgs args;

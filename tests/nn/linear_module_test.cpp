@@ -33,22 +33,53 @@ torch::Tensor stream(LinearAttentionState state, const torch::Tensor& q, const t
 }
 
 TEST(LinearState, StepsEqualTheCausalOpTokenByToken) {
+  // Also with grouped-query heads (Hk key/value heads: the state keeps Hk)
+  // and rotary positions (step t turns phi(q_t), phi(k_t) to position t).
   torch::manual_seed(1);
-  const int64_t N = 2, H = 3, L = 41, E = 4, M = 6;
+  const int64_t N = 2, H = 4, L = 41, E = 4, M = 6;
   for (auto dtype : {torch::kDouble, torch::kFloat})
     for (auto [map, normalize] : {std::pair{FeatureMap::identity, false},
                                   {FeatureMap::elu, false},
-                                  {FeatureMap::elu, true}}) {
-      SCOPED_TRACE(to_string(map) + (normalize ? " normalize " : " ") + c10::toString(dtype));
-      const auto opts = torch::TensorOptions().dtype(dtype);
-      auto q = torch::randn({N, H, L, E}, opts), k = torch::randn({N, H, L, E}, opts);
-      auto v = torch::randn({N, H, L, M}, opts);
-      LinearAttention module(
-          LinearAttentionFuncOptions().feature_map(map).normalize(normalize).causal(true));
-      auto whole = module(q, k, v);  // float32: the chunked kernels; float64: the reference
-      auto steps = stream(module->state(), q, k, v);
-      EXPECT_LT(rel_err(steps, whole), dtype == torch::kDouble ? kSameMathTol64 : kSameMathTol32);
-    }
+                                  {FeatureMap::elu, true}})
+      for (int64_t Hk : {H, int64_t{2}, int64_t{1}})
+        for (int64_t rotary_dim : {0, 2, 4}) {
+          SCOPED_TRACE(to_string(map) + (normalize ? " normalize " : " ") + c10::toString(dtype) + " Hk " +
+                       std::to_string(Hk) + " rotary_dim " + std::to_string(rotary_dim));
+          const auto opts = torch::TensorOptions().dtype(dtype);
+          auto q = torch::randn({N, H, L, E}, opts), k = torch::randn({N, Hk, L, E}, opts);
+          auto v = torch::randn({N, Hk, L, M}, opts);
+          LinearAttention module(LinearAttentionFuncOptions()
+                                     .feature_map(map)
+                                     .normalize(normalize)
+                                     .causal(true)
+                                     .rotary_dim(rotary_dim)
+                                     .rotary_base(100.0));
+          auto whole = module(q, k, v);  // float32: the chunked kernels; float64: the reference
+          auto state = module->state();
+          auto steps = stream(state, q, k, v);
+          EXPECT_LT(rel_err(steps, whole), dtype == torch::kDouble ? kSameMathTol64 : kSameMathTol32);
+        }
+}
+
+TEST(LinearState, KeepsOneStatePerKeyValueHead) {
+  // Grouped heads: Hk states, each read by its group; the same outputs as a
+  // state over each key/value head repeated to H (the same sums in float64).
+  torch::manual_seed(3);
+  const int64_t N = 2, H = 6, Hk = 2, E = 3, M = 4, T = 7;
+  LinearAttentionState grouped(LinearAttentionStateOptions().feature_map(FeatureMap::elu).normalize(true).rotary_dim(2));
+  LinearAttentionState repeated(grouped.options());
+  for (int64_t t = 0; t < T; ++t) {
+    auto q = torch::randn({N, H, E}, f64()), k = torch::randn({N, Hk, E}, f64()), v = torch::randn({N, Hk, M}, f64());
+    EXPECT_LT(rel_err(grouped.step(q, k, v), repeated.step(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))),
+              kSameMathTol64);
+  }
+  EXPECT_EQ(grouped.sum_kv().sizes(), (std::vector<int64_t>{N, Hk, E, M}));
+  EXPECT_EQ(grouped.sum_k().sizes(), (std::vector<int64_t>{N, Hk, E}));
+  EXPECT_EQ(repeated.sum_kv().size(1), H);
+  expect_error([&] { grouped.step(torch::randn({N, H, E}, f64()), torch::randn({N, 3, E}, f64()), torch::randn({N, 3, M}, f64())); },
+               {"LinearAttentionState::step", "(2, 2, 3, 4)", "6 query heads"});
+  expect_error([] { LinearAttentionState().step(torch::randn({1, 4, 2}), torch::randn({1, 3, 2}), torch::randn({1, 3, 2})); },
+               {"LinearAttentionState::step", "head count 3, which must divide q's head count 4"});
 }
 
 TEST(LinearState, StepsAreDifferentiableLikeTheOp) {

@@ -406,9 +406,10 @@ TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {
   auto linear = c10::Dispatcher::singleton()
                     .findSchemaOrThrow("attnkit::linear_attention", "")
                     .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                         c10::string_view, bool, bool, double)>();
-  expect_error([&] { linear.call(q, k, v, "softplus", false, false, 1e-6); }, {"feature_map", "softplus"});
-  expect_error([&] { linear.call(q, k, v, "elu", true, false, -1.0); }, {"linear_attention", "eps"});
+                                         c10::string_view, bool, bool, double, int64_t, double)>();
+  expect_error([&] { linear.call(q, k, v, "softplus", false, false, 1e-6, 0, 1e4); }, {"feature_map", "softplus"});
+  expect_error([&] { linear.call(q, k, v, "elu", true, false, -1.0, 0, 1e4); }, {"linear_attention", "eps"});
+  expect_error([&] { linear.call(q, k, v, "elu", true, false, 1e-6, 3, 1e4); }, {"linear_attention", "rotary_dim"});
 }
 
 }  // namespace

@@ -18,12 +18,7 @@
 
 namespace attnkit::testing::softmax {
 
-/// max |a - b| / max(max |b|, 1), in float64; b is the reference.
-inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
-  const auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
-  EXPECT_EQ(a64.sizes(), b64.sizes());
-  return (a64 - b64).abs().max().item<double>() / std::max(b64.abs().max().item<double>(), 1.0);
-}
+using testing::relative_error;  // test_util.h
 
 struct Case {
   std::string name;

@@ -133,6 +133,9 @@ def _op_cases():
         q, k, v, feature_map="elu", normalize=True, causal=True), leaf(1, 1, 5, 3), leaf(1, 1, 2, 3), leaf(1, 1, 2, 4))
     add("linear L=1 strided", lambda q, k, v: ops.linear_attention(T(q), T(k), T(v), feature_map="elu", normalize=True),
         transposed(1, 2, 1, 3), transposed(1, 2, 3, 3), transposed(1, 2, 3, 5))
+    add("linear grouped heads rotary causal L<S", lambda q, k, v: ops.linear_attention(
+        q, k, v, feature_map="elu", normalize=True, causal=True, rotary_dim=2, rotary_base=10.0),
+        leaf(1, 4, 3, 4), leaf(1, 2, 5, 4), leaf(1, 2, 5, 2))
 
     # gated_linear_attention
     gates = lambda *s: (torch.rand(*s, dtype=f64) * 0.5 + 0.5).requires_grad_()  # noqa: E731

@@ -907,8 +907,9 @@ def test_multihead_full_matches_torch_multihead_attention():
 def test_multihead_grouped_heads_match_torch_with_repeated_projections():
     """kv_heads=2 of 4: torch.nn.MultiheadAttention whose k and v projections
     are each key/value head's rows repeated over its group gives the same
-    output and weights; for full attention (read in place) and a mechanism
-    the module repeats heads for (compared with itself at full heads)."""
+    output and weights; for full attention (read in place), and for linear
+    attention (read in place) and a mechanism the module repeats heads for,
+    each compared with itself at full heads."""
     H, Hk, D = 4, 2, 8
     dh = D // H
     m = ann.MultiheadAttention(D, H, batch_first=True, kv_heads=Hk).double()
@@ -930,9 +931,10 @@ def test_multihead_grouped_heads_match_torch_with_repeated_projections():
     out, weights = m(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     t_out, t_weights = t(q, kv, kv, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
     assert rel_err(out, t_out) <= F64_TOL and rel_err(weights, t_weights) <= F64_TOL
-    # A mechanism without grouped heads: the module repeats them, so the output
-    # is that of full heads with the repeated projections.
-    for spec in ("linear", "causal-linear"):
+    # Linear attention, the sparse patterns and clustered attention read the
+    # groups in place, "none" gets them repeated by the module: either way the
+    # output is that of full heads with the repeated projections.
+    for spec in ("linear", "causal-linear", "sparse-local:span=2", "improved-clustered:clusters=2,topk=3", "none"):
         g = ann.MultiheadAttention(D, H, attention=spec, batch_first=True, kv_heads=Hk).double()
         f = ann.MultiheadAttention(D, H, attention=spec, batch_first=True).double()
         gp = dict(g.named_parameters())
@@ -942,7 +944,9 @@ def test_multihead_grouped_heads_match_torch_with_repeated_projections():
                 param.copy_(repeated(grouped) if name.split(".")[0] in ("k_proj", "v_proj") else grouped)
         x = torch.randn(2, 5, D, dtype=f64)
         assert rel_err(g(x, x, x)[0], f(x, x, x)[0]) <= F64_TOL, spec
-    assert {e["name"]: e["supports"]["grouped_heads"] for e in attnkit.mechanisms()}["full"] is True
+    grouped = {e["name"]: e["supports"]["grouped_heads"] for e in attnkit.mechanisms()}
+    assert grouped["full"] and grouped["linear"] and grouped["causal-linear"] and grouped["clustered"]
+    assert not grouped["none"]
     with pytest.raises(RuntimeError, match=r"kv_heads \(3\) must divide heads \(4\)"):
         ann.MultiheadAttention(D, H, kv_heads=3)
 
@@ -1277,9 +1281,10 @@ def test_multihead_rotary_positions():
             unrotated = torch.softmax(qh @ kh.transpose(-2, -1) / (D // H) ** 0.5, -1).mean(1)
             assert rel_err(weights, unrotated) <= F64_TOL
     supports = {e["name"]: e["supports"]["rotary"] for e in attnkit.mechanisms()}
-    assert (supports["full"], supports["sparse-local"], supports["linear"]) == ("kernel", "inputs", "none")
-    with pytest.raises(RuntimeError, match=r"rotary positions.*'linear' has none"):
-        ann.MultiheadAttention(D, H, attention="linear", rotary_dim=4)
+    assert (supports["full"], supports["sparse-local"], supports["linear"], supports["causal-linear"],
+            supports["gated-linear"]) == ("kernel", "inputs", "kernel", "kernel", "none")
+    with pytest.raises(RuntimeError, match=r"rotary positions.*'gated-linear' has none"):
+        ann.MultiheadAttention(D, H, attention="gated-linear", rotary_dim=4)
 
 
 def test_transformer_takes_rope_positions():

@@ -108,6 +108,30 @@ class OpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "rotary_dim.*even number in \\[2, E\\] = \\[2, 8\\], got 5"):
             attnkit.softmax_attention(q, k, v, rotary_dim=5)
 
+    def test_linear_attention_grouped_heads_and_rotary_positions(self):
+        # linear_attention's rotary_dim / rotary_base (RoFormer's form: phi(q),
+        # phi(k) turned in the numerator only) with k and v of 2 heads for 4
+        # query heads: the float32 kernel against the float64 composite, values
+        # and gradients; L < S and causal; then the numerator by hand: with
+        # normalize=False and the identity map it is q and k rotated first.
+        q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 3)
+        for causal in (False, True):
+            _float32_matches_float64(
+                lambda *x: attnkit.linear_attention(*x, feature_map="elu", normalize=True, causal=causal,
+                                                    rotary_dim=4, rotary_base=100.0),
+                lambda *x: attnkit.linear_attention(*x, feature_map="elu", normalize=True, causal=causal,
+                                                    rotary_dim=4, rotary_base=100.0), (q, k, v))
+        qd, kd, vd = q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+        rq = attnkit.rotary_embedding(qd, 4, base=100.0, offset=4)
+        rk = attnkit.rotary_embedding(kd, 4, base=100.0)
+        torch.testing.assert_close(attnkit.linear_attention(q.double(), k.double(), v.double(), rotary_dim=4,
+                                                            rotary_base=100.0),
+                                   (rq @ rk.transpose(-2, -1)) @ vd)
+        with self.assertRaisesRegex(RuntimeError, "rotary_dim.*even number in \\[2, E\\] = \\[2, 8\\], got 5"):
+            attnkit.linear_attention(q, k, v, rotary_dim=5)
+        with self.assertRaisesRegex(RuntimeError, "head count 3, which must divide q's head count 4"):
+            attnkit.linear_attention(q, torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 3))
+
     def test_window_matches_the_band_as_a_mask(self):
         # window=3, causal and symmetric, L < S: the float32 kernel (tiles
         # outside the band skipped) against the float64 composite given the

@@ -27,6 +27,14 @@ class CausalState {
   /// ALiBi: the (H) slopes of the steps to come (a state of a mechanism with
   /// MechanismSupports::alibi). The default refuses.
   virtual void set_alibi_slopes(const torch::Tensor& slopes);
+  /// Rotary positions (rotate the first `dim` entries, angles from `base`)
+  /// that the state applies itself at each step's position: a mechanism whose
+  /// rotary form is no rotation of q and k before the call (causal linear
+  /// attention turns phi(q), phi(k) in its numerator only). Returns whether
+  /// it does; the default does not (false), and the caller then rotates each
+  /// step's query and key at their position (exact attention's cache holds
+  /// rotated keys).
+  virtual bool rotate_inside(int64_t dim, double base);
 };
 
 /// The keys and values of the positions a decoder has seen, (N, H, T, E) and

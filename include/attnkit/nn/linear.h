@@ -21,28 +21,35 @@ struct LinearAttentionStateOptions {
   TORCH_ARG(FeatureMap, feature_map) = FeatureMap::identity;
   TORCH_ARG(bool, normalize) = false;
   TORCH_ARG(double, eps) = 1e-6;
+  /// Rotary positions as linear_attention's rotary_dim and rotary_base: step
+  /// t turns phi(q_t) and phi(k_t) to position t in the numerator. 0: none.
+  TORCH_ARG(int64_t, rotary_dim) = 0;
+  TORCH_ARG(double, rotary_base) = 10000.0;
 };
 
-/// The recurrent form of causal linear attention for decoding: per head the
-/// state S = sum_s phi(k_s) v_s^T (E x M) and z = sum_s phi(k_s) (E), updated by
-/// each step in O(E M) whatever the number of tokens so far. The outputs of
-/// step() for tokens 0, 1, ... equal linear_attention(q, k, v, causal) on the
-/// whole sequence (L = S), up to float rounding. Dtype-generic; steps are
+/// The recurrent form of causal linear attention for decoding: per key/value
+/// head the state S = sum_s phi(k_s) v_s^T (E x M) and z = sum_s phi(k_s) (E),
+/// updated by each step in O(E M) whatever the number of tokens so far (with
+/// rotary positions S sums the rotated phi(k_s), z the unrotated). The
+/// outputs of step() for tokens 0, 1, ... equal linear_attention(q, k, v,
+/// causal) on the whole sequence (L = S), up to float rounding. Grouped-query
+/// heads: k and v with Hk heads, a divisor of q's H; the state keeps Hk heads
+/// and each serves its group of H / Hk query heads. Dtype-generic; steps are
 /// differentiable (autograd records them) when their inputs require grad.
 class LinearAttentionState {
  public:
   explicit LinearAttentionState(const LinearAttentionStateOptions& options = {});
 
-  /// q (N, H, E), k (N, H, E), v (N, H, M) of the next token -> (N, H, M): its
-  /// attention over every token stepped so far, itself included. Every step
-  /// must keep the first step's N, H, E, M and dtype.
+  /// q (N, H, E), k (N, Hk, E), v (N, Hk, M) of the next token -> (N, H, M):
+  /// its attention over every token stepped so far, itself included. Every
+  /// step must keep the first step's N, H, Hk, E, M and dtype.
   torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
   /// Forgets every token (the next step starts a new sequence, of any shape).
   void reset();
 
   int64_t steps() const { return steps_; }
-  /// S (N, H, E, M) and z (N, H, E); undefined before the first step.
+  /// S (N, Hk, E, M) and z (N, Hk, E); undefined before the first step.
   const torch::Tensor& sum_kv() const { return S_; }
   const torch::Tensor& sum_k() const { return z_; }
   const LinearAttentionStateOptions& options() const { return options_; }
@@ -50,6 +57,7 @@ class LinearAttentionState {
  private:
   LinearAttentionStateOptions options_;
   torch::Tensor S_, z_;
+  int64_t heads_ = 0;  // q's H of the first step
   int64_t steps_ = 0;
 };
 

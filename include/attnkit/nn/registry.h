@@ -87,12 +87,14 @@ struct MechanismOption {
 
 /// How a mechanism takes rotary positions (RoPE; ops.h rotary_embedding).
 enum class RotarySupport {
-  none,    ///< not at all: its scores are no dot products of q and k (linear
-           ///< attention's feature maps, agglomerative classes), so rotated
-           ///< inputs would not give RoPE's relative form
+  none,    ///< not at all: its scores are no dot products of q and k
+           ///< (agglomerative classes, gated linear attention's gates), so
+           ///< rotated inputs would not give RoPE's relative form
   inputs,  ///< its scores are dot products of q and k: q and k rotated before
            ///< the call are RoPE exactly (nn::MultiheadAttention rotates them)
-  kernel,  ///< inside its kernel as q and k blocks load (AttendArgs::rotary_dim)
+  kernel,  ///< inside its kernel as q and k blocks load (AttendArgs::rotary_dim);
+           ///< linear attention's is RoFormer's form, phi(q) and phi(k) rotated
+           ///< in the numerator only, which no rotation of its inputs gives
 };
 
 /// What a mechanism can honour. A front end asks before it calls; a call that
@@ -134,7 +136,8 @@ struct AttendArgs {
   torch::Tensor key_lengths;   ///< undefined, or int64 (N)
   torch::Tensor alibi_slopes;  ///< undefined, or floating (H): SoftmaxAttentionFuncOptions::alibi_slopes
   /// Rotary positions inside the kernel (RotarySupport::kernel):
-  /// SoftmaxAttentionFuncOptions::rotary_dim and rotary_base. 0: none.
+  /// SoftmaxAttentionFuncOptions' (LinearAttentionFuncOptions') rotary_dim
+  /// and rotary_base. 0: none.
   int64_t rotary_dim = 0;
   double rotary_base = 10000.0;
 };

@@ -68,6 +68,15 @@ class RotaryTable {
     }
   }
 
+  /// The table attention over L queries and S keys reads (dim 0: none):
+  /// query i at position i + S - L, key j at j (the causal mask's alignment,
+  /// so one query over a decoding cache needs no offset), that is the
+  /// positions [min(0, S - L), S).
+  static RotaryTable for_attention(int64_t dim, double base, int64_t L, int64_t S) {
+    if (dim <= 0) return RotaryTable();
+    return RotaryTable(dim, base, std::min<int64_t>(0, S - L), std::max(L, S));
+  }
+
   bool active() const { return half_ > 0; }
 
   /// dst (cols floats, contiguous) = row x (column stride xs) rotated to

@@ -10,7 +10,7 @@ namespace attnkit::nn::registration {
 namespace {
 
 /// Decoding: the recurrent state of linear attention with keys = values = f
-/// (identity map, no normaliser), O(E^2) per position.
+/// (identity map, no normaliser), O(E^2) per position; one per key/value head.
 class GatedCausalState : public CausalState {
  public:
   torch::Tensor step(const torch::Tensor& q, const torch::Tensor& k,
@@ -32,6 +32,8 @@ MechanismInfo gated_linear_entry() {
   m.supports.causal = true;
   m.supports.cross = true;
   m.supports.decoding_state = true;
+  // f has k's heads: linear_attention and its state read them per group.
+  m.supports.grouped_heads = true;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
@@ -51,7 +53,9 @@ MechanismInfo gated_linear_entry() {
   // Its definition is the recurrence C_t = C_{t-1} + f_t f_t^T read out by q
   // (a different computation from the one above), where L = S allows it.
   m.reference = [](const Inputs& x, const AttendArgs& a, const MechanismSpec&) {
-    const auto f = torch::sigmoid(x[1]) * x[2];
+    auto f = torch::sigmoid(x[1]) * x[2];
+    // Grouped heads: the recurrence reads f per query head, each key/value head repeated.
+    if (f.size(1) != x[0].size(1) && f.size(1) > 0) f = f.repeat_interleave(x[0].size(1) / f.size(1), 1);
     if (x[0].size(2) != f.size(2))
       return reference::linear_attention(x[0], f, f, LinearAttentionFuncOptions().causal(a.causal));
     const auto ones = torch::ones({f.size(0), f.size(1), f.size(2)}, f.options());
@@ -59,7 +63,7 @@ MechanismInfo gated_linear_entry() {
                                              GatedLinearAttentionFuncOptions().causal(a.causal));
   };
   m.flops = [](const AttentionShape& s, bool, const MechanismSpec&) -> c10::optional<double> {
-    return 2.0 * s.N * s.H * (s.S + s.L) * s.E * s.E;
+    return 2.0 * s.N * (s.Hk() * s.S + s.H * s.L) * s.E * s.E;  // the state once per key/value head
   };
   return m;
 }
