@@ -103,7 +103,8 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
   // The sparse patterns and SAC read groups in the sparse kernel.
   EXPECT_TRUE(nn::find_mechanism("sparse-local").supports.grouped_heads);
   EXPECT_TRUE(nn::find_mechanism("sac").supports.grouped_heads);
-  EXPECT_FALSE(nn::find_mechanism("clustered").supports.grouped_heads);
+  EXPECT_TRUE(nn::find_mechanism("clustered").supports.grouped_heads);
+  EXPECT_FALSE(nn::find_mechanism("none").supports.grouped_heads);
   torch::manual_seed(43);
   auto q = torch::randn({1, 4, 3, 2}), k = torch::randn({1, 2, 3, 2}), v = torch::randn({1, 2, 3, 2});
   // A grouped call of a mechanism that reads groups equals repeated heads.
@@ -125,8 +126,8 @@ TEST(GroupedHeads, MechanismsSayWhetherTheyReadGroups) {
     const std::vector<torch::Tensor> repeated{x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1)};
     EXPECT_LT(rel_err(info.reference(x, {}, spec), info.reference(repeated, {}, spec)), kSameMathTol) << name;
   }
-  expect_error([&] { nn::attend("clustered", q, k, v); },
-               {"clustered", "reads no grouped-query heads", "head count 4", "got 2"});
+  expect_error([&] { nn::attend("none", q, k, v); },
+               {"none", "reads no grouped-query heads", "head count 4", "got 2"});
   expect_error([&] { nn::attend("full", q, k.narrow(1, 0, 1).expand({1, 3, 3, 2}), v); },
                {"head count 3", "must divide q's head count 4"});
 }
