@@ -72,6 +72,13 @@ NAME:
                      build/data/freedict-deu-eng); 3 replicas. Each run is
                      `attnkit-experiments translate` with its own result.json,
                      as node-classify's.
+  extrapolation      section 11: positions that extrapolate. A decoder
+                     character model with causal full attention trained at
+                     context 256 with sinusoidal, ALiBi, rotary or no
+                     positions, its test bpc at contexts 256, 1024 and 4096
+                     (`attnkit eval --context`; a sinusoidal model past its
+                     2048-row table through a copy with a longer table,
+                     longer_table.py); 3 replicas, on KJV.
 
 Every run lives in OUT/CONFIG/seed-S (default OUT: build/runs/NAME, outside
 git). A run whose directory holds a checkpoint continues it (`attnkit train
