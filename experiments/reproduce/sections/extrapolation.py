@@ -142,7 +142,8 @@ def collect(exp, jobs, data, command):
             r["test_scored_at"] = {str(m["context"]): m["scored"] for m in measured}
             r["test_seconds_at"] = {str(m["context"]): m["seconds"] for m in measured}
             # The contexts measured through the copy with a longer sinusoidal table.
-            r["longer_table_at"] = [m["context"] for m in measured if os.path.abspath(m["run"]) != os.path.abspath(r["dir"])]
+            r["longer_table_at"] = [m["context"] for m in measured
+                                    if os.path.abspath(m["run"]) != os.path.abspath(r["dir"])]
         c["test_bpc_at"] = {}
         for context in contexts:
             mean, se = stats.mean_se([r["test_bpc_at"][str(context)] for r in c["runs"]])
@@ -172,7 +173,7 @@ PAIRS = [("alibi", "sinusoidal"), ("alibi", "rope"), ("alibi", "none"), ("rope",
 
 
 def cell(value):
-    """'mean ± s.e. (n)' of a {mean, se} dict and n, as the table prints it."""
+    """'mean ± s.e.' of a {mean, se} dict (the mean alone for one run), as the table prints it."""
     mean, se = value["mean"], value["se"]
     return f"{mean:.3f}" + (f" ± {se:.4f}" if se is not None else "")
 
