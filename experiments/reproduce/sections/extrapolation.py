@@ -21,9 +21,15 @@ evaluated through a copy with a longer table of the same formula and the same
 trained weights (longer_table.py, which checks that the copy computes the
 same logits).
 
-The budget (measured before the runs on the Zen 4 machine, one thread, beside
-other engineers' builds and runs): see EXPERIMENT["trainer"] and
-docs/EXPERIMENTS.md, section 11."""
+The budget: about 100 minutes of one core for the 12 runs, so about 7
+minutes per run with its evaluations. A 40-step run on one thread, beside
+other builds, trained the model below at 7-11 k characters/s, and the
+evaluations of one model at 256, 1024 and 4096 took 8, 13 and 21 s: 750
+steps of 16 x 256 would have been about 6 minutes of training and 1 of
+evaluation. When the runs started the load had doubled (5 k characters/s),
+so 600 steps (2.5 M characters, 0.68 passes over KJV's train split); the
+validation every 60 steps says whether the curves flattened (issue 29's
+rule, agglomerative_controls.flattening: they had not)."""
 
 import os
 import sys
