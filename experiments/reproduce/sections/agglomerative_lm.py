@@ -120,6 +120,16 @@ def collect(exp, jobs, data, command):
         "experiment": exp["title"],
         "command": command,
         "paper": exp["paper"]["source"],
+        **char_lm_setting(data, meta, jobs, configs),
+        "configurations": configs,
+    }
+
+
+def char_lm_setting(data, meta, jobs, configs):
+    """What a character-model section's results say of its setting: the
+    corpus, the budget of its train commands, seed 1's command and the wall
+    time of the configurations' runs."""
+    return {
         "corpus": {"dir": os.path.abspath(data), "format": meta.get("format"),
                    "sources": [os.path.basename(s["path"]) for s in meta.get("sources", [])],
                    "splits": {k: v["characters"] for k, v in meta["splits"].items()}},
@@ -129,7 +139,6 @@ def collect(exp, jobs, data, command):
                    "seeds": sorted({j["seed"] for j in jobs})},
         "train_command_seed_1": shlex.join(jobs[0]["train"]),
         "wall_seconds": stats.wall_seconds([s for c in configs for r in c["runs"] for s in r["sessions"]]),
-        "configurations": configs,
     }
 
 

@@ -9,7 +9,6 @@ measured in float32 by `attnkit eval` on the whole validation split (the
 number the goal is about) and on the test split."""
 
 import os
-import shlex
 import statistics
 
 import checkpoints
@@ -102,14 +101,7 @@ def collect(exp, jobs, data, command):
         "experiment": exp["title"],
         "command": command,
         "goal_bpc": GOAL_BPC,
-        "corpus": {"dir": os.path.abspath(data), "sources": [os.path.basename(s["path"]) for s in meta.get("sources", [])],
-                   "splits": {k: v["characters"] for k, v in meta["splits"].items()}},
-        "budget": {"steps": int(runner.flag_value(jobs[0]["train"], "--steps")),
-                   "batch": int(runner.flag_value(jobs[0]["train"], "--batch")),
-                   "context": int(runner.flag_value(jobs[0]["train"], "--context")),
-                   "seeds": sorted({j["seed"] for j in jobs})},
-        "train_command_seed_1": shlex.join(jobs[0]["train"]),
-        "wall_seconds": stats.wall_seconds([s for c in configs for r in c["runs"] for s in r["sessions"]]),
+        **agglomerative_lm.char_lm_setting(data, meta, jobs, configs),
         "configurations": configs,
         "paired": paired,
     }
