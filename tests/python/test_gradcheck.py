@@ -470,8 +470,8 @@ def _kernel_cases():
     add("softmax expanded heads", lambda q, k, v: ops.softmax_attention(q, k.expand(2, 3, 41, 8), v.expand(2, 3, 41, 5),
                                                                         causal=True),
         r(2, 3, 39, 8), r(2, 1, 41, 8), r(2, 1, 41, 5))
-    # A bias that needs no grad keeps the kernel (docs/API.md); a trainable one
-    # runs the float32 composite, compared here too.
+    # A bias, constant or trainable, takes the kernel (docs/API.md); a trainable
+    # one gets its gradient from the kernel's tiles, summed into its own shape.
     bias = r(1, 2, 1, 40)
     add("softmax bias (kernel)", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, bias=bias.to(q.dtype)),
         r(2, 2, 33, 8), r(2, 2, 40, 8), r(2, 2, 40, 6))
