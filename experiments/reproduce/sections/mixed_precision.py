@@ -50,20 +50,14 @@ def eval_on(attnkit, run_dir, split):
 
 
 def jobs(exp, out, data, attnkit, seeds, smoke):
-    """Both dtypes of seed 1 first, then of seeds 2 and 3."""
-    model = exp["smoke_model" if smoke else "model"]
-    trainer = exp["smoke_trainer" if smoke else "trainer"]
-    steps = int(runner.flag_value(trainer, "--steps"))
-    planned = []
-    for seed in seeds:
-        for dtype in exp["dtypes"]:
-            run_dir = os.path.join(out, dtype, f"seed-{seed}")
-            flags = ["--task", "char-lm", "--data", data, "--attention", "full", *exp["positions"], *model, *trainer,
-                     "--dtype", dtype]
-            job = runner.replica(attnkit, run_dir, flags, seed, steps, config=dtype, label=f"{dtype} seed {seed}")
-            # The test split first (what the runner reports), then valid: the goal's number.
-            job["evals"] = [eval_on(attnkit, run_dir, "test"), eval_on(attnkit, run_dir, "valid")]
-            planned.append(job)
+    """agglomerative-lm's jobs with one configuration per dtype (both dtypes of
+    seed 1 first), each measured on the test split (what the runner reports)
+    and then on the validation split (the goal's number)."""
+    configured = dict(exp, configurations=[(dtype, "full", [*exp["positions"], "--dtype", dtype])
+                                           for dtype in exp["dtypes"]])
+    planned = agglomerative_lm.jobs(configured, out, data, attnkit, seeds, smoke)
+    for job in planned:
+        job["evals"] = [eval_on(attnkit, job["dir"], "test"), eval_on(attnkit, job["dir"], "valid")]
     return planned
 
 
