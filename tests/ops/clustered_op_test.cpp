@@ -69,13 +69,29 @@ torch::Tensor grouped_queries(int64_t N, int64_t H, int64_t L, int64_t E, int64_
 struct Case {
   int64_t N, H, L, S, E, M, clusters, topk;
   bool lengths;
+  int64_t Hkv = 0;  // key/value heads (grouped-query heads); 0: H
+  int64_t kv_heads() const { return Hkv ? Hkv : H; }
 };
 
 std::string describe(const Case& c) {
-  return "N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " L " + std::to_string(c.L) +
-         " S " + std::to_string(c.S) + " E " + std::to_string(c.E) + " M " + std::to_string(c.M) +
-         " C " + std::to_string(c.clusters) + " topk " + std::to_string(c.topk) +
+  return "N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " Hkv " + std::to_string(c.kv_heads()) +
+         " L " + std::to_string(c.L) + " S " + std::to_string(c.S) + " E " + std::to_string(c.E) + " M " +
+         std::to_string(c.M) + " C " + std::to_string(c.clusters) + " topk " + std::to_string(c.topk) +
          (c.lengths ? " with lengths" : "");
+}
+
+/// The case's options with `seed`; with lengths, random key and query
+/// lengths, one sequence with fewer keys than topk (padded top keys).
+ClusteredAttentionFuncOptions case_options(const Case& c, int64_t seed) {
+  auto o = ClusteredAttentionFuncOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(seed);
+  if (c.lengths) {
+    auto key_lengths = torch::randint(std::min<int64_t>(c.S, c.topk + 1), c.S + 1, {c.N}, torch::kLong);
+    key_lengths[0] = std::max<int64_t>(1, c.topk / 2);  // fewer keys than topk: padded top keys
+    auto query_lengths = torch::randint(1, c.L + 1, {c.N}, torch::kLong);
+    query_lengths[c.N - 1] = c.L;
+    o.key_lengths(key_lengths).query_lengths(query_lengths);
+  }
+  return o;
 }
 
 TEST(ClusteredOp, MatchesReferenceGivenItsLabels) {
@@ -89,14 +105,7 @@ TEST(ClusteredOp, MatchesReferenceGivenItsLabels) {
     SCOPED_TRACE(describe(c));
     auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
     auto k = torch::randn({c.N, c.H, c.S, c.E}, f32()), v = torch::randn({c.N, c.H, c.S, c.M}, f32());
-    auto o = ClusteredAttentionFuncOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(3);
-    if (c.lengths) {
-      auto key_lengths = torch::randint(std::min<int64_t>(c.S, c.topk + 1), c.S + 1, {c.N}, torch::kLong);
-      key_lengths[0] = std::max<int64_t>(1, c.topk / 2);  // fewer keys than topk: padded top keys
-      auto query_lengths = torch::randint(1, c.L + 1, {c.N}, torch::kLong);
-      query_lengths[c.N - 1] = c.L;
-      o.key_lengths(key_lengths).query_lengths(query_lengths);
-    }
+    const auto o = case_options(c, 3);
     auto cot = torch::randn({c.N, c.H, c.L, c.M}, f32());
     auto fast = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v, cot);
     auto labels = op_labels(q, o);
@@ -326,45 +335,21 @@ TEST(ClusteredOp, StridedInputsGiveTheSameResult) {
 // h reading head h / (H / Hkv). The definition is k and v repeated over each
 // group (the reference does exactly that), so the kernel is compared with the
 // float64 reference on the grouped inputs, and with itself on repeated ones.
-struct GroupedCase {
-  int64_t N, H, Hkv, L, S, E, M, clusters, topk;
-  bool lengths;
-};
-
-std::string describe(const GroupedCase& c) {
-  return "N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " Hkv " + std::to_string(c.Hkv) + " L " +
-         std::to_string(c.L) + " S " + std::to_string(c.S) + " E " + std::to_string(c.E) + " M " +
-         std::to_string(c.M) + " C " + std::to_string(c.clusters) + " topk " + std::to_string(c.topk) +
-         (c.lengths ? " with lengths" : "");
-}
-
-const std::vector<GroupedCase>& grouped_cases() {
-  static const std::vector<GroupedCase> cases{
-      {2, 4, 2, 50, 41, 16, 8, 6, 0, true},  {2, 4, 2, 50, 41, 16, 8, 6, 5, true},   // pairs
-      {1, 6, 1, 33, 70, 8, 12, 5, 7, false}, {1, 6, 1, 33, 70, 8, 12, 5, 0, false},  // multi-query
-      {2, 6, 3, 130, 300, 8, 4, 3, 12, true}, {1, 2, 1, 1, 1, 2, 2, 1, 1, false}};   // L = S = 1
+const std::vector<Case>& grouped_cases() {
+  static const std::vector<Case> cases{
+      {2, 4, 50, 41, 16, 8, 6, 0, true, 2},  {2, 4, 50, 41, 16, 8, 6, 5, true, 2},    // pairs
+      {1, 6, 33, 70, 8, 12, 5, 7, false, 1}, {1, 6, 33, 70, 8, 12, 5, 0, false, 1},  // multi-query
+      {2, 6, 130, 300, 8, 4, 3, 12, true, 3}, {1, 2, 1, 1, 2, 2, 1, 1, false, 1}};   // L = S = 1
   return cases;
-}
-
-ClusteredAttentionFuncOptions grouped_options(const GroupedCase& c) {
-  auto o = ClusteredAttentionFuncOptions().clusters(c.clusters).bits(31).iterations(5).topk(c.topk).seed(4);
-  if (c.lengths) {
-    auto key_lengths = torch::randint(std::min<int64_t>(c.S, c.topk + 1), c.S + 1, {c.N}, torch::kLong);
-    key_lengths[0] = std::max<int64_t>(1, c.topk / 2);  // fewer keys than topk: padded top keys
-    auto query_lengths = torch::randint(1, c.L + 1, {c.N}, torch::kLong);
-    query_lengths[c.N - 1] = c.L;
-    o.key_lengths(key_lengths).query_lengths(query_lengths);
-  }
-  return o;
 }
 
 TEST(ClusteredOp, GroupedHeadsMatchReferenceGivenItsLabels) {
   torch::manual_seed(710);
-  for (const GroupedCase& c : grouped_cases()) {
+  for (const Case& c : grouped_cases()) {
     SCOPED_TRACE(describe(c));
     auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
-    auto k = torch::randn({c.N, c.Hkv, c.S, c.E}, f32()), v = torch::randn({c.N, c.Hkv, c.S, c.M}, f32());
-    const auto o = grouped_options(c);
+    auto k = torch::randn({c.N, c.kv_heads(), c.S, c.E}, f32()), v = torch::randn({c.N, c.kv_heads(), c.S, c.M}, f32());
+    const auto o = case_options(c, 4);
     auto cot = torch::randn({c.N, c.H, c.L, c.M}, f32());
     auto fast = run([&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); }, q, k, v, cot);
     auto labels = op_labels(q, o);
@@ -391,11 +376,11 @@ TEST(ClusteredOp, GroupedHeadsEqualRepeatingKeysAndValues) {
   // increasing head order, autograd's through repeat_interleave), equal to
   // rounding: a sum of at most 6 float32 terms, bounded by 1e-6 relative.
   torch::manual_seed(711);
-  for (const GroupedCase& c : grouped_cases()) {
+  for (const Case& c : grouped_cases()) {
     SCOPED_TRACE(describe(c));
     auto q = grouped_queries(c.N, c.H, c.L, c.E, 4);
-    auto k = torch::randn({c.N, c.Hkv, c.S, c.E}, f32()), v = torch::randn({c.N, c.Hkv, c.S, c.M}, f32());
-    const auto o = grouped_options(c);
+    auto k = torch::randn({c.N, c.kv_heads(), c.S, c.E}, f32()), v = torch::randn({c.N, c.kv_heads(), c.S, c.M}, f32());
+    const auto o = case_options(c, 4);
     auto cot = torch::randn({c.N, c.H, c.L, c.M}, f32());
     auto f = [&](auto& a, auto& b, auto& d) { return clustered_attention(a, b, d, o); };
     auto grouped = run(f, q, k, v, cot);
