@@ -46,7 +46,7 @@ Visibility visibility_of(const SoftmaxAttentionBf16Params& p, int64_t n) {
   return Visibility(p.L, p.S, p.causal, key_limit(p.key_lengths, n, p.S));
 }
 
-void zero(bf16* x, int64_t n) { std::memset(x, 0, static_cast<size_t>(n) * sizeof(bf16)); }
+void zero(bf16* x, int64_t n) { std::fill_n(x, n, bf16{}); }
 
 /// out[c] = bf16(exp(scale s[c] - shift)) for c < n (one rounding before the
 /// exp: a fused multiply-subtract); returns the float32 sum of the

@@ -1,5 +1,6 @@
 #include "kernels/common/amx.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/common/simd.h"
@@ -87,6 +88,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, const bf1
 }
 
 
+// The packs fill and copy with std::fill_n and std::copy_n, not memset and
+// memcpy: an empty operand (no keys, E = 0) has a null buffer or data
+// pointer, and the C functions are undefined on null even for zero bytes.
+
 void pack_rows(Source x, int64_t rows, int64_t cols, int64_t rows_pad, int64_t cols_pad, bf16* dst) {
   for (int64_t r = 0; r < rows_pad; ++r) {
     bf16* d = dst + r * cols_pad;
@@ -94,13 +99,13 @@ void pack_rows(Source x, int64_t rows, int64_t cols, int64_t rows_pad, int64_t c
     if (r < rows) {
       const bf16* s = x.x + r * x.row_stride;
       if (x.col_stride == 1) {
-        std::memcpy(d, s, cols * sizeof(bf16));
+        std::copy_n(s, cols, d);
         c = cols;
       } else {
         for (; c < cols; ++c) d[c] = s[c * x.col_stride];
       }
     }
-    std::memset(d + c, 0, (cols_pad - c) * sizeof(bf16));
+    std::fill_n(d + c, cols_pad - c, bf16{});
   }
 }
 
@@ -114,7 +119,7 @@ void pack_panels_transposed(Source x, int64_t n, int64_t k, int64_t n_pad, int64
   // B(kk, col) = X(col, kk): in panel g, row p, slot c holds X(16 g + c, 2p + t) for t = 0, 1,
   // that is the 32-bit word p of X's row 16 g + c when X's columns are unit-stride.
   const int64_t panel_stride = k_pad * 16;
-  std::memset(dst, 0, static_cast<size_t>(n_pad / 16 * panel_stride) * sizeof(bf16));
+  std::fill_n(dst, n_pad / 16 * panel_stride, bf16{});
   for (int64_t col = 0; col < n; ++col) {
     const bf16* s = x.x + col * x.row_stride;
     bf16* d = dst + (col / 16) * panel_stride + (col % 16) * 2;
@@ -135,7 +140,7 @@ void pack_panels(Source x, int64_t k, int64_t n, int64_t k_pad, int64_t n_pad, b
   // B(kk, col) = X(kk, col): panel g, row p interleaves X's rows 2p and 2p + 1
   // over the columns 16 g .. 16 g + 15.
   const int64_t panel_stride = k_pad * 16;
-  std::memset(dst, 0, static_cast<size_t>(n_pad / 16 * panel_stride) * sizeof(bf16));
+  std::fill_n(dst, n_pad / 16 * panel_stride, bf16{});
   for (int64_t kk = 0; kk < k; ++kk) {
     const bf16* s = x.x + kk * x.row_stride;
     bf16* d = dst + (kk / 2) * 32 + kk % 2;
