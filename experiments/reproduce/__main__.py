@@ -40,6 +40,9 @@ NAME:
                      re-run, and a model's training step (time and memory
                      per token) for every mechanism at contexts 512-16384;
                      one command at a time on one thread (an idle machine).
+  sac-copy-entropy   section 6's entropy bonus: SAC with edge credit and
+                     `entropy=0.01` on the masked copy task at L = 64, with
+                     sac-copy's model and budget; 2 replicas.
   sac-controls       section 7 again with what sac-lm lacked: every
                      mechanism with the convolution alone and with a learned
                      position table (full also with relative positions), no
