@@ -21,7 +21,7 @@ namespace {
 
 struct TrainFlags {
   std::string task = "char-lm", data, architecture, positions = "sinusoidal", norm = "pre", display = "auto";
-  std::string dtype = "float32";
+  std::string dtype = "float32", block = "classic", normalization = "layer", feed_forward = "relu";
   std::vector<std::string> attention;
   int64_t layers = 0, width = 0, heads = 0, kv_heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
@@ -29,7 +29,7 @@ struct TrainFlags {
   uint64_t seed = 0;
   int threads = 0;
   std::string out;
-  bool resume = false, untied = false, shared_weights = false;
+  bool resume = false, untied = false, shared_weights = false, no_bias = false;
   // Data parallel (not stored in checkpoints: a run may resume with any number of processes).
   int nproc = 1, world_size = 1, rank = 0, master_port = train::kDefaultMasterPort;
   std::string master_addr = "127.0.0.1";
@@ -92,6 +92,19 @@ void add_train_command(CLI::App& app) {
                   "rope positions: the fraction of each head's features rotated (rounded down to an even count)")
       ->check(CLI::Range(0.0, 1.0))->capture_default_str();
   cmd->add_option("--norm", f->norm, "pre or post")->check(CLI::IsMember({"pre", "post"}))->capture_default_str();
+  cmd->add_option("--block", f->block,
+                  "classic (seed 003's block: layer norm, relu network, biases) or llama (pre-norm RMSNorm, SwiGLU "
+                  "network, no biases, rope positions; --positions, --norm, --normalization and --feed-forward "
+                  "given beside it win)")
+      ->check(CLI::IsMember({"classic", "llama"}))->capture_default_str();
+  cmd->add_option("--normalization", f->normalization, "layer (layer norm) or rms (RMSNorm)")
+      ->check(CLI::IsMember({"layer", "rms"}))->capture_default_str();
+  cmd->add_option("--feed-forward", f->feed_forward,
+                  "relu, ff2(relu(ff1 h)), or swiglu, ff2(silu(ff1 h) * ff3 h): three --ffn-wide matrices "
+                  "(at --ffn 2/3 of relu's, the same parameters)")
+      ->check(CLI::IsMember({"relu", "swiglu"}))->capture_default_str();
+  cmd->add_flag("--no-bias", f->no_bias,
+                "No biases in the blocks' linear layers and layer norms, nor in an untied output layer");
   cmd->add_flag("--untied", f->untied, "An output layer of its own instead of the embedding matrix");
   cmd->add_flag("--shared-weights", f->shared_weights,
                 "Universal transformer: one block's weights applied --layers times (one --attention spec)");
@@ -172,7 +185,17 @@ void add_train_command(CLI::App& app) {
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
           .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction)
-          .tie_embeddings(!f->untied).shared_weights(f->shared_weights);
+          .tie_embeddings(!f->untied).shared_weights(f->shared_weights)
+          .normalization(models::normalization_from_string(f->normalization))
+          .feed_forward(models::feed_forward_from_string(f->feed_forward)).bias(!f->no_bias);
+      if (f->block == "llama") {
+        model.llama_block();
+        // The flags given beside it refine it.
+        if (given("--positions")) model.positions(models::positions_from_string(f->positions));
+        if (given("--norm")) model.norm(models::norm_from_string(f->norm));
+        if (given("--normalization")) model.normalization(models::normalization_from_string(f->normalization));
+        if (given("--feed-forward")) model.feed_forward(models::feed_forward_from_string(f->feed_forward));
+      }
       if (!f->attention.empty()) model.attention(f->attention);
       trainer.context(f->context).batch(f->batch).steps(f->steps).lr(f->lr).min_lr(f->min_lr)
           .warmup(f->warmup).clip(f->clip).weight_decay(f->weight_decay).seed(f->seed)
@@ -189,8 +212,15 @@ void add_train_command(CLI::App& app) {
       if (given("--data")) task.data_dir = f->data;
       if (given("--copy-length")) task.copy_length = f->copy_length;
       if (given("--architecture")) model.architecture(models::architecture_from_string(f->architecture));
+      // --block first: the flags given beside it refine it.
+      if (given("--block") && f->block == "llama") model.llama_block();
+      if (given("--block") && f->block == "classic")
+        model.normalization(models::Normalization::layer).feed_forward(models::FeedForward::relu).bias(true);
       if (given("--positions")) model.positions(models::positions_from_string(f->positions));
       if (given("--norm")) model.norm(models::norm_from_string(f->norm));
+      if (given("--normalization")) model.normalization(models::normalization_from_string(f->normalization));
+      if (given("--feed-forward")) model.feed_forward(models::feed_forward_from_string(f->feed_forward));
+      if (given("--no-bias")) model.bias(!f->no_bias);
       if (given("--layers")) model.layers(f->layers);
       if (given("--width")) model.width(f->width);
       if (given("--heads")) model.heads(f->heads);

@@ -23,7 +23,11 @@ __all__ = ["Transformer"]
 # TransformerOptions' keys (src/models/options.cpp) with their C++ defaults.
 _OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "kv_heads", "ffn",
             "dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
-            "conv_width", "rotary_fraction", "norm", "tie_embeddings", "shared_weights")
+            "conv_width", "rotary_fraction", "norm", "normalization", "feed_forward", "bias", "tie_embeddings",
+            "shared_weights")
+
+# block="llama": the options it sets unless given (`attnkit train --block llama`).
+_LLAMA_BLOCK = {"norm": "pre", "normalization": "rms", "feed_forward": "swiglu", "bias": False, "positions": "rope"}
 
 
 class Transformer(BridgedModule):
@@ -38,14 +42,25 @@ class Transformer(BridgedModule):
     cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
     | "conv" | "alibi" | "rope" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
     rotary_fraction (1.0: with "rope", the share of each head's features rotated),
-    norm ("pre" | "post"), tie_embeddings (True), shared_weights (False).
+    norm ("pre" | "post"), normalization ("layer" | "rms": layer norm or
+    RMSNorm), feed_forward ("relu" | "swiglu": ff2(silu(ff1 h) * ff3 h)), bias
+    (True; False: no biases in the blocks' linear layers and layer norms, nor in
+    an untied output layer), tie_embeddings (True), shared_weights (False).
+
+    block="llama" (not an option of its own) is the block LLaMA-style decoders
+    use: norm "pre", normalization "rms", feed_forward "swiglu", bias False and
+    positions "rope", each unless given; kv_heads stays as given.
     """
 
-    def __init__(self, vocab_size, **options):
+    def __init__(self, vocab_size, block="classic", **options):
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise TypeError(f"attnkit.models.Transformer: unknown option(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(_OPTIONS)}")
+                            f"known: {', '.join(_OPTIONS)}, block")
+        if block not in ("classic", "llama"):
+            raise ValueError(f"attnkit.models.Transformer: block must be 'classic' or 'llama', got {block!r}")
+        if block == "llama":
+            options = {**_LLAMA_BLOCK, **options}
         if isinstance(options.get("attention"), str):
             options["attention"] = [options["attention"]]
         super().__init__("Transformer", dict(options, vocab_size=vocab_size))

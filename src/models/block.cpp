@@ -16,6 +16,20 @@ int64_t agglomerative_classes(const nn::MechanismSpec& spec, int64_t heads) {
 
 }  // namespace
 
+FeatureNormImpl::FeatureNormImpl(int64_t width, Normalization kind, bool bias) : kind_(kind) {
+  weight = register_parameter("weight", torch::ones({width}));
+  if (kind == Normalization::layer && bias) this->bias = register_parameter("bias", torch::zeros({width}));
+}
+
+torch::Tensor FeatureNormImpl::forward(const torch::Tensor& x) {
+  if (kind_ == Normalization::layer) return torch::layer_norm(x, {weight.size(0)}, weight, bias, kLayerEps);
+  // 16-bit inputs are normalised in float32; float32 and float64 in their own type.
+  const bool narrow = x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf;
+  const auto wide = narrow ? x.to(torch::kFloat) : x;
+  const auto scaled = wide * torch::rsqrt(wide.square().mean(-1, /*keepdim=*/true) + kRmsEps);
+  return scaled.to(x.scalar_type()) * weight;
+}
+
 TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, const std::string& spec,
                                            bool causal, bool cross)
     : options_(options), causal_(causal), spec_(spec) {
@@ -38,33 +52,40 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
     self_ = register_module("self_attention",
                             nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
                                                        .kv_heads(options.kv_heads())
+                                                       .bias(options.bias())
                                                        .alibi(has(options.positions(), Positions::alibi))
                                                        .rotary_dim(options.rotary_dim())
                                                        .attention(spec)));
     sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   }
-  norm_self_ = register_module("norm_self", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  const auto norm = [&] { return FeatureNorm(d, options.normalization(), options.bias()); };
+  norm_self_ = register_module("norm_self", norm());
   if (cross) {
     cross_ = register_module("cross_attention",
                              nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
                                                         .kv_heads(options.kv_heads())
+                                                        .bias(options.bias())
                                                         .attention(options.cross_attention())));
-    norm_cross_ = register_module("norm_cross", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    norm_cross_ = register_module("norm_cross", norm());
   }
-  ff1_ = register_module("ff1", nn::Linear(d, options.ffn()));
-  ff2_ = register_module("ff2", nn::Linear(options.ffn(), d));
-  norm_ff_ = register_module("norm_ff", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  const auto linear = [&](int64_t in, int64_t out) {
+    return nn::Linear(torch::nn::LinearOptions(in, out).bias(options.bias()));
+  };
+  ff1_ = register_module("ff1", linear(d, options.ffn()));
+  ff2_ = register_module("ff2", linear(options.ffn(), d));
+  if (options.feed_forward() == FeedForward::swiglu) ff3_ = register_module("ff3", linear(d, options.ffn()));
+  norm_ff_ = register_module("norm_ff", norm());
 }
 
 template <typename F>
-torch::Tensor TransformerBlockImpl::sublayer(const torch::Tensor& x, torch::nn::LayerNorm& norm,
-                                             F&& f) {
+torch::Tensor TransformerBlockImpl::sublayer(const torch::Tensor& x, FeatureNorm& norm, F&& f) {
   const double p = options_.dropout();
   if (options_.norm() == Norm::pre) return x + torch::dropout(f(norm(x)), p, is_training());
   return norm(x + torch::dropout(f(x), p, is_training()));
 }
 
 torch::Tensor TransformerBlockImpl::feed_forward(const torch::Tensor& h) {
+  if (ff3_) return ff2_(torch::silu(ff1_(h)) * ff3_(h));
   return ff2_(torch::relu(ff1_(h)));
 }
 

@@ -1,8 +1,9 @@
 // One transformer block: self-attention (any mechanism of the registry behind
 // multi-head projections, Shaw's relative-position attention, or an
 // agglomerative-attention layer), cross-attention in an encoder-decoder's
-// decoder, and the position-wise feed-forward network, each sub-layer with its
-// residual connection, layer norm and dropout. Internal to src/models.
+// decoder, and the position-wise feed-forward network (relu or SwiGLU), each
+// sub-layer with its residual connection, normalisation (layer norm or
+// RMSNorm) and dropout. Internal to src/models.
 #pragma once
 
 #include <attnkit/models/transformer.h>
@@ -14,6 +15,24 @@
 #include <string>
 
 namespace attnkit::models {
+
+/// The normalisation over the last dimension (TransformerOptions::normalization):
+/// layer norm with torch::nn::LayerNorm's parameters, names and eps (weight,
+/// and bias unless the model has none), or RMSNorm, x / sqrt(mean(x^2) + 1e-6)
+/// times weight, computed in float32 for 16-bit inputs (as layer norm is).
+class FeatureNormImpl : public torch::nn::Module {
+ public:
+  FeatureNormImpl(int64_t width, Normalization kind, bool bias);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  static constexpr double kLayerEps = 1e-5;  // torch::nn::LayerNorm's default
+  static constexpr double kRmsEps = 1e-6;    // LLaMA's
+  torch::Tensor weight, bias;                // bias: layer norm with biases only
+
+ private:
+  Normalization kind_;
+};
+TORCH_MODULE(FeatureNorm);
 
 /// What one block carries from one decoded token to the next.
 struct BlockState {
@@ -69,7 +88,7 @@ class TransformerBlockImpl : public torch::nn::Module {
   torch::Tensor feed_forward(const torch::Tensor& h);
   /// The residual sub-layer: x + drop(f(LN(x))) pre-norm, LN(x + drop(f(x))) post-norm.
   template <typename F>
-  torch::Tensor sublayer(const torch::Tensor& x, torch::nn::LayerNorm& norm, F&& f);
+  torch::Tensor sublayer(const torch::Tensor& x, FeatureNorm& norm, F&& f);
 
   TransformerOptions options_;
   bool causal_;
@@ -80,8 +99,8 @@ class TransformerBlockImpl : public torch::nn::Module {
   nn::SacAttentionImpl* sac_ = nullptr;  // self_'s mechanism when it is "sac"
   nn::RelativePositionAttention relative_{nullptr};
   nn::AgglomerativeAttention agglomerative_{nullptr};
-  nn::Linear ff1_{nullptr}, ff2_{nullptr};
-  torch::nn::LayerNorm norm_self_{nullptr}, norm_cross_{nullptr}, norm_ff_{nullptr};
+  nn::Linear ff1_{nullptr}, ff2_{nullptr}, ff3_{nullptr};  // ff3: SwiGLU's second input projection
+  FeatureNorm norm_self_{nullptr}, norm_cross_{nullptr}, norm_ff_{nullptr};
 };
 
 }  // namespace attnkit::models

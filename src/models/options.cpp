@@ -51,6 +51,18 @@ const std::vector<std::pair<const char*, Norm>>& norms() {
   return t;
 }
 
+const std::vector<std::pair<const char*, Normalization>>& normalizations() {
+  static const std::vector<std::pair<const char*, Normalization>> t{{"layer", Normalization::layer},
+                                                                    {"rms", Normalization::rms}};
+  return t;
+}
+
+const std::vector<std::pair<const char*, FeedForward>>& feed_forwards() {
+  static const std::vector<std::pair<const char*, FeedForward>> t{{"relu", FeedForward::relu},
+                                                                  {"swiglu", FeedForward::swiglu}};
+  return t;
+}
+
 }  // namespace
 
 Architecture architecture_from_string(const std::string& name) {
@@ -77,6 +89,12 @@ Positions positions_from_string(const std::string& name) {
   return set;
 }
 Norm norm_from_string(const std::string& name) { return from_table("norm placement", name, norms()); }
+Normalization normalization_from_string(const std::string& name) {
+  return from_table("normalization", name, normalizations());
+}
+FeedForward feed_forward_from_string(const std::string& name) {
+  return from_table("feed-forward network", name, feed_forwards());
+}
 std::string to_string(Architecture value) { return to_text(value, architectures()); }
 std::string to_string(Positions value) {
   std::string text;
@@ -85,6 +103,8 @@ std::string to_string(Positions value) {
   return text.empty() ? "none" : text;
 }
 std::string to_string(Norm value) { return to_text(value, norms()); }
+std::string to_string(Normalization value) { return to_text(value, normalizations()); }
+std::string to_string(FeedForward value) { return to_text(value, feed_forwards()); }
 
 // --- JSON -----------------------------------------------------------------------------------
 
@@ -110,6 +130,11 @@ std::string TransformerOptions::to_json() const {
   // Written only when changed, as kv_heads.
   if (rotary_fraction() != 1.0) j["rotary_fraction"] = rotary_fraction();
   j["norm"] = models::to_string(norm());
+  // Written only when changed, as kv_heads: a classic block's options are
+  // those of checkpoints from before the modern block existed.
+  if (normalization() != Normalization::layer) j["normalization"] = models::to_string(normalization());
+  if (feed_forward() != FeedForward::relu) j["feed_forward"] = models::to_string(feed_forward());
+  if (!bias()) j["bias"] = bias();
   j["tie_embeddings"] = tie_embeddings();
   j["shared_weights"] = shared_weights();
   return j.dump();
@@ -143,6 +168,9 @@ TransformerOptions TransformerOptions::from_json(const std::string& text) {
       else if (key == "conv_width") o.conv_width(value.get<int64_t>());
       else if (key == "rotary_fraction") o.rotary_fraction(value.get<double>());
       else if (key == "norm") o.norm(norm_from_string(value.get<std::string>()));
+      else if (key == "normalization") o.normalization(normalization_from_string(value.get<std::string>()));
+      else if (key == "feed_forward") o.feed_forward(feed_forward_from_string(value.get<std::string>()));
+      else if (key == "bias") o.bias(value.get<bool>());
       else if (key == "tie_embeddings") o.tie_embeddings(value.get<bool>());
       else if (key == "shared_weights") o.shared_weights(value.get<bool>());
       else TORCH_CHECK(false, "TransformerOptions::from_json: unknown key '", key, "'");
@@ -158,6 +186,17 @@ int64_t TransformerOptions::rotary_dim() const {
   if (!has(positions(), Positions::rope)) return 0;
   const int64_t head = heads() > 0 ? width() / heads() : 0;
   return 2 * static_cast<int64_t>(rotary_fraction() * static_cast<double>(head) / 2);
+}
+
+TransformerOptions& TransformerOptions::llama_block() {
+  norm(Norm::pre);
+  normalization(Normalization::rms);
+  feed_forward(FeedForward::swiglu);
+  bias(false);
+  // Rotary positions take the place of the absolute tables; a convolution stays.
+  auto schemes = has(positions(), Positions::conv) ? Positions::conv : Positions::none;
+  positions(schemes | Positions::rope);
+  return *this;
 }
 
 // --- Validation -------------------------------------------------------------------------------
@@ -195,6 +234,10 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               nn::mechanism_names_where(
                   [](const nn::MechanismInfo& m) { return m.supports.rotary != nn::RotarySupport::none; }),
               ")");
+  TORCH_CHECK(o.bias() || (info->name != "agglomerative" && !has(o.positions(), Positions::relative)), where,
+              ": bias = false leaves the biases out of multi-head blocks; ",
+              info->name == "agglomerative" ? "agglomerative blocks" : "relative-position blocks",
+              " have projections of their own, which keep theirs");
   TORCH_CHECK(!has(o.positions(), Positions::relative) || info->name == "full", where,
               ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
               "need attention 'full', got '", text, "'");

@@ -88,12 +88,13 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
   if (arch != Architecture::decoder) encoder_blocks_ = stack("encoder", false, false);
   if (arch != Architecture::encoder) decoder_blocks_ = stack("decoder", true, enc_dec);
   if (options_.norm() == Norm::pre) {
-    const auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})); };
-    if (!encoder_blocks_.empty()) encoder_norm_ = register_module("encoder_norm", ln());
-    if (!decoder_blocks_.empty()) decoder_norm_ = register_module("decoder_norm", ln());
+    const auto norm = [&] { return std::make_shared<FeatureNormImpl>(d, options_.normalization(), options_.bias()); };
+    if (!encoder_blocks_.empty()) encoder_norm_ = register_module("encoder_norm", norm());
+    if (!decoder_blocks_.empty()) decoder_norm_ = register_module("decoder_norm", norm());
   }
   if (!options_.tie_embeddings())
-    output_ = register_module("output", nn::Linear(d, options_.vocab_size()));
+    output_ = register_module(
+        "output", nn::Linear(torch::nn::LinearOptions(d, options_.vocab_size()).bias(options_.bias())));
   for (const auto& spec : options_.attention()) {
     const auto parsed = nn::resolve_mechanism(spec).second;
     if (adds_nodes(parsed.name)) extra_nodes_ = parsed.name;  // (validate: then every block's)
@@ -182,7 +183,7 @@ torch::Tensor TransformerImpl::encode(const torch::Tensor& source, const torch::
     x = encoder_blocks_[i]->forward(x, source_lengths);
   }
   if (!extra_nodes_.empty()) x = x.narrow(1, 0, tokens);
-  return encoder_norm_ ? encoder_norm_(x) : x;
+  return encoder_norm_ ? encoder_norm_->forward(x) : x;
 }
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& source,
@@ -205,7 +206,7 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
     probe_layer(*decoder_blocks_[i], first + static_cast<int64_t>(i));
     x = decoder_blocks_[i]->forward(x, {}, memory, source_lengths);
   }
-  return logits(decoder_norm_ ? decoder_norm_(x) : x);
+  return logits(decoder_norm_ ? decoder_norm_->forward(x) : x);
 }
 
 void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
@@ -288,7 +289,7 @@ torch::Tensor TransformerImpl::step(const torch::Tensor& tokens, DecodingState& 
   }
   for (size_t i = 0; i < decoder_blocks_.size(); ++i) x = decoder_blocks_[i]->step(x, *state.blocks_[i]);
   ++state.position_;
-  return logits(decoder_norm_ ? decoder_norm_(x) : x);
+  return logits(decoder_norm_ ? decoder_norm_->forward(x) : x);
 }
 
 torch::Tensor TransformerImpl::generate(const torch::Tensor& prompt, const GenerateOptions& g,

@@ -53,7 +53,7 @@ std::vector<std::string> resume_mismatches(const RunHeader& stored, const Traine
   for (const auto& item : stored_model.items())
     if (!model.contains(item.key()) || model[item.key()] != item.value())
       out.push_back("model " + item.key() + ": checkpoint " + item.value().dump() + ", now " +
-                    (model.contains(item.key()) ? model[item.key()].dump() : "absent"));
+                    (model.contains(item.key()) ? model[item.key()].dump() : "absent (the default)"));
   // Options written only when set (kv_heads) are absent from older checkpoints.
   for (const auto& item : model.items())
     if (!stored_model.contains(item.key()))

@@ -296,3 +296,37 @@ foreach(name copy-new copy-old)
   endif()
 endforeach()
 run_refused("copy_length: checkpoint 5, now 6" ${CLI} train --out ${OUT_DIR}/copy-old --resume --steps 3 --length 6)
+
+# ---------------------------------------------------------------------------
+# --block llama: the modern decoder block (RMSNorm, SwiGLU, no biases, rope)
+# with one key/value head (multi-query) trains, stores its options, resumes
+# without the flag, refuses the classic block on resume, evaluates and
+# generates.
+set(llama ${OUT_DIR}/llama)
+run_ok(${CLI} train ${small} --layers 2 --kv-heads 1 --block llama --steps 2 --out ${llama})
+checkpoint_header(${llama}/checkpoint-00000002.ckpt)
+read_fields("${header}" "model" normalization feed_forward bias positions kv_heads)
+if(NOT normalization STREQUAL "rms" OR NOT feed_forward STREQUAL "swiglu" OR NOT bias STREQUAL "OFF"
+   OR NOT positions STREQUAL "rope" OR NOT kv_heads EQUAL 1)
+  message(FATAL_ERROR "the llama run's model options: ${header}")
+endif()
+run_ok(${CLI} train --out ${llama} --resume --steps 3 --display quiet)
+expect_checkpoints(${llama} 2 3)
+run_refused("model normalization: checkpoint \"rms\", now absent \\(the default\\)"
+            ${CLI} train --out ${llama} --resume --block classic --steps 4)
+run_ok(${CLI} eval --run ${llama} --max-batches 1 --threads 1)
+run_ok(${CLI} generate --run ${llama} --prompt "the " --tokens 8 --seed 3 --threads 1)
+if(NOT out MATCHES "^the ")
+  message(FATAL_ERROR "generate from the llama run: '${out}'")
+endif()
+# Each part alone, and the block refined by a flag given beside it.
+run_ok(${CLI} train ${small} --layers 1 --block llama --positions conv+rope --steps 1 --out ${OUT_DIR}/llama-conv)
+checkpoint_header(${OUT_DIR}/llama-conv/checkpoint-00000001.ckpt)
+read_fields("${header}" "model" positions)
+if(NOT positions STREQUAL "conv+rope")
+  message(FATAL_ERROR "--block llama --positions conv+rope stored positions '${positions}'")
+endif()
+run_ok(${CLI} train ${small} --layers 1 --normalization rms --feed-forward swiglu --no-bias --steps 1
+       --out ${OUT_DIR}/modern-parts)
+run_refused("bias = false" ${CLI} train ${small} --layers 1 --no-bias --attention agglomerative --steps 1
+            --out ${OUT_DIR}/agglomerative-no-bias)

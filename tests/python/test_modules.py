@@ -1294,3 +1294,23 @@ def test_transformer_takes_rope_positions():
     assert "rotary_fraction" not in Transformer(11, width=16, heads=2, positions="rope").options
     with pytest.raises(RuntimeError, match=r"choose one of relative, alibi and rope"):
         Transformer(11, width=16, heads=2, positions="alibi+rope")
+
+
+def test_transformer_takes_the_llama_block():
+    torch.manual_seed(0)
+    model = Transformer(11, block="llama", layers=2, width=16, heads=4, kv_heads=2, ffn=24, dropout=0.0)
+    options = model.options
+    assert (options["normalization"], options["feed_forward"], options["bias"], options["positions"],
+            options["norm"], options["kv_heads"]) == ("rms", "swiglu", False, "rope", "pre", 2)
+    names = [name for name, _ in model.named_parameters()]
+    assert not [name for name in names if name.endswith("bias")]
+    assert "decoder_0.ff3.weight" in names
+    # Given options win over the block's; the classic block writes none of its keys.
+    assert Transformer(11, block="llama", width=16, heads=2, positions="conv+rope").options["positions"] == "conv+rope"
+    assert not {"normalization", "feed_forward", "bias"} & set(Transformer(11, width=16, heads=2).options)
+    # A gradient reaches every parameter (decoding: tests/models/modern_block_test.cpp).
+    tokens = torch.randint(0, 11, (2, 9))
+    model(tokens).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ValueError, match="block must be 'classic' or 'llama'"):
+        Transformer(11, block="gpt")

@@ -8,6 +8,8 @@
 // an encoder-decoder) and a position-wise feed-forward network, each sub-layer
 // wrapped in a residual connection and layer norm (pre-norm: x + f(LN(x)), with
 // a final LN; post-norm: LN(x + f(x))), dropout on every sub-layer output.
+// The block practitioners train today swaps in RMSNorm, a SwiGLU network, no
+// biases and rotary positions (TransformerOptions::llama_block).
 //
 //   auto model = attnkit::models::Transformer(
 //       attnkit::models::TransformerOptions(27).layers(4).width(256).heads(4)
@@ -71,15 +73,30 @@ constexpr bool has(Positions positions, Positions scheme) {
 
 enum class Norm { pre, post };
 
+/// The normalisation of every sub-layer (and the final one of pre-norm):
+/// layer norm (Ba et al.: mean and variance, a scale and a shift) or RMSNorm
+/// (Zhang and Sennrich: x / sqrt(mean(x^2) + 1e-6), a scale only).
+enum class Normalization { layer, rms };
+
+/// The position-wise feed-forward network: relu, ff2(relu(ff1 h)) (seed
+/// 003), or swiglu, ff2(silu(ff1 h) * ff3 h) (Shazeer's GLU variant, as
+/// LLaMA): three matrices instead of two, so at hidden width 2/3 ffn it has
+/// the parameters of relu at ffn.
+enum class FeedForward { relu, swiglu };
+
 Architecture architecture_from_string(const std::string& name);  ///< decoder|encoder|encoder-decoder
 /// "none", or schemes joined by '+' from sinusoidal|learned|relative|conv, each
 /// once, with at most one of sinusoidal and learned (to_string writes them in
 /// that order).
 Positions positions_from_string(const std::string& name);
 Norm norm_from_string(const std::string& name);             ///< pre|post
+Normalization normalization_from_string(const std::string& name);  ///< layer|rms
+FeedForward feed_forward_from_string(const std::string& name);     ///< relu|swiglu
 std::string to_string(Architecture value);
 std::string to_string(Positions value);
 std::string to_string(Norm value);
+std::string to_string(Normalization value);
+std::string to_string(FeedForward value);
 
 struct TransformerOptions {
   explicit TransformerOptions(int64_t vocab_size = 0) : vocab_size_(vocab_size) {}
@@ -117,6 +134,12 @@ struct TransformerOptions {
   /// position (GPT-NeoX rotates a quarter).
   TORCH_ARG(double, rotary_fraction) = 1.0;
   TORCH_ARG(Norm, norm) = Norm::pre;
+  TORCH_ARG(Normalization, normalization) = Normalization::layer;
+  TORCH_ARG(FeedForward, feed_forward) = FeedForward::relu;
+  /// Biases in the blocks' linear layers (attention projections, feed-forward
+  /// network), their layer norms' shifts and the untied output layer; false
+  /// leaves them out, as LLaMA does.
+  TORCH_ARG(bool, bias) = true;
   /// The output layer reuses the (target) embedding matrix.
   TORCH_ARG(bool, tie_embeddings) = true;
   /// Universal transformer: one block's weights applied `layers` times
@@ -131,6 +154,10 @@ struct TransformerOptions {
   /// The rotated features per head with rope positions (0 without them):
   /// rotary_fraction of width / heads, rounded down to an even count.
   int64_t rotary_dim() const;
+  /// The block of LLaMA-style decoders: pre-norm RMSNorm, a SwiGLU
+  /// feed-forward network, no biases and rotary positions (with conv if set);
+  /// the rest (kv_heads, ffn, ...) stays as given.
+  TransformerOptions& llama_block();
 };
 
 /// Checks `options` as the builder does and throws the builder's error:
@@ -166,6 +193,7 @@ struct GenerateOptions {
 };
 
 class TransformerBlockImpl;
+class FeatureNormImpl;
 struct BlockState;
 
 /// The structures SAC blocks attended over in a forward pass (models with a
@@ -280,7 +308,7 @@ class TransformerImpl : public torch::nn::Module {
   nn::SinusoidalPositionalEncoding sinusoidal_{nullptr};
   nn::Linear conv_{nullptr}, source_conv_{nullptr};  // (width * conv_width) -> width
   std::vector<std::shared_ptr<TransformerBlockImpl>> encoder_blocks_, decoder_blocks_;
-  torch::nn::LayerNorm encoder_norm_{nullptr}, decoder_norm_{nullptr};  // pre-norm only
+  std::shared_ptr<FeatureNormImpl> encoder_norm_, decoder_norm_;  // pre-norm only
   nn::Linear output_{nullptr};  // untied output layer
   AttentionProbe probe_;
   nn::EdgePredictor edge_predictor_{nullptr};
