@@ -82,6 +82,12 @@ NAME:
                      (`attnkit eval --context`; a sinusoidal model past its
                      2048-row table through a copy with a longer table,
                      longer_table.py); 3 replicas, on KJV.
+  modern-block       section 12: the decoder block of today (`--block llama
+                     --kv-heads 2`: RMSNorm, SwiGLU, no biases, rotary,
+                     grouped-query heads) against the classic block, with
+                     sinusoidal and with rotary positions, at equal
+                     parameters; section 11's model and budget, 3 replicas,
+                     on KJV.
 
 Every run lives in OUT/CONFIG/seed-S (default OUT: build/runs/NAME, outside
 git). A run whose directory holds a checkpoint continues it (`attnkit train
