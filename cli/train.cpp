@@ -24,7 +24,8 @@ struct TrainFlags {
   std::string dtype = "float32", block = "classic", normalization = "layer", feed_forward = "relu";
   std::vector<std::string> attention;
   int64_t layers = 0, width = 0, heads = 0, kv_heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
-  int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0;
+  int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0,
+          max_length = 0;
   double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0, rotary_fraction = 1;
   uint64_t seed = 0;
   int threads = 0;
@@ -51,6 +52,7 @@ void add_train_command(CLI::App& app) {
   const train::TrainerOptions t;
   f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->kv_heads = m.kv_heads(); f->ffn = m.ffn();
   f->dropout = m.dropout(); f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
+  f->max_length = m.max_length();
   f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
   f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
   f->seed = t.seed(); f->checkpoint_every = t.checkpoint_every(); f->log_every = t.log_every();
@@ -88,6 +90,10 @@ void add_train_command(CLI::App& app) {
                   "conv, alibi (linear distance penalties inside the kernels of exact and sparse attention), rope (rotary positions)")
       ->capture_default_str();
   cmd->add_option("--conv-width", f->conv_width, "conv positions: filter width")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--max-length", f->max_length,
+                  "sinusoidal and learned positions: rows of the table, the longest sequence the model takes "
+                  "(evaluation and generation included)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--rotary-fraction", f->rotary_fraction,
                   "rope positions: the fraction of each head's features rotated (rounded down to an even count)")
       ->check(CLI::Range(0.0, 1.0))->capture_default_str();
@@ -184,7 +190,7 @@ void add_train_command(CLI::App& app) {
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
-          .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction)
+          .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction).max_length(f->max_length)
           .tie_embeddings(!f->untied).shared_weights(f->shared_weights)
           .normalization(models::normalization_from_string(f->normalization))
           .feed_forward(models::feed_forward_from_string(f->feed_forward)).bias(!f->no_bias);
@@ -228,6 +234,7 @@ void add_train_command(CLI::App& app) {
       if (given("--ffn")) model.ffn(f->ffn);
       if (given("--dropout")) model.dropout(f->dropout);
       if (given("--conv-width")) model.conv_width(f->conv_width);
+      if (given("--max-length")) model.max_length(f->max_length);
       if (given("--rotary-fraction")) model.rotary_fraction(f->rotary_fraction);
       if (given("--untied")) model.tie_embeddings(!f->untied);
       if (given("--shared-weights")) model.shared_weights(f->shared_weights);

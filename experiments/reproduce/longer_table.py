@@ -5,7 +5,7 @@
         --json RUN/max-length-4096.json [--attnkit PATH]
 
 The transformer's sinusoidal positions are a fixed table of max_length rows
-(2048 by default; `attnkit train` has no flag for it), PE(p, 2i) =
+(2048 by default, `attnkit train --max-length`), PE(p, 2i) =
 sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...), and `attnkit eval --context C`
 refuses C > max_length. Nothing in the table is trained: a longer table is the
 same formula at more positions. So the model of RUN's newest checkpoint is

@@ -330,3 +330,13 @@ run_ok(${CLI} train ${small} --layers 1 --normalization rms --feed-forward swigl
        --out ${OUT_DIR}/modern-parts)
 run_refused("bias = false" ${CLI} train ${small} --layers 1 --no-bias --attention agglomerative --steps 1
             --out ${OUT_DIR}/agglomerative-no-bias)
+
+# --max-length: the rows of the position table, stored; a context past them is refused up front.
+run_ok(${CLI} train ${small} --layers 1 --max-length 40 --steps 1 --out ${OUT_DIR}/max-length)
+checkpoint_header(${OUT_DIR}/max-length/checkpoint-00000001.ckpt)
+read_fields("${header}" "model" max_length)
+if(NOT max_length EQUAL 40)
+  message(FATAL_ERROR "--max-length 40 stored max_length ${max_length}")
+endif()
+run_refused("sequences of 32 tokens exceed the model's max_length 16"
+            ${CLI} train ${small} --layers 1 --max-length 16 --steps 1 --out ${OUT_DIR}/max-length-short)

@@ -16,7 +16,7 @@ every character scored once, each window starting from an empty context).
 position up to the training context's max_length, and a position past the
 trained rows has no row at all (the model refuses it), so there is nothing to
 extrapolate. The sinusoidal table is fixed but finite (max_length 2048, the
-model's default, with no `attnkit train` flag): beyond 2048 its runs are
+model's default; `attnkit train --max-length` came later): beyond 2048 its runs are
 evaluated through a copy with a longer table of the same formula and the same
 trained weights (longer_table.py, which checks that the copy computes the
 same logits).
@@ -47,7 +47,7 @@ DOC_SECTION = 11
 CORPUS = "kjv"
 
 # The sinusoidal table's rows in a model of `attnkit train` (TransformerOptions'
-# max_length default; the CLI has no flag for it): contexts beyond it are
+# max_length default, which these runs keep): contexts beyond it are
 # evaluated through longer_table.py's copy.
 SINUSOIDAL_ROWS = 2048
 
