@@ -72,9 +72,10 @@ Visibility visibility_of(const SoftmaxAttentionParams& p, int64_t n) {
 }
 
 /// How the passes read q and k: in place or packed as their strides allow
-/// (rows_of), or, with rotary positions, rotated into the pack as each block
-/// is loaded: query i to position i + S - L, key j to position j (the causal
-/// mask's alignment). Its table covers positions [min(0, S - L), S).
+/// (rows_of; with `compact`, packed unless the rows are adjacent:
+/// compact_rows_of), or, with rotary positions, rotated into the pack as each
+/// block is loaded: query i to position i + S - L, key j to position j (the
+/// causal mask's alignment). Its table covers positions [min(0, S - L), S).
 class QkReader {
  public:
   explicit QkReader(const SoftmaxAttentionParams& p)
@@ -85,16 +86,16 @@ class QkReader {
   bool rotates() const { return rotary_.active(); }
 
   /// Rows [i0, i0 + rows) of query head (n, h).
-  Rows queries(int64_t n, int64_t h, int64_t i0, int64_t rows, float* pack) const {
+  Rows queries(int64_t n, int64_t h, int64_t i0, int64_t rows, float* pack, bool compact = false) const {
     const Strided m = head_matrix(p_.q, p_.q_stride, n, h);
     if (rotates()) return rotary_.rotated_rows(m, i0, rows, p_.E, query_position(i0), pack);
-    return rows_of(m, i0, rows, p_.E, pack);
+    return compact ? compact_rows_of(m, i0, rows, p_.E, pack) : rows_of(m, i0, rows, p_.E, pack);
   }
   /// Rows [j0, j0 + rows) of the keys query head (n, h) reads.
-  Rows keys(int64_t n, int64_t h, int64_t j0, int64_t rows, float* pack) const {
+  Rows keys(int64_t n, int64_t h, int64_t j0, int64_t rows, float* pack, bool compact = false) const {
     const Strided m = head_matrix(p_.k, p_.k_stride, n, p_.kv_head(h));
     if (rotates()) return rotary_.rotated_rows(m, j0, rows, p_.E, j0, pack);
-    return rows_of(m, j0, rows, p_.E, pack);
+    return compact ? compact_rows_of(m, j0, rows, p_.E, pack) : rows_of(m, j0, rows, p_.E, pack);
   }
   /// The gradients of rotated rows, rotated back in place: rows [i0, i0 +
   /// rows) of dq, [j0, j0 + rows) of dk (row stride E).
@@ -483,19 +484,27 @@ std::pair<int64_t, int64_t> part_keys(const SoftmaxAttentionBackwardParams& p, i
           std::min(p.S, (part + 1) * blocks / parts * kBackwardBlockK)};
 }
 
+/// The backward reads a whole head of q, k, v and dout once per key or query
+/// block: each is copied into the scratch unless its rows are adjacent
+/// (compact_rows_of), so that rows H E floats apart (attention over an (N, L,
+/// H, E) projection viewed as (N, H, L, E), or a packed batch) are not read
+/// at that stride again and again (docs/PERFORMANCE.md, "Packed
+/// variable-length batches", gives what was measured).
 struct BackwardScratch {
-  float *q, *k, *v, *dout;  // packed copies of the head when the strides need it
+  float *q, *k, *v, *dout;  // compact copies of the head unless its rows are adjacent
   float *d;                 // D_i = rowsum(dO_i * O_i): L
   float *dq;                // dQ accumulator of the head: L x E (one part per head)
   float *dk, *dv;           // dK, dV accumulators of one key block
   float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
 
   BackwardScratch(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, Slicer& slicer)
-      : q(slicer.take(qk.rotates() || needs_pack({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E : 0)),
-        k(slicer.take(qk.rotates() || needs_pack({p.k, p.k_stride[2], p.k_stride[3]}, p.S, p.E) ? p.S * p.E : 0)),
-        v(slicer.take(needs_pack({p.v, p.v_stride[2], p.v_stride[3]}, p.S, p.M) ? p.S * p.M : 0)),
+      : q(slicer.take(qk.rotates() || needs_compact({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E
+                                                                                                     : 0)),
+        k(slicer.take(qk.rotates() || needs_compact({p.k, p.k_stride[2], p.k_stride[3]}, p.S, p.E) ? p.S * p.E
+                                                                                                     : 0)),
+        v(slicer.take(needs_compact({p.v, p.v_stride[2], p.v_stride[3]}, p.S, p.M) ? p.S * p.M : 0)),
         dout(slicer.take(
-            needs_pack({p.dout, p.dout_stride[2], p.dout_stride[3]}, p.L, p.M) ? p.L * p.M : 0)),
+            needs_compact({p.dout, p.dout_stride[2], p.dout_stride[3]}, p.L, p.M) ? p.L * p.M : 0)),
         d(slicer.take(p.L)),
         dq(slicer.take(backward_parts(p) == 1 ? p.L * p.E : 0)),
         dk(slicer.take(kBackwardBlockK * p.E)),
@@ -513,10 +522,10 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
-  const Rows q = qk.queries(n, h, 0, L, w.q);
-  const Rows k = qk.keys(n, h, 0, S, w.k);
-  const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), 0, S, M, w.v);
-  const Rows dout = rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
+  const Rows q = qk.queries(n, h, 0, L, w.q, /*compact=*/true);
+  const Rows k = qk.keys(n, h, 0, S, w.k, /*compact=*/true);
+  const Rows v = compact_rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), 0, S, M, w.v);
+  const Rows dout = compact_rows_of(head_matrix(p.dout, p.dout_stride, n, h), 0, L, M, w.dout);
   const float* lse = p.lse + (n * p.H + h) * L;
   row_deltas(p, n, h, dout, 0, L, w.d);
   const bool dbias = p.dbias && bias_grad_per_head(p);

@@ -21,8 +21,8 @@
 //
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
-// of one head of q, k, v, dout when their columns are not contiguous (of q
-// and k always, with rotary positions). Rotary positions add one table of
+// of one head of q, k, v, dout unless its rows lie one after another (of q
+// and k always, with rotary positions): the backward reads each many times. Rotary positions add one table of
 // max(L, S) x rotary_dim floats per call, shared by the threads. A
 // forward that splits the keys (see softmax_attention_forward) adds the
 // accumulators of its key chunks, under 128 x 128 x (M + 2) floats.

@@ -54,6 +54,17 @@ inline bool needs_pack(const Strided& m, int64_t rows, int64_t cols) {
   return rows > 0 && !readable_in_place(m.rs, m.cs, cols);
 }
 
+/// Whether whole rows lie one after another (row stride cols, unit column
+/// stride): then any block of them is one contiguous run of memory.
+inline bool rows_adjacent(const Strided& m, int64_t rows, int64_t cols) {
+  return (m.cs == 1 || cols == 1) && (rows <= 1 || m.rs == cols);
+}
+
+/// Whether compact_rows_of copies a rows x cols block of m.
+inline bool needs_compact(const Strided& m, int64_t rows, int64_t cols) {
+  return rows > 0 && !rows_adjacent(m, rows, cols);
+}
+
 /// Copies a rows x cols block of m starting at row r0 into dst (row-major,
 /// row stride cols).
 inline void pack_rows(const Strided& m, int64_t r0, int64_t rows, int64_t cols, float* dst) {
@@ -71,6 +82,17 @@ inline void pack_rows(const Strided& m, int64_t r0, int64_t rows, int64_t cols, 
 /// place, else a copy into `pack` (rows * cols floats).
 inline Rows rows_of(const Strided& m, int64_t r0, int64_t rows, int64_t cols, float* pack) {
   if (readable_in_place(m.rs, m.cs, cols)) return {m.row(r0), m.rs};
+  pack_rows(m, r0, rows, cols, pack);
+  return {pack, cols};
+}
+
+/// rows_of for a block that is read many times: a copy into `pack` unless
+/// its rows are adjacent. Rows far apart at a power-of-two stride (the heads
+/// of an (N, L, H, E) tensor viewed as (N, H, L, E): H E floats apart) fall on
+/// few cache sets, and every pass over the block pays for it; the copy is paid
+/// once.
+inline Rows compact_rows_of(const Strided& m, int64_t r0, int64_t rows, int64_t cols, float* pack) {
+  if (rows_adjacent(m, rows, cols)) return {m.row(r0), cols};  // (one row's stride may be anything)
   pack_rows(m, r0, rows, cols, pack);
   return {pack, cols};
 }
