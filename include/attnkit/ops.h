@@ -175,6 +175,34 @@ FeatureMap feature_map_from_string(const std::string& name);
 std::string to_string(FeatureMap map);
 
 // ----------------------------------------------------------------------------
+// Packed variable-length batches (FlashAttention's varlen layout): B sequences
+// of different lengths stored one after another, without padding.
+//   q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, M) -> (Tq, H, M)
+//   cu_seqlens_q, cu_seqlens_k: int64 (B + 1), 0 = c[0] <= c[1] <= ... <= c[B]
+//   = Tq (Tk): sequence b is rows c[b] .. c[b+1] - 1.
+// Sequence b's queries attend to its own keys only (the block-diagonal mask of
+// the packed batch; nothing outside the blocks is computed), each sequence
+// exactly as the op on (1, H, Lb, E) alone: masks, rotary and ALiBi positions
+// and windows count from the sequence's start (causal: bottom-right aligned
+// per sequence when Lb != Sb); Hkv divides H (grouped-query heads). An empty
+// sequence is allowed; a query whose sequence has no key outputs zeros.
+// float32 runs the kernels, one call per sequence over views of the packed
+// tensors (no copy): results are bitwise those of the sequences run one by one.
+// bfloat16 takes the float32 kernel on converted inputs; float64 the composite.
+// ----------------------------------------------------------------------------
+/// Exact attention over a packed batch. The options are softmax_attention's;
+/// key_lengths and bias are refused (the offsets give the lengths; a bias has
+/// no packed layout).
+torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                               const SoftmaxAttentionFuncOptions& options = {});
+/// Linear attention over a packed batch, with linear_attention's options.
+torch::Tensor varlen_linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& cu_seqlens_q,
+                                      const torch::Tensor& cu_seqlens_k,
+                                      const LinearAttentionFuncOptions& options = {});
+
+// ----------------------------------------------------------------------------
 // Gated linear attention (docs/MATH.md, "Gated linear attention"): the recurrence
 //   C_t = alpha_t C_{t-1} + beta_t f_t f_t^T,   C_0 = 0,
 // read out by q:  causal: out_t = C_t q_t;  otherwise out_t = C_L q_t.

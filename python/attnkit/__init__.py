@@ -38,6 +38,7 @@ if machine_isa() == "below baseline":
 
 __all__ = [
     "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
+    "varlen_attention", "varlen_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
     "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
@@ -45,6 +46,10 @@ __all__ = [
 
 softmax_attention = torch.ops.attnkit.softmax_attention
 linear_attention = torch.ops.attnkit.linear_attention
+# Packed variable-length batches (q (Tq, H, E), k and v (Tk, Hkv, .), int64
+# offsets cu_seqlens_q and cu_seqlens_k of B + 1 entries): docs/API.md.
+varlen_attention = torch.ops.attnkit.varlen_attention
+varlen_linear_attention = torch.ops.attnkit.varlen_linear_attention
 gated_linear_attention = torch.ops.attnkit.gated_linear_attention
 agglomerative_attention = torch.ops.attnkit.agglomerative_attention
 clustered_attention = torch.ops.attnkit.clustered_attention

@@ -10,6 +10,7 @@
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"
 #include "ops/head_features.h"
+#include "ops/varlen.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -84,6 +85,75 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
     return detail::once_differentiable("linear_attention", {dq, dk, dv, torch::Tensor()},
                                        {q, k, v, dout});
   }
+};
+
+/// Linear attention over a packed batch (varlen_linear_attention): one kernel
+/// call per sequence over views of the packed tensors, so each sequence is
+/// bitwise the op on it alone. den (when normalize) holds H Tq floats,
+/// sequence b's (H, Lb) block at H cu_q[b].
+class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& o,
+                               const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k) {
+    auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+    auto den = o.normalize() ? torch::empty({q.size(1) * q.size(0)}, q.options()) : torch::Tensor();
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      const Sequence s(cu_q, cu_k, b);
+      auto out_b = s.of(out), den_b = s.den(den, q.size(1));
+      kernels::linear_attention_forward(linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o));
+    }
+    ctx->save_for_backward({q, k, v, out, den});
+    ctx->saved_data["elu"] = o.feature_map() == FeatureMap::elu;
+    ctx->saved_data["normalize"] = o.normalize();
+    ctx->saved_data["causal"] = o.causal();
+    ctx->saved_data["eps"] = o.eps();
+    ctx->saved_data["rotary_dim"] = o.rotary_dim();
+    ctx->saved_data["rotary_base"] = o.rotary_base();
+    ctx->saved_data["cu_q"] = cu_q;
+    ctx->saved_data["cu_k"] = cu_k;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
+    const auto o = options_from(ctx);
+    const auto cu_q = ctx->saved_data["cu_q"].toIntVector(), cu_k = ctx->saved_data["cu_k"].toIntVector();
+    const torch::Tensor& dout = grads[0];
+    // Grouped-query heads: dk and dv in k's and v's head count, each summed
+    // by the kernel over its group in head order (kernels/linear_attention.h).
+    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      const Sequence s(cu_q, cu_k, b);
+      auto out_b = s.of(out), den_b = s.den(den, q.size(1));
+      auto p = linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o);
+      detail::bind(p.dout, p.dout_stride, s.of(dout));
+      detail::bind(p.dq, p.dq_stride, s.of(dq));
+      detail::bind(p.dk, p.dk_stride, s.keys(dk));
+      detail::bind(p.dv, p.dv_stride, s.keys(dv));
+      kernels::linear_attention_backward(p);
+    }
+    return detail::once_differentiable("varlen_linear_attention",
+                                       {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()},
+                                       {q, k, v, dout});
+  }
+
+ private:
+  /// Sequence b of a packed batch as the kernel sees it: a batch of one.
+  struct Sequence {
+    Sequence(const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, std::size_t b)
+        : q_begin(cu_q[b]), q_end(cu_q[b + 1]), k_begin(cu_k[b]), k_end(cu_k[b + 1]) {}
+    torch::Tensor of(const torch::Tensor& packed) const { return detail::sequence_view(packed, q_begin, q_end); }
+    torch::Tensor keys(const torch::Tensor& packed) const { return detail::sequence_view(packed, k_begin, k_end); }
+    torch::Tensor den(const torch::Tensor& den, int64_t H) const {
+      if (!den.defined()) return den;
+      return den.narrow(0, H * q_begin, H * (q_end - q_begin)).view({1, H, q_end - q_begin});
+    }
+    int64_t q_begin, q_end, k_begin, k_end;
+  };
 };
 
 kernels::GatedLinearAttentionBackwardParams gated_params(const torch::Tensor& f,
@@ -169,6 +239,31 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (!linear_attention_dispatch(q, k, v, options).uses_kernel())
     return reference::linear_attention(q, k, v, options);
   return LinearAttentionFunction::apply(q, k, v, options);
+}
+
+torch::Tensor varlen_linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& cu_seqlens_q,
+                                      const torch::Tensor& cu_seqlens_k,
+                                      const LinearAttentionFuncOptions& options) {
+  constexpr const char* op = "varlen_linear_attention";
+  auto [cu_q, cu_k] = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
+  detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
+  TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
+  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(2));
+  if (q.scalar_type() == torch::kBFloat16)  // the float32 kernel, as linear_attention does
+    return varlen_linear_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
+                                   cu_seqlens_k, options)
+        .to(torch::kBFloat16);
+  if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
+    std::vector<torch::Tensor> rows{q.new_empty({0, q.size(1), v.size(2)})};
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b)
+      rows.push_back(detail::packed_rows(linear_attention(detail::sequence_view(q, cu_q[b], cu_q[b + 1]),
+                                                          detail::sequence_view(k, cu_k[b], cu_k[b + 1]),
+                                                          detail::sequence_view(v, cu_k[b], cu_k[b + 1]),
+                                                          options)));
+    return torch::cat(rows, 0);
+  }
+  return VarlenLinearFunction::apply(q, k, v, options, cu_q, cu_k);
 }
 
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,

@@ -29,6 +29,21 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .window(window));
 }
 
+torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                  c10::optional<double> scale, bool causal,
+                                  const c10::optional<torch::Tensor>& alibi_slopes, int64_t rotary_dim,
+                                  double rotary_base, int64_t window) {
+  return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                          SoftmaxAttentionFuncOptions()
+                              .scale(scale)
+                              .causal(causal)
+                              .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
+                              .rotary_dim(rotary_dim)
+                              .rotary_base(rotary_base)
+                              .window(window));
+}
+
 torch::Tensor rotary_embedding_op(const torch::Tensor& x, int64_t dim, double base, int64_t offset) {
   return rotary_embedding(x, RotaryEmbeddingFuncOptions(dim).base(base).offset(offset));
 }
@@ -56,6 +71,20 @@ torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k
                                        .eps(eps)
                                        .rotary_dim(rotary_dim)
                                        .rotary_base(rotary_base));
+}
+
+torch::Tensor varlen_linear_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                         c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                         int64_t rotary_dim, double rotary_base) {
+  return varlen_linear_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                 LinearAttentionFuncOptions()
+                                     .feature_map(feature_map_from_string(std::string(feature_map)))
+                                     .normalize(normalize)
+                                     .causal(causal)
+                                     .eps(eps)
+                                     .rotary_dim(rotary_dim)
+                                     .rotary_base(rotary_base));
 }
 
 torch::Tensor gated_linear_attention_op(const torch::Tensor& f, const torch::Tensor& q,
@@ -119,6 +148,12 @@ TORCH_LIBRARY(attnkit, m) {
          ", int window=" + std::to_string(soft.window()) + ") -> Tensor")
             .c_str(),
         &softmax_attention_op);
+  m.def(("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
+         "float? scale=None, bool causal=False, Tensor? alibi_slopes=None, int rotary_dim=" +
+         std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
+         ", int window=" + std::to_string(soft.window()) + ") -> Tensor")
+            .c_str(),
+        &varlen_attention_op);
   m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
   m.def(("rotary_embedding(Tensor x, int dim, *, float base=" +
          schema_float(RotaryEmbeddingFuncOptions(2).base()) + ", int offset=0) -> Tensor")
@@ -136,6 +171,13 @@ TORCH_LIBRARY(attnkit, m) {
          ", float rotary_base=" + schema_float(lin.rotary_base()) + ") -> Tensor")
             .c_str(),
         &linear_attention_op);
+  m.def(("varlen_linear_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
+         "str feature_map='" + to_string(lin.feature_map()) + "', bool normalize=" + schema_bool(lin.normalize()) +
+         ", bool causal=" + schema_bool(lin.causal()) + ", float eps=" + schema_float(lin.eps()) +
+         ", int rotary_dim=" + std::to_string(lin.rotary_dim()) + ", float rotary_base=" +
+         schema_float(lin.rotary_base()) + ") -> Tensor")
+            .c_str(),
+        &varlen_linear_attention_op);
   m.def("gated_linear_attention(Tensor f, Tensor q, Tensor alpha, Tensor beta, *, "
         "bool causal=False) -> Tensor",
         &gated_linear_attention_op);

@@ -16,6 +16,7 @@
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/head_features.h"
+#include "ops/varlen.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -169,6 +170,88 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
   }
 };
 
+/// A packed batch (varlen_attention): the constants and the offsets.
+struct VarlenConstants {
+  SoftmaxConstants c;
+  std::vector<int64_t> cu_q, cu_k;  // (B + 1) each, checked
+};
+
+/// Exact attention over a packed batch: one kernel call per sequence over
+/// views of the packed tensors (no copy), so that each sequence's tiles, key
+/// splits and thread schedule are those of the sequence alone and its values
+/// and gradients are bitwise the op's on it. lse holds H Tq floats, sequence
+/// b's (H, Lb) block at H cu_q[b]: the kernel's contiguous (1, H, Lb) layout.
+class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const VarlenConstants& vc) {
+    // q, k, v are read and out is written in place, in the packed layout.
+    auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+    auto lse = torch::empty({q.size(1) * q.size(0)}, q.options());
+    for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
+      const Sequence s(vc, b);
+      kernels::softmax_attention_forward(make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out),
+                                                     s.lse(lse, q.size(1))));
+    }
+    ctx->save_for_backward({q, k, v, out, lse, vc.c.alibi_slopes});
+    ctx->saved_data["scale"] = vc.c.scale;
+    ctx->saved_data["causal"] = vc.c.causal;
+    ctx->saved_data["rotary_dim"] = vc.c.rotary_dim;
+    ctx->saved_data["rotary_base"] = vc.c.rotary_base;
+    ctx->saved_data["window"] = vc.c.window;
+    ctx->saved_data["cu_q"] = vc.cu_q;
+    ctx->saved_data["cu_k"] = vc.cu_k;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const VarlenConstants vc{{torch::Tensor(), ctx->saved_data["scale"].toDouble(),
+                              ctx->saved_data["causal"].toBool(), saved[5], ctx->saved_data["rotary_dim"].toInt(),
+                              ctx->saved_data["rotary_base"].toDouble(), ctx->saved_data["window"].toInt()},
+                             ctx->saved_data["cu_q"].toIntVector(),
+                             ctx->saved_data["cu_k"].toIntVector()};
+    // Grouped-query heads: the kernel writes each query head's share of dk
+    // and dv (kernels/softmax_attention.h), summed over each group below.
+    // Everything is read and written in place, in the packed layout (the
+    // kernel copies each head whose rows are not adjacent).
+    const int64_t H = q.size(1), group = detail::kv_group(q, k);  // dimension 1: heads, packed too
+    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    auto dk = torch::empty({k.size(0), group > 1 ? H : k.size(1), k.size(2)}, k.options());
+    auto dv = torch::empty({v.size(0), group > 1 ? H : v.size(1), v.size(2)}, v.options());
+    for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
+      const Sequence s(vc, b);
+      kernels::SoftmaxAttentionBackwardParams p;
+      static_cast<kernels::SoftmaxAttentionParams&>(p) =
+          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.lse(lse, H));
+      detail::bind(p.dout, p.dout_stride, s.of(grads[0]));
+      detail::bind(p.dq, p.dq_stride, s.of(dq));
+      detail::bind(p.dk, p.dk_stride, s.keys(dk));
+      detail::bind(p.dv, p.dv_stride, s.keys(dv));
+      kernels::softmax_attention_backward(p);
+    }
+    if (group > 1) {  // as the op on one sequence sums them: bitwise the same
+      dk = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dk, 0, dk.size(0)), group));
+      dv = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dv, 0, dv.size(0)), group));
+    }
+    return detail::once_differentiable("varlen_attention", {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
+  }
+
+ private:
+  /// Sequence b of a packed batch as the kernel sees it: a batch of one.
+  struct Sequence {
+    Sequence(const VarlenConstants& vc, std::size_t b)
+        : q_begin(vc.cu_q[b]), q_end(vc.cu_q[b + 1]), k_begin(vc.cu_k[b]), k_end(vc.cu_k[b + 1]) {}
+    torch::Tensor of(const torch::Tensor& packed) const { return detail::sequence_view(packed, q_begin, q_end); }
+    torch::Tensor keys(const torch::Tensor& packed) const { return detail::sequence_view(packed, k_begin, k_end); }
+    torch::Tensor lse(const torch::Tensor& lse, int64_t H) const {
+      return lse.narrow(0, H * q_begin, H * (q_end - q_begin)).view({1, H, q_end - q_begin});
+    }
+    int64_t q_begin, q_end, k_begin, k_end;
+  };
+};
+
 /// Exact attention on bfloat16 q, k, v by the AMX kernel (no bias).
 class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAttentionBf16Function> {
  public:
@@ -282,6 +365,42 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   }
   if (options.bias().defined()) return SoftmaxAttentionFunction::apply(q, k, v, options.bias(), c);
   return SoftmaxAttentionFunction::apply(q, k, v, c);
+}
+
+torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                               const SoftmaxAttentionFuncOptions& options) {
+  constexpr const char* op = "varlen_attention";
+  auto [cu_q, cu_k] = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
+  TORCH_CHECK(!options.key_lengths().defined(), op,
+              ": option 'key_lengths' is not taken: 'cu_seqlens_k' gives each sequence its keys");
+  TORCH_CHECK(!options.bias().defined(), op,
+              ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
+              "and call softmax_attention");
+  detail::check_scale(op, options.scale(), q.scalar_type());
+  detail::check_alibi_slopes(op, options.alibi_slopes(), q.size(1));
+  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(2));
+  TORCH_CHECK(options.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", options.window());
+  if (q.scalar_type() == torch::kBFloat16) {  // the float32 kernel, the result rounded once
+    return varlen_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
+                            cu_seqlens_k, options)
+        .to(torch::kBFloat16);
+  }
+  if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
+    std::vector<torch::Tensor> rows{q.new_empty({0, q.size(1), v.size(2)})};
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b)
+      rows.push_back(detail::packed_rows(softmax_attention(detail::sequence_view(q, cu_q[b], cu_q[b + 1]),
+                                                           detail::sequence_view(k, cu_k[b], cu_k[b + 1]),
+                                                           detail::sequence_view(v, cu_k[b], cu_k[b + 1]),
+                                                           options)));
+    return torch::cat(rows, 0);
+  }
+  auto slopes = options.alibi_slopes();
+  if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
+  const SoftmaxConstants c{torch::Tensor(), detail::scale_or_default(options.scale(), q.size(2)),
+                           options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
+                           options.window()};
+  return VarlenSoftmaxFunction::apply(q, k, v, VarlenConstants{c, std::move(cu_q), std::move(cu_k)});
 }
 
 }  // namespace attnkit

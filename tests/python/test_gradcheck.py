@@ -203,6 +203,19 @@ def _op_cases():
     add("sdpa 3-D is_causal L>S strided", lambda q, k, v: sdpa(T(q), T(k), T(v), is_causal=True),
         transposed(2, 5, 3), transposed(2, 3, 3), transposed(2, 3, 2))
 
+    # packed batches: an empty sequence, a sequence with queries but no key,
+    # L != S per sequence, grouped-query heads, strided packed inputs
+    cu_q, cu_k = lengths(0, 2, 2, 5, 6), lengths(0, 3, 5, 5, 7)
+    add("varlen causal gqa rotary", lambda q, k, v: ops.varlen_attention(q, k, v, cu_q, cu_k, causal=True,
+                                                                          rotary_dim=2),
+        leaf(6, 4, 4), leaf(7, 2, 4), leaf(7, 2, 3))
+    add("varlen window strided", lambda q, k, v: ops.varlen_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                                       v.transpose(0, 1), cu_q, cu_k, window=2),
+        leaf(2, 6, 3), leaf(2, 7, 3), leaf(2, 7, 2))
+    add("varlen linear causal elu", lambda q, k, v: ops.varlen_linear_attention(
+            q, k, v, cu_q, cu_k, causal=True, feature_map="elu", normalize=True),
+        leaf(6, 2, 3), leaf(7, 1, 3), leaf(7, 1, 2))
+
     # linear
     add("linear-op 2d", lambda x, w, b: ops.linear(x, w, b), leaf(3, 5), leaf(4, 5), leaf(4))
     add("linear-op 3d no bias", lambda x, w: ops.linear(x, w), leaf(2, 3, 5), leaf(1, 5))
@@ -221,7 +234,8 @@ def test_op_gradcheck_float64(fn, inputs):
 def test_gradcheck_covers_every_op():
     """A new op must get cases above: the list of ops is closed."""
     tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
-              "clustered_attention", "sparse_attention", "linear", "rotary_embedding"}
+              "clustered_attention", "sparse_attention", "linear", "rotary_embedding", "varlen_attention",
+              "varlen_linear_attention"}
     untensored = {"edge_pattern", "alibi_slopes", "isa", "isa_description", "machine_isa", "set_max_isa"}
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored
 

@@ -297,6 +297,58 @@ class OpsTest(unittest.TestCase):
             ops.softmax_attention(h, h, h)
 
 
+class VarlenTest(unittest.TestCase):
+    """attnkit.varlen_attention and varlen_linear_attention on a packed batch
+    (FlashAttention's layout): each sequence as the op on it alone."""
+
+    lengths_q, lengths_k = [3, 0, 9, 1], [5, 2, 9, 4]
+
+    def _packed(self, heads, kv_heads):
+        torch.manual_seed(11)
+        q = torch.randn(sum(self.lengths_q), heads, 8)
+        k = torch.randn(sum(self.lengths_k), kv_heads, 8)
+        v = torch.randn(sum(self.lengths_k), kv_heads, 6)
+        cu_q = torch.tensor([0] + self.lengths_q).cumsum(0)
+        cu_k = torch.tensor([0] + self.lengths_k).cumsum(0)
+        return q, k, v, cu_q, cu_k
+
+    def _one_by_one(self, op, q, k, v, cu_q, cu_k, **kwargs):
+        rows = []
+        for b in range(len(cu_q) - 1):
+            view = lambda t, c: t[c[b]:c[b + 1]].permute(1, 0, 2).unsqueeze(0)  # noqa: E731
+            rows.append(op(view(q, cu_q), view(k, cu_k), view(v, cu_k), **kwargs)[0].permute(1, 0, 2))
+        return torch.cat(rows)
+
+    def test_packed_equals_each_sequence_alone_values_and_gradients(self):
+        cases = [(attnkit.varlen_attention, attnkit.softmax_attention, dict(causal=True, rotary_dim=4)),
+                 (attnkit.varlen_linear_attention, attnkit.linear_attention,
+                  dict(causal=True, feature_map="elu", normalize=True))]
+        for varlen, single, kwargs in cases:
+            q, k, v, cu_q, cu_k = self._packed(4, 2)
+            results = []
+            for packed in (True, False):
+                xs = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = (varlen(*xs, cu_q, cu_k, **kwargs) if packed
+                       else self._one_by_one(single, *xs, cu_q, cu_k, **kwargs))
+                torch.manual_seed(12)
+                results.append([out.detach()] + list(torch.autograd.grad(out, xs, torch.randn_like(out))))
+            for a, b in zip(*results):
+                self.assertTrue(torch.equal(a, b), varlen.__name__ if hasattr(varlen, "__name__") else str(varlen))
+
+    def test_float32_matches_float64(self):
+        q, k, v, cu_q, cu_k = self._packed(4, 4)
+        _float32_matches_float64(lambda a, b, c: attnkit.varlen_attention(a, b, c, cu_q, cu_k, causal=True),
+                                 lambda a, b, c: self._one_by_one(composite, a, b, c, cu_q, cu_k, causal=True),
+                                 (q, k, v))
+
+    def test_bad_offsets_name_the_argument(self):
+        q, k, v, cu_q, cu_k = self._packed(2, 2)
+        with self.assertRaisesRegex(RuntimeError, "varlen_attention: argument 'cu_seqlens_k' must end at"):
+            attnkit.varlen_attention(q, k, v, cu_q, torch.cat([cu_k[:-1], cu_k[-1:] - 1]))
+        with self.assertRaisesRegex(RuntimeError, "argument 'cu_seqlens_q' must be non-decreasing"):
+            attnkit.varlen_linear_attention(q, k, v, torch.tensor([0, 5, 3, 12, 13]), cu_k)
+
+
 class LinearTest(unittest.TestCase):
     """torch.ops.attnkit.linear: torch.nn.functional.linear's semantics."""
 

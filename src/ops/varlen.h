@@ -1,0 +1,76 @@
+// Packed variable-length batches (varlen_attention, varlen_linear_attention):
+// the checks of packed q, k, v and their offsets, and the view of one
+// sequence as a batch of one, which is how the kernels see it.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "base/checks.h"
+
+namespace attnkit::detail {
+
+/// Offsets of a packed batch: int64 (B + 1) on the CPU, starting at 0,
+/// non-decreasing, ending at `total` (the packed length). Returned as a vector.
+inline std::vector<int64_t> check_offsets(const char* op, const char* name, const torch::Tensor& cu,
+                                          int64_t total) {
+  TORCH_CHECK(cu.defined(), op, ": argument '", name, "' is undefined");
+  check_strided(op, name, cu);
+  TORCH_CHECK(cu.device().is_cpu(), op, ": argument '", name, "' must be on the CPU, got device ",
+              cu.device());
+  TORCH_CHECK(cu.scalar_type() == torch::kLong, op, ": argument '", name, "' must be int64, got dtype ",
+              cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": argument '", name,
+              "' must have shape (B + 1) with B >= 0 sequences, got ", shape_str(cu));
+  const auto c = cu.contiguous();
+  std::vector<int64_t> offsets(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  TORCH_CHECK(offsets.front() == 0, op, ": argument '", name, "' must start at 0, got ", offsets.front());
+  for (std::size_t b = 1; b < offsets.size(); ++b)
+    TORCH_CHECK(offsets[b] >= offsets[b - 1], op, ": argument '", name,
+                "' must be non-decreasing, got ", offsets[b - 1], " then ", offsets[b], " at entries ",
+                b - 1, " and ", b);
+  TORCH_CHECK(offsets.back() == total, op, ": argument '", name, "' must end at the packed length ",
+              total, ", got ", offsets.back());
+  return offsets;
+}
+
+/// Packed q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, M) with Hkv dividing H,
+/// and their offsets (one sequence count for both). Returns {cu_q, cu_k}.
+inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_packed(
+    const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k) {
+  check_float_tensor(op, "q", q, 3);
+  check_float_tensor(op, "k", k, 3);
+  check_float_tensor(op, "v", v, 3);
+  check_same_dtype(op, "k", k, "q", q);
+  check_same_dtype(op, "v", v, "q", q);
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  TORCH_CHECK(Hkv == H || (Hkv > 0 && H % Hkv == 0), op, ": argument 'k' has head count ", Hkv,
+              ", which must divide q's head count ", H, " (packed shapes (T, heads, features): ",
+              shape_str(q), " and ", shape_str(k), ")");
+  check_dim(op, "k", k, 2, q.size(2), "feature size E");
+  check_dim(op, "v", v, 0, k.size(0), "packed key count Tk");
+  check_dim(op, "v", v, 1, Hkv, "head count (k's)");
+  TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, op, ": feature sizes E and M must be positive, got E = ",
+              q.size(2), ", M = ", v.size(2));
+  auto cu_q = check_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0));
+  auto cu_k = check_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0));
+  TORCH_CHECK(cu_q.size() == cu_k.size(), op, ": 'cu_seqlens_q' and 'cu_seqlens_k' must describe as many "
+              "sequences, got ", cu_q.size() - 1, " and ", cu_k.size() - 1);
+  return {std::move(cu_q), std::move(cu_k)};
+}
+
+/// Rows begin .. end - 1 of a packed (T, H, X) tensor as the (1, H, end - begin, X)
+/// batch of one sequence: a view, no copy.
+inline torch::Tensor sequence_view(const torch::Tensor& packed, int64_t begin, int64_t end) {
+  return packed.narrow(0, begin, end - begin).permute({1, 0, 2}).unsqueeze(0);
+}
+
+/// The inverse of sequence_view for a result: (1, H, Lb, X) to (Lb, H, X).
+inline torch::Tensor packed_rows(const torch::Tensor& sequence) { return sequence.squeeze(0).permute({1, 0, 2}); }
+
+}  // namespace attnkit::detail
