@@ -187,7 +187,8 @@ std::string to_string(FeatureMap map);
 // per sequence when Lb != Sb); Hkv divides H (grouped-query heads). An empty
 // sequence is allowed; a query whose sequence has no key outputs zeros.
 // float32 runs the kernels, one call per sequence over views of the packed
-// tensors (no copy): results are bitwise those of the sequences run one by one.
+// tensors (no padding): float32 results are bitwise those of the op on each
+// sequence's (1, H, Lb, E) view.
 // bfloat16 takes the float32 kernel on converted inputs; float64 the composite.
 // ----------------------------------------------------------------------------
 /// Exact attention over a packed batch. The options are softmax_attention's;

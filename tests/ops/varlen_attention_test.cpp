@@ -4,9 +4,10 @@
 // Lb != Sb, grouped-query heads and every position feature:
 // - against the float64 reference run sequence by sequence (values and the
 //   gradients of q, k, v);
-// - against the float32 op on each sequence alone: bitwise, values and
-//   gradients (each sequence is one kernel call over a view of the packed
-//   tensors), also where one sequence takes the forward's key split;
+// - against the float32 op on each sequence alone, given its view of the
+//   packed tensors: bitwise, values and gradients (each sequence is one
+//   kernel call over that view), also where one sequence takes the forward's
+//   key split;
 // - bitwise the same on 1 and 2 threads;
 // and the arguments' checks, empty batches and bfloat16 inputs.
 #include <attnkit/ops.h>
