@@ -44,6 +44,16 @@ kernels::LinearAttentionBackwardParams linear_params(const torch::Tensor& q, con
   return p;
 }
 
+/// The options as saved_data, read back by options_from.
+void save_options(AutogradContext* ctx, const LinearAttentionFuncOptions& o) {
+  ctx->saved_data["elu"] = o.feature_map() == FeatureMap::elu;
+  ctx->saved_data["normalize"] = o.normalize();
+  ctx->saved_data["causal"] = o.causal();
+  ctx->saved_data["eps"] = o.eps();
+  ctx->saved_data["rotary_dim"] = o.rotary_dim();
+  ctx->saved_data["rotary_base"] = o.rotary_base();
+}
+
 LinearAttentionFuncOptions options_from(const AutogradContext* ctx) {
   const auto& d = ctx->saved_data;
   return LinearAttentionFuncOptions()
@@ -64,12 +74,7 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
                              : torch::Tensor();
     kernels::linear_attention_forward(linear_params(q, k, v, out, den, o));
     ctx->save_for_backward({q, k, v, out, den});
-    ctx->saved_data["elu"] = o.feature_map() == FeatureMap::elu;
-    ctx->saved_data["normalize"] = o.normalize();
-    ctx->saved_data["causal"] = o.causal();
-    ctx->saved_data["eps"] = o.eps();
-    ctx->saved_data["rotary_dim"] = o.rotary_dim();
-    ctx->saved_data["rotary_base"] = o.rotary_base();
+    save_options(ctx, o);
     return out;
   }
 
@@ -99,17 +104,12 @@ class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFuncti
     auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
     auto den = o.normalize() ? torch::empty({q.size(1) * q.size(0)}, q.options()) : torch::Tensor();
     for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
-      const Sequence s(cu_q, cu_k, b);
-      auto out_b = s.of(out), den_b = s.den(den, q.size(1));
+      const detail::PackedSequence s(cu_q, cu_k, b);
+      auto out_b = s.of(out), den_b = s.row_stats(den, q.size(1));
       kernels::linear_attention_forward(linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o));
     }
     ctx->save_for_backward({q, k, v, out, den});
-    ctx->saved_data["elu"] = o.feature_map() == FeatureMap::elu;
-    ctx->saved_data["normalize"] = o.normalize();
-    ctx->saved_data["causal"] = o.causal();
-    ctx->saved_data["eps"] = o.eps();
-    ctx->saved_data["rotary_dim"] = o.rotary_dim();
-    ctx->saved_data["rotary_base"] = o.rotary_base();
+    save_options(ctx, o);
     ctx->saved_data["cu_q"] = cu_q;
     ctx->saved_data["cu_k"] = cu_k;
     return out;
@@ -127,8 +127,8 @@ class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFuncti
     auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
     auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
     for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
-      const Sequence s(cu_q, cu_k, b);
-      auto out_b = s.of(out), den_b = s.den(den, q.size(1));
+      const detail::PackedSequence s(cu_q, cu_k, b);
+      auto out_b = s.of(out), den_b = s.row_stats(den, q.size(1));
       auto p = linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o);
       detail::bind(p.dout, p.dout_stride, s.of(dout));
       detail::bind(p.dq, p.dq_stride, s.of(dq));
@@ -140,20 +140,6 @@ class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFuncti
                                        {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()},
                                        {q, k, v, dout});
   }
-
- private:
-  /// Sequence b of a packed batch as the kernel sees it: a batch of one.
-  struct Sequence {
-    Sequence(const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, std::size_t b)
-        : q_begin(cu_q[b]), q_end(cu_q[b + 1]), k_begin(cu_k[b]), k_end(cu_k[b + 1]) {}
-    torch::Tensor of(const torch::Tensor& packed) const { return detail::sequence_view(packed, q_begin, q_end); }
-    torch::Tensor keys(const torch::Tensor& packed) const { return detail::sequence_view(packed, k_begin, k_end); }
-    torch::Tensor den(const torch::Tensor& den, int64_t H) const {
-      if (!den.defined()) return den;
-      return den.narrow(0, H * q_begin, H * (q_end - q_begin)).view({1, H, q_end - q_begin});
-    }
-    int64_t q_begin, q_end, k_begin, k_end;
-  };
 };
 
 kernels::GatedLinearAttentionBackwardParams gated_params(const torch::Tensor& f,
@@ -255,13 +241,9 @@ torch::Tensor varlen_linear_attention(const torch::Tensor& q, const torch::Tenso
                                    cu_seqlens_k, options)
         .to(torch::kBFloat16);
   if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
-    std::vector<torch::Tensor> rows{q.new_empty({0, q.size(1), v.size(2)})};
-    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b)
-      rows.push_back(detail::packed_rows(linear_attention(detail::sequence_view(q, cu_q[b], cu_q[b + 1]),
-                                                          detail::sequence_view(k, cu_k[b], cu_k[b + 1]),
-                                                          detail::sequence_view(v, cu_k[b], cu_k[b + 1]),
-                                                          options)));
-    return torch::cat(rows, 0);
+    return detail::each_sequence(q, k, v, cu_q, cu_k, [&](const auto& qb, const auto& kb, const auto& vb) {
+      return linear_attention(qb, kb, vb, options);
+    });
   }
   return VarlenLinearFunction::apply(q, k, v, options, cu_q, cu_k);
 }

@@ -71,6 +71,23 @@ struct SoftmaxConstants {
   int64_t window;              // 0: no window
 };
 
+/// c's numbers as saved_data (its tensors go through save_for_backward),
+/// read back by saved_constants.
+void save_constants(AutogradContext* ctx, const SoftmaxConstants& c) {
+  ctx->saved_data["scale"] = c.scale;
+  ctx->saved_data["causal"] = c.causal;
+  ctx->saved_data["rotary_dim"] = c.rotary_dim;
+  ctx->saved_data["rotary_base"] = c.rotary_base;
+  ctx->saved_data["window"] = c.window;
+}
+
+SoftmaxConstants saved_constants(AutogradContext* ctx, const torch::Tensor& key_lengths,
+                                 const torch::Tensor& alibi_slopes) {
+  const auto& d = ctx->saved_data;
+  return {key_lengths, d.at("scale").toDouble(), d.at("causal").toBool(), alibi_slopes,
+          d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt()};
+}
+
 /// The kernel reads strides, so views of q, k, v, out and a broadcast bias
 /// cost no copy.
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
@@ -119,10 +136,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto &bias = saved[5], &key_lengths = saved[6];
-    const SoftmaxConstants c{key_lengths, ctx->saved_data["scale"].toDouble(),
-                             ctx->saved_data["causal"].toBool(), saved[7],
-                             ctx->saved_data["rotary_dim"].toInt(), ctx->saved_data["rotary_base"].toDouble(),
-                             ctx->saved_data["window"].toInt()};
+    const SoftmaxConstants c = saved_constants(ctx, key_lengths, saved[7]);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     kernels::SoftmaxAttentionBackwardParams p;
     static_cast<kernels::SoftmaxAttentionParams&>(p) =
@@ -160,12 +174,8 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     auto lse = torch::empty({N, H, L}, q.options());
     kernels::softmax_attention_forward(make_params(q, k, v, bias, c.key_lengths, c, out, lse));
     ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes});
-    ctx->saved_data["scale"] = c.scale;
-    ctx->saved_data["causal"] = c.causal;
+    save_constants(ctx, c);
     ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["rotary_dim"] = c.rotary_dim;
-    ctx->saved_data["rotary_base"] = c.rotary_base;
-    ctx->saved_data["window"] = c.window;
     return out;
   }
 };
@@ -189,16 +199,12 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
     auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
     auto lse = torch::empty({q.size(1) * q.size(0)}, q.options());
     for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
-      const Sequence s(vc, b);
+      const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
       kernels::softmax_attention_forward(make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out),
-                                                     s.lse(lse, q.size(1))));
+                                                     s.row_stats(lse, q.size(1))));
     }
     ctx->save_for_backward({q, k, v, out, lse, vc.c.alibi_slopes});
-    ctx->saved_data["scale"] = vc.c.scale;
-    ctx->saved_data["causal"] = vc.c.causal;
-    ctx->saved_data["rotary_dim"] = vc.c.rotary_dim;
-    ctx->saved_data["rotary_base"] = vc.c.rotary_base;
-    ctx->saved_data["window"] = vc.c.window;
+    save_constants(ctx, vc.c);
     ctx->saved_data["cu_q"] = vc.cu_q;
     ctx->saved_data["cu_k"] = vc.cu_k;
     return out;
@@ -207,11 +213,8 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const VarlenConstants vc{{torch::Tensor(), ctx->saved_data["scale"].toDouble(),
-                              ctx->saved_data["causal"].toBool(), saved[5], ctx->saved_data["rotary_dim"].toInt(),
-                              ctx->saved_data["rotary_base"].toDouble(), ctx->saved_data["window"].toInt()},
-                             ctx->saved_data["cu_q"].toIntVector(),
-                             ctx->saved_data["cu_k"].toIntVector()};
+    const VarlenConstants vc{saved_constants(ctx, torch::Tensor(), saved[5]),
+                             ctx->saved_data["cu_q"].toIntVector(), ctx->saved_data["cu_k"].toIntVector()};
     // Grouped-query heads: the kernel writes each query head's share of dk
     // and dv (kernels/softmax_attention.h), summed over each group below.
     // Everything is read and written in place, in the packed layout (the
@@ -221,10 +224,10 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
     auto dk = torch::empty({k.size(0), group > 1 ? H : k.size(1), k.size(2)}, k.options());
     auto dv = torch::empty({v.size(0), group > 1 ? H : v.size(1), v.size(2)}, v.options());
     for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
-      const Sequence s(vc, b);
+      const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
       kernels::SoftmaxAttentionBackwardParams p;
       static_cast<kernels::SoftmaxAttentionParams&>(p) =
-          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.lse(lse, H));
+          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.row_stats(lse, H));
       detail::bind(p.dout, p.dout_stride, s.of(grads[0]));
       detail::bind(p.dq, p.dq_stride, s.of(dq));
       detail::bind(p.dk, p.dk_stride, s.keys(dk));
@@ -237,19 +240,6 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
     }
     return detail::once_differentiable("varlen_attention", {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
   }
-
- private:
-  /// Sequence b of a packed batch as the kernel sees it: a batch of one.
-  struct Sequence {
-    Sequence(const VarlenConstants& vc, std::size_t b)
-        : q_begin(vc.cu_q[b]), q_end(vc.cu_q[b + 1]), k_begin(vc.cu_k[b]), k_end(vc.cu_k[b + 1]) {}
-    torch::Tensor of(const torch::Tensor& packed) const { return detail::sequence_view(packed, q_begin, q_end); }
-    torch::Tensor keys(const torch::Tensor& packed) const { return detail::sequence_view(packed, k_begin, k_end); }
-    torch::Tensor lse(const torch::Tensor& lse, int64_t H) const {
-      return lse.narrow(0, H * q_begin, H * (q_end - q_begin)).view({1, H, q_end - q_begin});
-    }
-    int64_t q_begin, q_end, k_begin, k_end;
-  };
 };
 
 /// Exact attention on bfloat16 q, k, v by the AMX kernel (no bias).
@@ -387,13 +377,9 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
         .to(torch::kBFloat16);
   }
   if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
-    std::vector<torch::Tensor> rows{q.new_empty({0, q.size(1), v.size(2)})};
-    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b)
-      rows.push_back(detail::packed_rows(softmax_attention(detail::sequence_view(q, cu_q[b], cu_q[b + 1]),
-                                                           detail::sequence_view(k, cu_k[b], cu_k[b + 1]),
-                                                           detail::sequence_view(v, cu_k[b], cu_k[b + 1]),
-                                                           options)));
-    return torch::cat(rows, 0);
+    return detail::each_sequence(q, k, v, cu_q, cu_k, [&](const auto& qb, const auto& kb, const auto& vb) {
+      return softmax_attention(qb, kb, vb, options);
+    });
   }
   auto slopes = options.alibi_slopes();
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();

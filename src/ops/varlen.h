@@ -73,4 +73,36 @@ inline torch::Tensor sequence_view(const torch::Tensor& packed, int64_t begin, i
 /// The inverse of sequence_view for a result: (1, H, Lb, X) to (Lb, H, X).
 inline torch::Tensor packed_rows(const torch::Tensor& sequence) { return sequence.squeeze(0).permute({1, 0, 2}); }
 
+/// Sequence b of a packed batch as the kernels see it: a batch of one.
+struct PackedSequence {
+  PackedSequence(const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, std::size_t b)
+      : q_begin(cu_q[b]), q_end(cu_q[b + 1]), k_begin(cu_k[b]), k_end(cu_k[b + 1]) {}
+  /// Its rows of a packed (Tq, H, X) query-side tensor (q, out, dq, dout).
+  torch::Tensor of(const torch::Tensor& packed) const { return sequence_view(packed, q_begin, q_end); }
+  /// Its rows of a packed (Tk, Hkv, X) key-side tensor (k, v, dk, dv).
+  torch::Tensor keys(const torch::Tensor& packed) const { return sequence_view(packed, k_begin, k_end); }
+  /// Its (1, H, Lb) block of per-row statistics kept as H Tq floats, block b
+  /// at H cu_q[b] (the kernels' contiguous (N, H, L) layout for N = 1):
+  /// the exact kernel's lse, linear attention's den. Undefined stays undefined.
+  torch::Tensor row_stats(const torch::Tensor& stats, int64_t H) const {
+    if (!stats.defined()) return stats;
+    return stats.narrow(0, H * q_begin, H * (q_end - q_begin)).view({1, H, q_end - q_begin});
+  }
+  int64_t q_begin, q_end, k_begin, k_end;
+};
+
+/// The composite of a packed op: `single` (an op on (1, H, L, E) batches) on
+/// each sequence's views, the results packed again into (Tq, H, M).
+template <typename Single>
+torch::Tensor each_sequence(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k,
+                            const Single& single) {
+  std::vector<torch::Tensor> rows{q.new_empty({0, q.size(1), v.size(2)})};  // B = 0 too
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const PackedSequence s(cu_q, cu_k, b);
+    rows.push_back(packed_rows(single(s.of(q), s.keys(k), s.keys(v))));
+  }
+  return torch::cat(rows, 0);
+}
+
 }  // namespace attnkit::detail

@@ -288,7 +288,8 @@ TEST(VarlenAttention, DoubleBackwardThroughTheKernelsRaises) {
       {"varlen_linear_attention", packed_linear(p, LinearAttentionFuncOptions())}};
   for (const auto& [name, op] : ops) {
     SCOPED_TRACE(name);
-    auto [q, k, v] = leaves(p, torch::kFloat);
+    torch::Tensor q, k, v;  // not a structured binding: the lambda below captures q (C++17)
+    std::tie(q, k, v) = leaves(p, torch::kFloat);
     const auto out = op(q, k, v);
     // First-order gradients with create_graph are right; differentiating
     // them again raises instead of dropping the second-order terms.
