@@ -26,7 +26,7 @@ struct TrainFlags {
   int64_t layers = 0, width = 0, heads = 0, kv_heads = 0, ffn = 0, context = 0, batch = 0, steps = 0, copy_length = 64;
   int64_t warmup = 0, checkpoint_every = 0, log_every = 0, eval_every = 0, eval_batches = 0, conv_width = 0,
           max_length = 0;
-  double lr = 0, min_lr = 0, dropout = 0, clip = 0, weight_decay = 0, rotary_fraction = 1;
+  double lr = 0, min_lr = 0, dropout = 0, attention_dropout = 0, clip = 0, weight_decay = 0, rotary_fraction = 1;
   uint64_t seed = 0;
   int threads = 0;
   std::string out;
@@ -51,7 +51,7 @@ void add_train_command(CLI::App& app) {
   const models::TransformerOptions m;
   const train::TrainerOptions t;
   f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->kv_heads = m.kv_heads(); f->ffn = m.ffn();
-  f->dropout = m.dropout(); f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
+  f->dropout = m.dropout(); f->attention_dropout = m.attention_dropout(); f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
   f->max_length = m.max_length();
   f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
   f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
@@ -84,6 +84,9 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--ffn", f->ffn, "Hidden width of the feed-forward network")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--dropout", f->dropout, "Dropout on every sub-layer output")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--attention-dropout", f->attention_dropout,
+                  "Dropout on the attention weights, inside the exact kernel (attention 'full'), in [0, 1)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
   // (Checked by models::positions_from_string, whose error names the schemes.)
   cmd->add_option("--positions", f->positions,
                   "none, or schemes joined by '+' (conv+learned, conv+relative, ...): sinusoidal, learned, relative, "
@@ -190,7 +193,7 @@ void add_train_command(CLI::App& app) {
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
-          .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction).max_length(f->max_length)
+          .attention_dropout(f->attention_dropout).conv_width(f->conv_width).rotary_fraction(f->rotary_fraction).max_length(f->max_length)
           .tie_embeddings(!f->untied).shared_weights(f->shared_weights)
           .normalization(models::normalization_from_string(f->normalization))
           .feed_forward(models::feed_forward_from_string(f->feed_forward)).bias(!f->no_bias);
@@ -233,6 +236,7 @@ void add_train_command(CLI::App& app) {
       if (given("--kv-heads")) model.kv_heads(f->kv_heads);
       if (given("--ffn")) model.ffn(f->ffn);
       if (given("--dropout")) model.dropout(f->dropout);
+      if (given("--attention-dropout")) model.attention_dropout(f->attention_dropout);
       if (given("--conv-width")) model.conv_width(f->conv_width);
       if (given("--max-length")) model.max_length(f->max_length);
       if (given("--rotary-fraction")) model.rotary_fraction(f->rotary_fraction);

@@ -59,6 +59,22 @@ struct SoftmaxAttentionFuncOptions {
   /// otherwise (2 window - 1 keys). The kernel skips the tiles outside the
   /// band: O(L window) work. 0: no window.
   TORCH_ARG(int64_t, window) = 0;
+  /// Attention dropout (the transformer's dropout on the attention weights):
+  /// each weight P_ij is kept with probability 1 - dropout_p and scaled by
+  /// 1 / (1 - dropout_p), or zeroed, inside the kernel:
+  ///   out = ((P o Z) / (1 - dropout_p)) v,  Z_ij in {0, 1}.
+  /// Z is a function of (dropout_seed, batch, head, query, key) alone
+  /// (attention_dropout_mask below draws the same one): the backward
+  /// regenerates it, nothing of size L x S is stored, and the result is
+  /// bitwise the same for any thread count. The weights' normaliser counts
+  /// every visible key (dropout comes after the softmax). In [0, 1); the
+  /// probability is rounded to a multiple of 2^-16. Applied whenever it is
+  /// positive, like torch's scaled_dot_product_attention: modules pass it
+  /// only in training. 0: none (the kernel is then the one without dropout).
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// The mask's seed. Unset: drawn from torch's default CPU generator at the
+  /// call (torch::manual_seed makes runs repeat); the backward reuses it.
+  TORCH_ARG(c10::optional<int64_t>, dropout_seed) = c10::nullopt;
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest
@@ -83,6 +99,13 @@ struct RotaryEmbeddingFuncOptions {
   TORCH_ARG(int64_t, offset) = 0;
 };
 torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFuncOptions& options);
+/// The keep mask Z of attention dropout (SoftmaxAttentionFuncOptions::
+/// dropout_p) for N batches, H heads, L queries and S keys: bool (N, H, L, S),
+/// true where a weight is kept. Entry (n, h, i, j) is the one the kernel
+/// draws for batch n, head h, query i, key j with this seed (docs/MATH.md,
+/// "Attention dropout"): for tests, and for reading off which weights a call
+/// dropped. Costs N H L S bytes.
+torch::Tensor attention_dropout_mask(int64_t N, int64_t H, int64_t L, int64_t S, double dropout_p, int64_t seed);
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
                                 const SoftmaxAttentionFuncOptions& options = {});
@@ -91,7 +114,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// bias, which may require grad); for bfloat16 the kernel too, its reason
 /// naming how: "bf16 on AMX tiles" (bf16 products with float32 accumulation
 /// and softmax, bf16 outputs), or the float32 kernel on converted inputs with
-/// the outputs rounded to bf16 (with a bias, ALiBi slopes, rotary positions, a window or grouped heads,
+/// the outputs rounded to bf16 (with a bias, ALiBi slopes, rotary positions, a window, dropout or grouped heads,
 /// or where AMX is unavailable or ATTNKIT_BF16_GEMM=float32); else (float64, float16) the composite, with
 /// the reason.
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
@@ -115,8 +138,10 @@ struct ScaledDotProductAttentionFuncOptions {
   /// Boolean (True: takes part) or floating (added; the query's dtype),
   /// broadcastable to (..., Hq, L, S). Undefined: none.
   TORCH_ARG(torch::Tensor, attn_mask) = {};
-  /// Only 0 for now: a positive value is refused (there is no attention
-  /// dropout in our kernels yet).
+  /// Attention dropout in [0, 1], inside the exact kernel
+  /// (SoftmaxAttentionFuncOptions::dropout_p; 1 zeroes the output), its seed
+  /// drawn from torch's default CPU generator. Applied whenever positive,
+  /// as torch's: pass 0.0 when not training.
   TORCH_ARG(double, dropout_p) = 0.0;
   /// Query i sees key j iff j <= i (top-left aligned); not with attn_mask.
   TORCH_ARG(bool, is_causal) = false;
@@ -193,7 +218,9 @@ std::string to_string(FeatureMap map);
 // ----------------------------------------------------------------------------
 /// Exact attention over a packed batch. The options are softmax_attention's;
 /// key_lengths and bias are refused (the offsets give the lengths; a bias has
-/// no packed layout).
+/// no packed layout). With dropout, sequence b draws the mask of batch entry
+/// b (attention_dropout_mask's n = b): the op on sequence b's view alone
+/// draws batch 0's, so packed equals one by one at dropout_p = 0.
 torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
                                const SoftmaxAttentionFuncOptions& options = {});

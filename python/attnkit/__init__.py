@@ -40,7 +40,7 @@ __all__ = [
     "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
     "varlen_attention", "varlen_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
-    "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "library_path", "mechanisms", "nn", "models",
+    "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "attention_dropout_mask", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
 ]
 
@@ -58,7 +58,9 @@ edge_pattern = torch.ops.attnkit.edge_pattern
 linear = torch.ops.attnkit.linear
 alibi_slopes = torch.ops.attnkit.alibi_slopes
 rotary_embedding = torch.ops.attnkit.rotary_embedding
-
+# Attention dropout's keep mask (N, H, L, S) for a seed: what
+# softmax_attention(dropout_p=, dropout_seed=) keeps. docs/API.md.
+attention_dropout_mask = torch.ops.attnkit.attention_dropout_mask
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
@@ -74,7 +76,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       ``softmax_attention(causal=True)`` when L != S); not with ``attn_mask``;
     * ``scale``: default ``1 / sqrt(E)``;
     * ``enable_gqa``: query head h reads key and value head ``h // (Hq // Hk)``;
-    * ``dropout_p``: only 0.0 (refused otherwise: no attention dropout yet).
+    * ``dropout_p``: attention dropout inside the exact kernel, applied
+      whenever positive (as torch's: pass 0.0 when not training); its seed
+      comes from torch's default generator (``torch.manual_seed`` repeats it).
 
     A query row with no visible key gives zeros and zero gradients (torch's
     math backend gives NaN there). docs/API.md says what each argument costs.

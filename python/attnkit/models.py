@@ -22,7 +22,7 @@ __all__ = ["Transformer"]
 
 # TransformerOptions' keys (src/models/options.cpp) with their C++ defaults.
 _OPTIONS = ("architecture", "vocab_size", "source_vocab_size", "layers", "width", "heads", "kv_heads", "ffn",
-            "dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
+            "dropout", "attention_dropout", "attention", "cross_attention", "positions", "max_length", "relative_clip",
             "conv_width", "rotary_fraction", "norm", "normalization", "feed_forward", "bias", "tie_embeddings",
             "shared_weights")
 
@@ -38,7 +38,8 @@ class Transformer(BridgedModule):
     architecture ("decoder" | "encoder" | "encoder-decoder"), vocab_size,
     source_vocab_size, layers (2), width (64), heads (4), kv_heads (0: as many as
     heads; a divisor of heads for grouped-query attention, 1 for multi-query), ffn (256),
-    dropout (0.1), attention (a spec, or one per block; "full"),
+    dropout (0.1), attention_dropout (0.0: dropout on the attention weights in
+    training, inside the exact kernel), attention (a spec, or one per block; "full"),
     cross_attention ("full"), positions ("sinusoidal" | "learned" | "relative"
     | "conv" | "alibi" | "rope" | "none", or schemes joined by "+" such as "conv+learned"), max_length (2048), relative_clip (16), conv_width (8),
     rotary_fraction (1.0: with "rope", the share of each head's features rotated),

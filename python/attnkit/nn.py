@@ -132,17 +132,20 @@ class MultiheadAttention(BridgedModule):
     base), inside the kernel for "full" and for "linear" / "causal-linear"
     (RoFormer's form: phi(q), phi(k) turned in the numerator only), on q and
     k before the call for the other mechanisms whose scores are dot products
-    (``supports["rotary"]``).
+    (``supports["rotary"]``). ``dropout`` (in [0, 1)) is attention dropout
+    on the weights in training mode, inside the exact kernel (``"full"``;
+    ``supports["dropout"]``); the weights ``need_weights`` returns are those
+    before dropout.
     """
 
     # embed_dim and num_heads (the width and heads of every other module) keep
     # torch.nn.MultiheadAttention's names: a drop-in replacement (docs/API.md).
     def __init__(self, embed_dim, num_heads, attention="full", bias=True, batch_first=False, kv_heads=0,
-                 alibi=False, rotary_dim=0, rotary_base=10000.0):
+                 alibi=False, rotary_dim=0, rotary_base=10000.0, dropout=0.0):
         super().__init__("MultiheadAttention", {"width": embed_dim, "heads": num_heads, "kv_heads": kv_heads,
                                                 "alibi": alibi, "rotary_dim": rotary_dim,
                                                 "rotary_base": float(rotary_base), "bias": bias,
-                                                "attention": attention})
+                                                "dropout": float(dropout), "attention": attention})
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
     @property

@@ -189,6 +189,12 @@ inline void check_rotary(const char* op, const char* name, int64_t dim, const ch
               "' must be finite and > 0, got ", base);
 }
 
+/// Attention dropout's probability: in [0, 1) (NaN refused).
+inline void check_dropout(const char* op, double p) {
+  TORCH_CHECK(p >= 0 && p < 1, op, ": option 'dropout_p' must be in [0, 1), got ", p,
+              " (0: no dropout; 1 would drop every weight)");
+}
+
 inline double scale_or_default(const c10::optional<double>& scale, int64_t E) {
   return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
 }

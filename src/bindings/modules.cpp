@@ -196,6 +196,7 @@ const std::map<std::string, Factory>& factories() {
                  .rotary_dim(s.get<int64_t>("rotary_dim", 0))
                  .rotary_base(s.get<double>("rotary_base", 10000.0))
                  .bias(s.get<bool>("bias", true))
+                 .dropout(s.get<double>("dropout", 0.0))
                  .attention(s.get<std::string>("attention", "full")));
          Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
                      expect_method("MultiheadAttention", method, {"forward", "set_attention"});
@@ -215,6 +216,7 @@ const std::map<std::string, Factory>& factories() {
                        {"rotary_dim", m->options.rotary_dim()},
                        {"rotary_base", m->options.rotary_base()},
                        {"bias", m->options.bias()},
+                       {"dropout", m->options.dropout()},
                        {"attention", m->options.attention()}}
                .dump();
          };
@@ -463,6 +465,7 @@ std::string mechanisms_json() {
                      {"decoding_state", m.supports.decoding_state},
                      {"grouped_heads", m.supports.grouped_heads},
                      {"alibi", m.supports.alibi},
+                     {"dropout", m.supports.dropout},
                      {"rotary", m.supports.rotary == nn::RotarySupport::kernel   ? "kernel"
                                 : m.supports.rotary == nn::RotarySupport::inputs ? "inputs"
                                                                                  : "none"}}},

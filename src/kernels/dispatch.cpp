@@ -13,6 +13,7 @@
 #include "kernels/clustered_attention.h"
 #include "kernels/common/isa.h"
 #include "kernels/common/vec.h"
+#include "kernels/dropout.h"
 #include "kernels/gated_linear_attention.h"
 #include "kernels/hashing.h"
 #include "kernels/kmeans.h"
@@ -105,6 +106,9 @@ bool softmax_attention_bf16_available() { return isa::current() >= isa::Level::a
 
 // Rotary positions as an op of their own (rotary.h).
 ATTNKIT_FLOAT32_KERNEL(void, rotary_embedding, (const RotaryParams& p), (p))
+
+// Attention dropout's keep mask written out (dropout.h).
+ATTNKIT_FLOAT32_KERNEL(void, attention_dropout_mask, (const DropoutMaskParams& p), (p))
 
 // Sparse attention over edge lists (sparse_attention.h).
 ATTNKIT_FLOAT32_KERNEL(void, sparse_attention_forward, (const SparseAttentionParams& p), (p))

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "base/memory.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/rotary.h"
@@ -141,6 +142,11 @@ void add_score_terms(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int6
   }
 }
 
+/// The call's attention dropout (inactive without one).
+AttentionDropout dropout_of(const SoftmaxAttentionParams& p) {
+  return AttentionDropout(p.dropout_p, p.dropout_seed, p.dropout_batch_offset);
+}
+
 /// Sets the scores of keys a row may not see to -inf in the block of rows
 /// [i0, i0 + rows) x keys [j0, j0 + cols), s[r * lds + c].
 void mask_block(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
@@ -195,6 +201,7 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
   const int64_t E = p.E, M = p.M;
   const Visibility visible = visibility_of(p, n);
   const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
+  const AttentionDropout dropout = dropout_of(p);
 
   std::fill(a.u, a.u + rows * M, 0.f);
   std::fill(a.m, a.m + rows, -kInf);
@@ -236,6 +243,8 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
         }
         const float alpha = vec::exp(m[r] - m_new);  // 0 on the row's first visible block
         l[r] = l[r] * alpha + vec::exp_shift_sum(sr, cols, m_new);
+        // Dropout after the sum: l normalises over every visible key.
+        if (dropout.active()) dropout.apply(dropout.row(n, h, i0 + b + r), j0, sr, cols);
         if (alpha != 1.f) vec::scale(o + r * M, M, alpha);
         m[r] = m_new;
       }
@@ -389,7 +398,9 @@ struct TileInputs {
   const float *lse, *d;
 };
 
-/// prob = P and ds = dS of the tile (rows x cols, row stride kBackwardBlockK).
+/// prob = P and ds = dS of the tile (rows x cols, row stride kBackwardBlockK);
+/// with dropout prob = P o Z / (1 - p), what multiplies v (and dv's factor),
+/// and ds = P o (dP - D) with dP = (dO V^T) o Z / (1 - p).
 void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
                       const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                       const TileInputs& x, float* prob, float* ds) {
@@ -405,7 +416,18 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
       vec::exp_shift(pr, cols, x.lse[r]);
   }
   sgemm(false, true, rows, cols, p.M, 1.f, x.dout.data, x.dout.ld, x.v.data, x.v.ld, 0.f, ds, BK);
-  for (int64_t r = 0; r < rows; ++r) vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
+  const AttentionDropout dropout = dropout_of(p);
+  if (!dropout.active()) {
+    for (int64_t r = 0; r < rows; ++r) vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
+    return;
+  }
+  uint16_t kept[AttentionDropout::kMaxKeys / 16];
+  for (int64_t r = 0; r < rows; ++r) {
+    dropout.keep_bits(dropout.row(n, h, i0 + r), j0, cols, kept);
+    AttentionDropout::scale_kept(ds + r * BK, cols, kept, dropout.scale());
+    vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
+    AttentionDropout::scale_kept(prob + r * BK, cols, kept, dropout.scale());
+  }
 }
 
 /// d[r] = D_i = dout_i . out_i for the rows [i0, i0 + rows) of head (n, h),
@@ -660,10 +682,12 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
 /// head g G + r sit at head stride times (g G + r), and lse's (n, h) index
 /// n H + g G + r is (n Hkv + g) G + r. Taken when nothing about a row depends
 /// on its query head or position beyond q itself: no bias, ALiBi, rotary
-/// positions or window; the causal mask of a single query over S keys hides
-/// nothing, so it is dropped. Returns false when p is not such a call.
+/// positions, window or dropout (whose mask is drawn per head); the causal
+/// mask of a single query over S keys hides nothing, so it is dropped. Returns false when p is not such a call.
 bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
-  if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0) return false;
+  if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0 ||
+      p.dropout_p > 0)
+    return false;
   const int64_t G = p.kv_group;
   rows = p;
   rows.H = p.H / G, rows.L = G, rows.kv_group = 1, rows.causal = false;

@@ -19,6 +19,12 @@
 // gets out = 0, lse = -inf and zero gradients. A NaN score of a visible key
 // (from q, k or the bias) makes its row's out and lse NaN, as torch's softmax.
 //
+// With attention dropout the weights P_ij that multiply v are P_ij Z_ij /
+// (1 - p), Z the keep mask of kernels/common/dropout.h, drawn per tile after
+// the exponentials (the row sums count every visible key) and drawn again by
+// the backward: dV = (P o Z)^T dO / (1 - p), dP = (dO V^T) o Z / (1 - p),
+// dS = P o (dP - D) with D_i = dO_i . out_i as without dropout.
+//
 // Neither pass allocates anything of size L x S. Scratch per thread: a few
 // blocks; the backward pass adds a dQ accumulator of L x E floats, and copies
 // of one head of q, k, v, dout unless its rows lie one after another (of q
@@ -55,6 +61,9 @@ struct SoftmaxAttentionParams : QkvParams {
   double rotary_base = 10000.0;          // theta_c = rotary_base^(-2c / rotary_dim)
   int64_t window = 0;                    // > 0: each query sees only keys within window - 1
                                          // of its position i + S - L; 0: none
+  double dropout_p = 0.0;                // attention dropout in [0, 1) (kernels/common/dropout.h):
+  uint64_t dropout_seed = 0;             // P_ij kept (and scaled) as that file draws it for
+  int64_t dropout_batch_offset = 0;      // batch n + dropout_batch_offset; 0: none
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the
@@ -75,7 +84,7 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// is bitwise the same for any thread count.
 ///
 /// Decoding with grouped-query heads (L = 1, kv_group G > 1, and no bias,
-/// ALiBi, rotary positions or window) attends the G query heads of each
+/// ALiBi, rotary positions, window or dropout) attends the G query heads of each
 /// key/value head as the G rows of one block, so each key/value head's keys
 /// are read once per group, not once per query head; equal to the head-by-head
 /// result to rounding, and like it bitwise the same for any thread count.

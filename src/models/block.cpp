@@ -55,6 +55,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
                                                        .bias(options.bias())
                                                        .alibi(has(options.positions(), Positions::alibi))
                                                        .rotary_dim(options.rotary_dim())
+                                                       .dropout(options.attention_dropout())
                                                        .attention(spec)));
     sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());
   }
@@ -65,6 +66,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
                              nn::MultiheadAttention(nn::MultiheadAttentionOptions(d, H)
                                                         .kv_heads(options.kv_heads())
                                                         .bias(options.bias())
+                                                        .dropout(options.attention_dropout())
                                                         .attention(options.cross_attention())));
     norm_cross_ = register_module("norm_cross", norm());
   }

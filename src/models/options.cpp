@@ -121,6 +121,8 @@ std::string TransformerOptions::to_json() const {
   if (kv_heads() != 0) j["kv_heads"] = kv_heads();
   j["ffn"] = ffn();
   j["dropout"] = dropout();
+  // Written only when set, as kv_heads.
+  if (attention_dropout() != 0.0) j["attention_dropout"] = attention_dropout();
   j["attention"] = attention();
   j["cross_attention"] = cross_attention();
   j["positions"] = models::to_string(positions());
@@ -160,6 +162,7 @@ TransformerOptions TransformerOptions::from_json(const std::string& text) {
       else if (key == "kv_heads") o.kv_heads(value.get<int64_t>());
       else if (key == "ffn") o.ffn(value.get<int64_t>());
       else if (key == "dropout") o.dropout(value.get<double>());
+      else if (key == "attention_dropout") o.attention_dropout(value.get<double>());
       else if (key == "attention") o.attention(value.get<std::vector<std::string>>());
       else if (key == "cross_attention") o.cross_attention(value.get<std::string>());
       else if (key == "positions") o.positions(positions_from_string(value.get<std::string>()));
@@ -223,6 +226,12 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               " needs key and value projections; agglomerative blocks have class projections instead");
   TORCH_CHECK(!grouped || !has(o.positions(), Positions::relative), where, ": kv_heads = ",
               o.kv_heads(), " is not supported with relative positions (their blocks keep full heads)");
+  TORCH_CHECK(o.attention_dropout() == 0 || !has(o.positions(), Positions::relative), where,
+              ": attention_dropout is not taken by relative-position blocks (their attention is not the kernel's)");
+  TORCH_CHECK(o.attention_dropout() == 0 || info->supports.dropout, where, ": attention_dropout = ",
+              o.attention_dropout(), " drops attention weights inside the kernel; '", text,
+              "' does not (mechanisms that do: ",
+              nn::mechanism_names_where([](const nn::MechanismInfo& m) { return m.supports.dropout; }), ")");
   TORCH_CHECK(!has(o.positions(), Positions::alibi) || info->supports.alibi, where,
               ": ALiBi positions penalise the scores inside the attention kernel; '", text,
               "' takes no slopes (mechanisms that do: ",
@@ -305,6 +314,8 @@ void validate(const TransformerOptions& o) {
   TORCH_CHECK(o.ffn() >= 1, where, ": ffn must be >= 1, got ", o.ffn());
   TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, where, ": dropout must be in [0, 1), got ",
               o.dropout());
+  TORCH_CHECK(o.attention_dropout() >= 0 && o.attention_dropout() < 1, where,
+              ": attention_dropout must be in [0, 1), got ", o.attention_dropout());
   TORCH_CHECK(o.max_length() >= 1, where, ": max_length must be >= 1, got ", o.max_length());
   TORCH_CHECK(o.relative_clip() >= 0, where, ": relative_clip must be >= 0, got ", o.relative_clip());
   TORCH_CHECK(o.conv_width() >= 1, where, ": conv_width must be >= 1, got ", o.conv_width());
@@ -350,6 +361,10 @@ void validate(const TransformerOptions& o) {
     TORCH_CHECK(info->make && info->supports.cross, where, ": cross-attention '",
                 o.cross_attention(), "' must attend from L queries to S != L keys through the "
                 "projections; '", info->name, "' cannot");
+    TORCH_CHECK(o.attention_dropout() == 0 || info->supports.dropout, where, ": attention_dropout = ",
+                o.attention_dropout(), " drops attention weights inside the kernel; cross-attention '",
+                o.cross_attention(), "' does not (mechanisms that do: ",
+                nn::mechanism_names_where([](const nn::MechanismInfo& m) { return m.supports.dropout; }), ")");
   }
 }
 

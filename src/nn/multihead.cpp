@@ -55,6 +55,12 @@ void MultiheadAttentionImpl::reset() {
   const int64_t r = options.rotary_dim();
   detail::check_rotary("MultiheadAttention", "rotary_dim", r, "rotary_base", options.rotary_base(), d / h);
   mechanism_rotates_ = r > 0 && rotates_in_kernel(options.attention());
+  TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1,
+              "MultiheadAttention: option 'dropout' must be in [0, 1), got ", options.dropout());
+  TORCH_CHECK(options.dropout() == 0 || resolve_mechanism(options.attention()).first->supports.dropout,
+              "MultiheadAttention: option 'dropout' (attention dropout, ", options.dropout(), ") needs a mechanism "
+              "that drops weights inside its kernel; '", options.attention(), "' does not (mechanisms that do: ",
+              mechanism_names_where([](const MechanismInfo& m) { return m.supports.dropout; }), ")");
 }
 
 torch::Tensor MultiheadAttentionImpl::rotate(const torch::Tensor& x, int64_t offset) const {
@@ -114,6 +120,7 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
   };
   auto q = split(q_proj(query), L, H), k = split(k_proj(key), S, Hk);
   AttendArgs args{causal, key_lengths, alibi_slopes_};
+  if (is_training()) args.dropout_p = options.dropout();
   // Rotary positions: query i at i + S - L, key j at j (the causal mask's alignment).
   if (mechanism_rotates_) {
     args.rotary_dim = options.rotary_dim();

@@ -402,6 +402,9 @@ void check_supports(const MechanismInfo& info, const torch::Tensor& q, const tor
               "before the call (attnkit::rotary_embedding, as nn::MultiheadAttention does)",
               s.rotary == RotarySupport::none ? ", which its scores would not turn into rotary positions either"
                                               : "");
+  TORCH_CHECK(s.dropout || args.dropout_p == 0, n,
+              ": this mechanism has no attention dropout (dropout_p = ", args.dropout_p, "; mechanisms with it: ",
+              mechanism_names_where([](const MechanismInfo& m) { return m.supports.dropout; }), ")");
   TORCH_CHECK(s.grouped_heads || k.size(1) == q.size(1), n,
               ": this mechanism reads no grouped-query heads: k and v need q's head count ", q.size(1),
               ", got ", k.size(1), " (repeat each over its group, as nn::MultiheadAttention does)");

@@ -17,7 +17,8 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                    bool causal, const c10::optional<torch::Tensor>& key_lengths,
                                    const c10::optional<torch::Tensor>& bias,
                                    const c10::optional<torch::Tensor>& alibi_slopes,
-                                   int64_t rotary_dim, double rotary_base, int64_t window) {
+                                   int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
+                                   c10::optional<int64_t> dropout_seed) {
   return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
@@ -26,14 +27,17 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
                                         .rotary_dim(rotary_dim)
                                         .rotary_base(rotary_base)
-                                        .window(window));
+                                        .window(window)
+                                        .dropout_p(dropout_p)
+                                        .dropout_seed(dropout_seed));
 }
 
 torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
                                   c10::optional<double> scale, bool causal,
                                   const c10::optional<torch::Tensor>& alibi_slopes, int64_t rotary_dim,
-                                  double rotary_base, int64_t window) {
+                                  double rotary_base, int64_t window, double dropout_p,
+                                  c10::optional<int64_t> dropout_seed) {
   return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                           SoftmaxAttentionFuncOptions()
                               .scale(scale)
@@ -41,7 +45,9 @@ torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k
                               .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
                               .rotary_dim(rotary_dim)
                               .rotary_base(rotary_base)
-                              .window(window));
+                              .window(window)
+                              .dropout_p(dropout_p)
+                              .dropout_seed(dropout_seed));
 }
 
 torch::Tensor rotary_embedding_op(const torch::Tensor& x, int64_t dim, double base, int64_t offset) {
@@ -145,15 +151,19 @@ TORCH_LIBRARY(attnkit, m) {
   m.def(("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
          "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
          std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
-         ", int window=" + std::to_string(soft.window()) + ") -> Tensor")
+         ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
+         ", int? dropout_seed=None) -> Tensor")
             .c_str(),
         &softmax_attention_op);
   m.def(("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
          "float? scale=None, bool causal=False, Tensor? alibi_slopes=None, int rotary_dim=" +
          std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
-         ", int window=" + std::to_string(soft.window()) + ") -> Tensor")
+         ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
+         ", int? dropout_seed=None) -> Tensor")
             .c_str(),
         &varlen_attention_op);
+  m.def("attention_dropout_mask(int N, int H, int L, int S, float dropout_p, int seed) -> Tensor",
+        &attention_dropout_mask);
   m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
   m.def(("rotary_embedding(Tensor x, int dim, *, float base=" +
          schema_float(RotaryEmbeddingFuncOptions(2).base()) + ", int offset=0) -> Tensor")

@@ -142,8 +142,6 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
               key.size(-2), " (shapes ", detail::shape_str(value), " and ", detail::shape_str(key), ")");
   const double p = options.dropout_p();
   TORCH_CHECK(p >= 0 && p <= 1, kOp, ": dropout_p must be in [0, 1], got ", p);
-  TORCH_CHECK(p == 0, kOp, ": dropout_p = ", p, " is not supported yet: attnkit's kernels have no attention "
-              "dropout (it is planned inside the exact kernel); pass dropout_p=0.0, e.g. 0.0 when not training");
 
   auto k = key, v = value;
   bool grouped = false;  // k and v keep their fewer heads: softmax_attention takes them as they are
@@ -179,8 +177,14 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
   torch::Tensor bias = m.bias;
   if (bias.defined() && batch.size() > 2) bias = as_nhxy(bias, batch);
 
+  // dropout_p = 1 drops every weight: zeros (and zero gradients), as torch's.
   const auto out = softmax_attention(as_nhxy(query, batch), as_nhxy(k, kv_batch), as_nhxy(v, kv_batch),
-                                     SoftmaxAttentionFuncOptions().scale(options.scale()).causal(m.causal).bias(bias));
+                                     SoftmaxAttentionFuncOptions()
+                                         .scale(options.scale())
+                                         .causal(m.causal)
+                                         .bias(bias)
+                                         .dropout_p(p < 1 ? p : 0.0)) *
+                   (p < 1 ? 1.0 : 0.0);
   auto out_shape = batch;
   out_shape.push_back(L);
   out_shape.push_back(value.size(-1));

@@ -3,8 +3,10 @@
 // the composite reference (other dtypes), and the kernels' autograd.
 #include "kernels/softmax_attention.h"
 
+#include "kernels/dropout.h"
 #include "kernels/softmax_attention_bf16.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -56,6 +58,7 @@ void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch
                        q.size(3));
   TORCH_CHECK(options.window() >= 0, kSoftmaxOp, ": option 'window' must be >= 0 (0: no window), got ",
               options.window());
+  detail::check_dropout(kSoftmaxOp, options.dropout_p());
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -69,6 +72,8 @@ struct SoftmaxConstants {
   int64_t rotary_dim;          // 0: no rotary positions
   double rotary_base;
   int64_t window;              // 0: no window
+  double dropout_p;            // 0: no dropout
+  int64_t dropout_seed;        // drawn (or given) once per call: the backward's mask is the forward's
 };
 
 /// c's numbers as saved_data (its tensors go through save_for_backward),
@@ -79,21 +84,26 @@ void save_constants(AutogradContext* ctx, const SoftmaxConstants& c) {
   ctx->saved_data["rotary_dim"] = c.rotary_dim;
   ctx->saved_data["rotary_base"] = c.rotary_base;
   ctx->saved_data["window"] = c.window;
+  ctx->saved_data["dropout_p"] = c.dropout_p;
+  ctx->saved_data["dropout_seed"] = c.dropout_seed;
 }
 
 SoftmaxConstants saved_constants(AutogradContext* ctx, const torch::Tensor& key_lengths,
                                  const torch::Tensor& alibi_slopes) {
   const auto& d = ctx->saved_data;
   return {key_lengths, d.at("scale").toDouble(), d.at("causal").toBool(), alibi_slopes,
-          d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt()};
+          d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt(),
+          d.at("dropout_p").toDouble(), d.at("dropout_seed").toInt()};
 }
 
 /// The kernel reads strides, so views of q, k, v, out and a broadcast bias
-/// cost no copy.
+/// cost no copy. `batch`: the dropout mask's batch index of q's entry 0 (a
+/// packed batch's sequence).
 kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k,
                                             const torch::Tensor& v, const torch::Tensor& bias,
                                             const torch::Tensor& key_lengths, const SoftmaxConstants& c,
-                                            const torch::Tensor& out, const torch::Tensor& lse) {
+                                            const torch::Tensor& out, const torch::Tensor& lse,
+                                            int64_t batch = 0) {
   kernels::SoftmaxAttentionParams p;
   detail::bind_qkv(p, q, k, v, out);
   p.kv_group = detail::kv_group(q, k);
@@ -107,6 +117,9 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   // A window no narrower than max(L, S) covers every key of every query
   // (|i + S - L - j| < max(L, S) always): no window, and the dense tiles.
   p.window = c.window >= std::max(p.L, p.S) ? 0 : c.window;
+  p.dropout_p = c.dropout_p;
+  p.dropout_seed = static_cast<uint64_t>(c.dropout_seed);
+  p.dropout_batch_offset = batch;
   if (bias.defined()) {
     // stride 0 on broadcast dimensions: no copy of a broadcast bias
     const auto full = bias.expand({p.N, p.H, p.L, p.S});
@@ -201,7 +214,7 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
     for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
       const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
       kernels::softmax_attention_forward(make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out),
-                                                     s.row_stats(lse, q.size(1))));
+                                                     s.row_stats(lse, q.size(1)), static_cast<int64_t>(b)));
     }
     ctx->save_for_backward({q, k, v, out, lse, vc.c.alibi_slopes});
     save_constants(ctx, vc.c);
@@ -227,7 +240,8 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
       const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
       kernels::SoftmaxAttentionBackwardParams p;
       static_cast<kernels::SoftmaxAttentionParams&>(p) =
-          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.row_stats(lse, H));
+          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.row_stats(lse, H),
+                      static_cast<int64_t>(b));
       detail::bind(p.dout, p.dout_stride, s.of(grads[0]));
       detail::bind(p.dq, p.dq_stride, s.of(dq));
       detail::bind(p.dk, p.dk_stride, s.keys(dk));
@@ -262,7 +276,7 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-                             torch::Tensor(), 0, 0.0, 0};
+                             torch::Tensor(), 0, 0.0, 0, 0.0, 0};
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
@@ -295,6 +309,7 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   if (options.alibi_slopes().defined()) return "ALiBi slopes";
   if (options.rotary_dim() > 0) return "rotary positions";
   if (options.window() > 0) return "a window";
+  if (options.dropout_p() > 0) return "attention dropout";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -303,7 +318,34 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   return {};
 }
 
+/// The options with dropout's seed set: as given, or drawn from torch's
+/// default CPU generator when dropout is on and none was given (only then,
+/// so that calls without dropout leave the generator's stream alone).
+SoftmaxAttentionFuncOptions with_dropout_seed(SoftmaxAttentionFuncOptions options) {
+  if (options.dropout_p() > 0 && !options.dropout_seed()) {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    options.dropout_seed(static_cast<int64_t>(generator.get<at::CPUGeneratorImpl>()->random64()));
+  }
+  return options;
+}
+
 }  // namespace
+
+torch::Tensor attention_dropout_mask(int64_t N, int64_t H, int64_t L, int64_t S, double dropout_p, int64_t seed) {
+  constexpr const char* op = "attention_dropout_mask";
+  TORCH_CHECK(N >= 0 && H >= 0 && L >= 0 && S >= 0, op, ": sizes must be >= 0, got (N, H, L, S) = (", N, ", ", H,
+              ", ", L, ", ", S, ")");
+  detail::check_dropout(op, dropout_p);
+  auto keep = torch::empty({N, H, L, S}, torch::kBool);
+  kernels::DropoutMaskParams p;
+  p.N = N, p.H = H, p.L = L, p.S = S;
+  p.p = dropout_p;
+  p.seed = static_cast<uint64_t>(seed);
+  p.keep = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
+  kernels::attention_dropout_mask(p);
+  return keep;
+}
 
 torch::Tensor alibi_slopes(int64_t heads) {
   TORCH_CHECK(heads >= 1, "alibi_slopes: heads must be >= 1, got ", heads);
@@ -334,7 +376,8 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
 }
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const SoftmaxAttentionFuncOptions& options) {
+                                const torch::Tensor& v, const SoftmaxAttentionFuncOptions& given) {
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(given);
   if (!softmax_attention_dispatch(q, k, v, options).uses_kernel())
     return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
@@ -343,7 +386,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
-                           options.window()};
+                           options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
   if (q.scalar_type() == torch::kBFloat16) {
     if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.
@@ -359,33 +402,36 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 
 torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
-                               const SoftmaxAttentionFuncOptions& options) {
+                               const SoftmaxAttentionFuncOptions& given) {
   constexpr const char* op = "varlen_attention";
   auto [cu_q, cu_k] = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
-  TORCH_CHECK(!options.key_lengths().defined(), op,
+  TORCH_CHECK(!given.key_lengths().defined(), op,
               ": option 'key_lengths' is not taken: 'cu_seqlens_k' gives each sequence its keys");
-  TORCH_CHECK(!options.bias().defined(), op,
+  TORCH_CHECK(!given.bias().defined(), op,
               ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
               "and call softmax_attention");
-  detail::check_scale(op, options.scale(), q.scalar_type());
-  detail::check_alibi_slopes(op, options.alibi_slopes(), q.size(1));
-  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(2));
-  TORCH_CHECK(options.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", options.window());
+  detail::check_scale(op, given.scale(), q.scalar_type());
+  detail::check_alibi_slopes(op, given.alibi_slopes(), q.size(1));
+  detail::check_rotary(op, "rotary_dim", given.rotary_dim(), "rotary_base", given.rotary_base(), q.size(2));
+  TORCH_CHECK(given.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", given.window());
+  detail::check_dropout(op, given.dropout_p());
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(given);
   if (q.scalar_type() == torch::kBFloat16) {  // the float32 kernel, the result rounded once
     return varlen_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
                             cu_seqlens_k, options)
         .to(torch::kBFloat16);
   }
   if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
+    int64_t batch = 0;  // each_sequence calls in sequence order: sequence b draws batch b's mask
     return detail::each_sequence(q, k, v, cu_q, cu_k, [&](const auto& qb, const auto& kb, const auto& vb) {
-      return softmax_attention(qb, kb, vb, options);
+      return reference::softmax_attention(qb, kb, vb, options, nullptr, batch++);
     });
   }
   auto slopes = options.alibi_slopes();
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SoftmaxConstants c{torch::Tensor(), detail::scale_or_default(options.scale(), q.size(2)),
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
-                           options.window()};
+                           options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
   return VarlenSoftmaxFunction::apply(q, k, v, VarlenConstants{c, std::move(cu_q), std::move(cu_k)});
 }
 

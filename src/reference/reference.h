@@ -18,10 +18,19 @@ namespace attnkit::reference {
 using detail::masked_softmax;
 using detail::visibility;
 
-/// "Exact softmax attention". Also the attention matrix when `weights` is non-null.
+/// "Exact softmax attention". Also the attention matrix when `weights` is
+/// non-null (after dropout, as torch's multi-head attention returns it).
+/// With dropout o.dropout_seed() must be set; batch n draws the mask of batch
+/// n + dropout_batch_offset (a packed batch's sequences).
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
-                                torch::Tensor* weights = nullptr);
+                                torch::Tensor* weights = nullptr, int64_t dropout_batch_offset = 0);
+
+/// "Attention dropout": the keep mask Z, bool (N, H, L, S), entry by entry
+/// from the scalar definition of the draw (kernels/common/dropout.h), batch n
+/// drawn as n + batch_offset.
+torch::Tensor attention_dropout_keep(int64_t N, int64_t H, int64_t L, int64_t S, double p, int64_t seed,
+                                     int64_t batch_offset = 0);
 
 /// "Rotary positions": x (N, H, T, E) with row t rotated to position
 /// o.offset() + t, the angles computed in x's dtype from their definition.

@@ -3,11 +3,13 @@
 
 #include <limits>
 
+#include "kernels/common/dropout.h"
+
 namespace attnkit::reference {
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
-                                torch::Tensor* weights) {
+                                torch::Tensor* weights, int64_t dropout_batch_offset) {
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
   // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
@@ -33,8 +35,33 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   // visible key makes its row NaN, as torch's softmax (and the kernel) do.
   const auto nan_row = (torch::isnan(scores) & visible).any(-1, /*keepdim=*/true);
   a = a.masked_fill(nan_row, std::numeric_limits<double>::quiet_NaN());
+  if (o.dropout_p() > 0) {
+    TORCH_CHECK(o.dropout_seed().has_value(), "reference::softmax_attention: dropout needs a seed");
+    // Kept weights scaled by the inverse of the rate the draw keeps exactly.
+    const double keep = kernels::AttentionDropout::keep_rate(o.dropout_p());
+    const auto z = attention_dropout_keep(N, q.size(1), L, S, o.dropout_p(), *o.dropout_seed(), dropout_batch_offset);
+    a = a * z.to(a.scalar_type()) / keep;
+  }
   if (weights) *weights = a;
   return torch::matmul(a, values);
+}
+
+}  // namespace attnkit::reference
+
+namespace attnkit::reference {
+
+torch::Tensor attention_dropout_keep(int64_t N, int64_t H, int64_t L, int64_t S, double p, int64_t seed,
+                                     int64_t batch_offset) {
+  const kernels::AttentionDropout dropout(p, static_cast<uint64_t>(seed), batch_offset);
+  auto z = torch::empty({N, H, L, S}, torch::kBool);
+  bool* out = z.data_ptr<bool>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) {
+        const uint64_t row = dropout.row(n, h, i);
+        for (int64_t j = 0; j < S; ++j) *out++ = dropout.kept(row, j);
+      }
+  return z;
 }
 
 }  // namespace attnkit::reference

@@ -361,22 +361,24 @@ TEST(BadInputDispatcher, SoftmaxThroughTorchOps) {
                 .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                      c10::optional<double>, bool, const c10::optional<torch::Tensor>&,
                                      const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
-                                     int64_t, double, int64_t)>();
+                                     int64_t, double, int64_t, double, c10::optional<int64_t>)>();
   auto q = Q(), k = K(), v = V();
-  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0);
+  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt);
   EXPECT_TRUE(torch::equal(good, softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true))));
-  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0); },
+  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt); },
                {"softmax_attention", "'k'", "feature size"});
-  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0); },
+  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt); },
                {"softmax_attention", "scale"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt, 0, 10000.0, 0); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt); },
                {"softmax_attention", "key_lengths"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1}), 0, 10000.0, 0); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1}), 0, 10000.0, 0, 0.0, c10::nullopt); },
                {"softmax_attention", "'alibi_slopes'", "shape (H)"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 3, 10000.0, 0); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 3, 10000.0, 0, 0.0, c10::nullopt); },
                {"softmax_attention", "'rotary_dim'", "even number"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, -1); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, -1, 0.0, c10::nullopt); },
                {"softmax_attention", "'window' must be >= 0"});
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 1.0, 3); },
+               {"softmax_attention", "'dropout_p' must be in [0, 1)"});
 }
 
 TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {

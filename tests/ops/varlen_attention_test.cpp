@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/varlen_cases.h"
 #include "test_util.h"
 
 namespace {
@@ -31,6 +32,7 @@ using attnkit::testing::expect_error;
 using attnkit::testing::f64;
 using attnkit::testing::relative_error;
 using attnkit::testing::ThreadsGuard;
+namespace varlen = attnkit::testing::varlen;
 
 // float32 kernels against float64: max |op - reference| / max(max |reference|, 1),
 // the tolerance of the single-sequence tests (tests/ops/softmax_attention_gqa_test.cpp):
@@ -44,32 +46,9 @@ struct Batch {
   int64_t H = 4, Hkv = 2, E = 8, M = 5;
 };
 
-/// Packed float64 inputs of a batch, a cotangent, and its offsets.
-struct Packed {
-  torch::Tensor q, k, v, dout, cu_q, cu_k;
-  std::vector<int64_t> offsets_q, offsets_k;
-};
+using varlen::Packed;
 
-std::vector<int64_t> offsets(const std::vector<int64_t>& lengths) {
-  std::vector<int64_t> cu{0};
-  for (int64_t n : lengths) cu.push_back(cu.back() + n);
-  return cu;
-}
-
-Packed make(const Batch& b, uint64_t seed) {
-  torch::manual_seed(seed);
-  Packed p;
-  p.offsets_q = offsets(b.q_lengths);
-  p.offsets_k = offsets(b.k_lengths);
-  const int64_t Tq = p.offsets_q.back(), Tk = p.offsets_k.back();
-  p.q = torch::randn({Tq, b.H, b.E}, f64());
-  p.k = torch::randn({Tk, b.Hkv, b.E}, f64());
-  p.v = torch::randn({Tk, b.Hkv, b.M}, f64());
-  p.dout = torch::randn({Tq, b.H, b.M}, f64());
-  p.cu_q = torch::tensor(p.offsets_q, torch::kLong);
-  p.cu_k = torch::tensor(p.offsets_k, torch::kLong);
-  return p;
-}
+Packed make(const Batch& b, uint64_t seed) { return varlen::pack(b.q_lengths, b.k_lengths, b.H, b.Hkv, b.E, b.M, seed); }
 
 /// q, k, v in `dtype` as new leaves that require grad (detached first: in
 /// float64 `to` returns the tensor itself, and p's must stay untouched).

@@ -203,6 +203,15 @@ def _op_cases():
     add("sdpa 3-D is_causal L>S strided", lambda q, k, v: sdpa(T(q), T(k), T(v), is_causal=True),
         transposed(2, 5, 3), transposed(2, 3, 3), transposed(2, 3, 2))
 
+    # attention dropout with a fixed seed: the float64 composite draws the
+    # kernel's mask, a function of the seed (so gradcheck's repeated calls agree)
+    add("softmax dropout causal gqa", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, dropout_p=0.4,
+                                                                             dropout_seed=11),
+        leaf(2, 4, 3, 4), leaf(2, 2, 5, 4), leaf(2, 2, 5, 3))
+    add("softmax dropout window negative seed", lambda q, k, v: ops.softmax_attention(q, k, v, window=2, dropout_p=0.3,
+                                                                       dropout_seed=-5),
+        leaf(1, 2, 4, 3), leaf(1, 2, 4, 3), leaf(1, 2, 4, 2))
+
     # packed batches: an empty sequence, a sequence with queries but no key,
     # L != S per sequence, grouped-query heads, strided packed inputs
     cu_q, cu_k = lengths(0, 2, 2, 5, 6), lengths(0, 3, 5, 5, 7)
@@ -212,6 +221,8 @@ def _op_cases():
     add("varlen window strided", lambda q, k, v: ops.varlen_attention(q.transpose(0, 1), k.transpose(0, 1),
                                                                        v.transpose(0, 1), cu_q, cu_k, window=2),
         leaf(2, 6, 3), leaf(2, 7, 3), leaf(2, 7, 2))
+    add("varlen dropout", lambda q, k, v: ops.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.5, dropout_seed=3),
+        leaf(6, 2, 3), leaf(7, 2, 3), leaf(7, 2, 2))
     add("varlen linear causal elu", lambda q, k, v: ops.varlen_linear_attention(
             q, k, v, cu_q, cu_k, causal=True, feature_map="elu", normalize=True),
         leaf(6, 2, 3), leaf(7, 1, 3), leaf(7, 1, 2))
@@ -236,7 +247,7 @@ def test_gradcheck_covers_every_op():
     tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
               "clustered_attention", "sparse_attention", "linear", "rotary_embedding", "varlen_attention",
               "varlen_linear_attention"}
-    untensored = {"edge_pattern", "alibi_slopes", "isa", "isa_description", "machine_isa", "set_max_isa"}
+    untensored = {"edge_pattern", "alibi_slopes", "attention_dropout_mask", "isa", "isa_description", "machine_isa", "set_max_isa"}
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored
 
 

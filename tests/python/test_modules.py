@@ -579,6 +579,36 @@ def test_dropout_follows_the_training_mode_and_torch_seed():
     assert torch.equal(a(x), no_dropout(x))
 
 
+def test_attention_dropout_follows_the_training_mode_and_torch_seed():
+    m = ann.MultiheadAttention(8, 2, batch_first=True, dropout=0.5)
+    plain = ann.MultiheadAttention(8, 2, batch_first=True)
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(2, 6, 8)
+    torch.manual_seed(5)
+    y1 = m(x, x, x)[0]
+    torch.manual_seed(5)
+    assert torch.equal(m(x, x, x)[0], y1)
+    assert not torch.equal(m(x, x, x)[0], y1)
+    assert not torch.allclose(y1, plain(x, x, x)[0])
+    m.eval()
+    assert torch.equal(m(x, x, x)[0], plain(x, x, x)[0])
+    with pytest.raises(RuntimeError, match="dropout"):
+        ann.MultiheadAttention(8, 2, attention="linear", dropout=0.1)
+
+
+def test_attention_dropout_mask_is_what_the_kernel_keeps():
+    # v = identity: the output is P * Z / (1 - p), zero exactly where Z drops
+    q, k = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 9, 4)
+    v = torch.eye(9).expand(1, 2, 9, 9)
+    out = attnkit.softmax_attention(q, k, v, dropout_p=0.3, dropout_seed=42)
+    keep = attnkit.attention_dropout_mask(1, 2, 7, 9, 0.3, 42)
+    assert keep.dtype == torch.bool and keep.shape == (1, 2, 7, 9)
+    assert torch.equal(out != 0, keep)
+    p = attnkit.softmax_attention(q, k, v)
+    keep_rate = 1 - round(0.3 * 2**16) / 2**16  # the probability, rounded to a multiple of 2^-16
+    assert torch.allclose(out, p * keep / keep_rate, rtol=1e-6, atol=1e-8)
+
+
 def test_transformer_generate_is_repeatable():
     t = Transformer(7, layers=1, width=8, heads=2, ffn=8)
     prompt = torch.tensor([[1, 2], [3, 4]])

@@ -423,10 +423,17 @@ class ScaledDotProductAttentionTest(unittest.TestCase):
         with self.assertRaises(TypeError):  # scale is keyword-only, as in torch 2.5
             attnkit.scaled_dot_product_attention(q, k, v, None, 0.0, False, 0.5)
 
-    def test_dropout_is_refused_with_a_clear_error(self):
-        q = torch.randn(1, 1, 3, 4)
-        with self.assertRaisesRegex(RuntimeError, "dropout_p = 0.1 is not supported yet"):
-            attnkit.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    def test_dropout_runs_in_the_kernel_with_the_generators_seed(self):
+        q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 2)
+        torch.manual_seed(3)
+        out = attnkit.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        torch.manual_seed(3)
+        self.assertTrue(torch.equal(out, attnkit.softmax_attention(q, k, v, dropout_p=0.25)))
+        self.assertFalse(torch.allclose(out, attnkit.scaled_dot_product_attention(q, k, v)))
+        self.assertTrue(torch.equal(attnkit.scaled_dot_product_attention(q, k, v, dropout_p=1.0),
+                                    torch.zeros(2, 3, 5, 2)))
+        with self.assertRaisesRegex(RuntimeError, r"dropout_p must be in \[0, 1\], got 1.5"):
+            attnkit.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
 
 
 class TestIsa(unittest.TestCase):

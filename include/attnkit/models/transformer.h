@@ -116,6 +116,10 @@ struct TransformerOptions {
   TORCH_ARG(int64_t, kv_heads) = 0;
   TORCH_ARG(int64_t, ffn) = 256;  ///< hidden width of the feed-forward network
   TORCH_ARG(double, dropout) = 0.1;
+  /// Attention dropout on every self- and cross-attention's weights, in
+  /// training (MultiheadAttentionOptions::dropout); its mechanisms must take
+  /// it (MechanismSupports::dropout). 0: none.
+  TORCH_ARG(double, attention_dropout) = 0.0;
   /// Self-attention of the blocks as registry specs: one spec for every block,
   /// or one per block (bottom first). "agglomerative[:classes=m]" makes a block
   /// an agglomerative-attention layer (its own class projections; m defaults to heads).

@@ -37,6 +37,10 @@ struct MultiheadAttentionOptions {
   /// (RotarySupport::inputs). 0: none.
   TORCH_ARG(int64_t, rotary_dim) = 0;
   TORCH_ARG(double, rotary_base) = 10000.0;
+  /// Attention dropout on the attention weights, in training only
+  /// (is_training()), inside the kernel of a mechanism that takes it
+  /// (MechanismSupports::dropout: "full"); in [0, 1). 0: none.
+  TORCH_ARG(double, dropout) = 0.0;
   /// The mechanism behind the projections, as a registry spec string
   /// (nn/registry.h), e.g. "improved-clustered:clusters=25,topk=32".
   TORCH_ARG(std::string, attention) = "full";

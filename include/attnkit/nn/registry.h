@@ -116,6 +116,8 @@ struct MechanismSupports {
   bool alibi = false;
   /// Rotary positions, and where they are applied.
   RotarySupport rotary = RotarySupport::none;
+  /// Attention dropout on the weights inside the kernel (AttendArgs::dropout_p).
+  bool dropout = false;
 };
 
 /// Sizes of one per-head call: q (N, H, L, E), k (N, Hk, S, E), v (N, Hk, S, M)
@@ -140,6 +142,11 @@ struct AttendArgs {
   /// and rotary_base. 0: none.
   int64_t rotary_dim = 0;
   double rotary_base = 10000.0;
+  /// Attention dropout (MechanismSupports::dropout):
+  /// SoftmaxAttentionFuncOptions' dropout_p and dropout_seed (unset: drawn
+  /// from torch's default generator). Modules set it in training only.
+  double dropout_p = 0.0;
+  c10::optional<int64_t> dropout_seed;
 };
 
 /// A mechanism as a module over per-head tensors: (q, k, v) of the shapes in

@@ -14,7 +14,9 @@ SoftmaxAttentionFuncOptions softmax_options(const AttendArgs& a, const Mechanism
       .key_lengths(a.key_lengths)
       .alibi_slopes(a.alibi_slopes)
       .rotary_dim(a.rotary_dim)
-      .rotary_base(a.rotary_base);
+      .rotary_base(a.rotary_base)
+      .dropout_p(a.dropout_p)
+      .dropout_seed(a.dropout_seed);
 }
 
 MechanismInfo full_entry() {
@@ -32,6 +34,7 @@ MechanismInfo full_entry() {
   m.supports.grouped_heads = true;
   m.supports.alibi = true;
   m.supports.rotary = RotarySupport::kernel;
+  m.supports.dropout = true;
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
