@@ -32,7 +32,12 @@ NAME:
                      trained with full attention on KJV, evaluated with
                      clustered and improved-clustered attention swapped in
                      (10-100 clusters), and their distance to full attention
-                     on the model's own queries and keys per layer.
+                     on the model's own queries and keys per layer; a local
+                     window and linear attention as controls; the same swaps
+                     into copy-clustered's full-attention models (--copy-runs).
+                     `--configurations full`: the character model alone (the
+                     copy models keep their numbers from the previous
+                     results).
   lookup             section 4's lookup table: `attnkit bench-lookup` at
                      n = 100 to 100,000 states, k = 100, 1-1024 lookups; one
                      command at a time on one thread (an idle machine).
@@ -179,6 +184,8 @@ def main():
     command = "python3 experiments/reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     exp["copy_runs"] = paths.directory(args.copy_runs, "build", "runs", "copy-clustered")
+    # approx-trained: the copy models whose runs are not finished here keep their numbers from here.
+    exp["previous_results"] = None if args.smoke else os.path.join(paths.results_directory(args), f"{args.name}.json")
     if hasattr(section, "run_job"):  # runs that write their own result.json
         return driver.own_result_main(section, args, attnkit, seeds, command)
     if hasattr(section, "commands"):  # measurements, one at a time

@@ -167,8 +167,11 @@ def with_records(args, out, jobs, is_finished, execute):
     that a session killed later keeps it; at the end every finished run's
     record is written again (unchanged files are left alone), also after a
     failure or Ctrl-C. RECORDS: --records, default experiments/records/NAME.
+    Only the runs below OUT have records here: another experiment's runs
+    (approx-trained's copy models, copy-clustered's) are that one's.
     Returns execute()'s result."""
     kept = paths.records_directory(args)
+    jobs = [j for j in jobs if not os.path.relpath(j["dir"], out).startswith(os.pardir)]
     restored = records.restore(kept, out, jobs)
     if restored:
         print(f"restored from {kept}: {', '.join(restored)}", flush=True)

@@ -1,14 +1,23 @@
 """approx-trained: section 3 of docs/EXPERIMENTS.md, clustered and
 improved-clustered attention swapped into trained full-attention models (a
 bidirectional character model trained here, copy-clustered's copy models)
-without retraining, and their distance to full attention."""
+without retraining, and their distance to full attention; a local window and
+linear attention swapped in as controls.
 
+The copy models are copy-clustered's runs (--copy-runs). `--configurations
+full` runs the character model alone; a copy model whose run has not
+finished here (its run directory missing) then keeps its numbers from the
+previous RESULTS/approx-trained.json, marked "kept" there and in the table's
+note, rather than dropping out of the results."""
+
+import json
 import math
 import os
 import shlex
 import statistics
 
 import checkpoints
+import paths
 import plots
 import runner
 import stats
@@ -57,6 +66,10 @@ EXPERIMENT = {
     # with section 2's command if they are missing), where attention must find
     # one exact position: a sharper test than a character model.
     "copy_swaps": ["sparse-local:span=32", "linear"],
+    # Controls swapped into the character model the same way: a local window
+    # of 4 characters each side, and linear attention (no distances: approx
+    # compares the clustered mechanisms only).
+    "controls": ["sparse-local:span=4", "linear"],
     "seeds": [1],
 }
 
@@ -71,6 +84,11 @@ def swaps(exp, smoke):
     return swapped
 
 
+def controls(exp):
+    """(name, spec) of the controls swapped into the character model: the mechanism's name, then its spec."""
+    return [(spec.split(":")[0], spec) for spec in exp["controls"]]
+
+
 def copy_swaps(exp, smoke):
     """(name, spec) swapped into the copy models: section 2's cluster counts, then the controls."""
     clusters = copy_clustered.EXPERIMENT["smoke_clusters" if smoke else "clusters"]
@@ -79,8 +97,8 @@ def copy_swaps(exp, smoke):
 
 
 def jobs(exp, out, data, attnkit, seeds, smoke):
-    """The character model per seed (test metric, the swaps, then `attnkit
-    approx`), then copy-clustered's full-attention models (trained with its
+    """The character model per seed (test metric, the swaps, the controls,
+    then `attnkit approx`), then copy-clustered's full-attention models (trained with its
     command where missing: EXPERIMENT["copy_runs"]) with their swaps."""
     model = exp["smoke_model" if smoke else "model"]
     trainer = exp["smoke_trainer" if smoke else "trainer"]
@@ -90,7 +108,7 @@ def jobs(exp, out, data, attnkit, seeds, smoke):
     for seed in seeds:
         run_dir = os.path.join(out, f"full-seed-{seed}")
         train = runner.train_command(attnkit, ["--data", data, *model, *trainer], seed, run_dir)
-        evals = runner.test_evals(attnkit, run_dir, swaps(exp, smoke))
+        evals = runner.test_evals(attnkit, run_dir, swaps(exp, smoke) + controls(exp))
         path = os.path.join(run_dir, "approx.json")
         evals.append((runner.attnkit_command(attnkit, "approx", [
             "--run", run_dir, "--split", "test", "--sequences",
@@ -111,6 +129,34 @@ def us_per_position(result):
     return 1e6 * result["seconds"] / result["positions"]
 
 
+def kept_copy(exp, jobs, copy, smoke):
+    """The copy models planned but not finished here (their runs missing:
+    `--configurations full`, another machine), each with its entry of the
+    previous results (exp["previous_results"]: RESULTS/approx-trained.json,
+    none in a smoke) when it has one for the same swaps, marked "kept" with
+    the command that collected it; merged with COPY in the order of the
+    lengths."""
+    path = exp.get("previous_results")
+    if smoke or not path or not os.path.exists(path):
+        return copy
+    with open(path) as f:
+        previous = json.load(f)
+    names = [name for name, _ in copy_swaps(exp, smoke)]
+    finished = {c["length"] for c in copy}
+    lengths = [j["length"] for j in jobs if j["config"] == "copy-full"]
+    merged = list(copy)
+    for c in previous.get("copy", []):
+        if c["length"] in lengths and c["length"] not in finished and [x["name"] for x in c["swaps"]] == names:
+            kept = c.get("kept") or {"from": os.path.relpath(path, paths.ROOT), "command": previous["command"]}
+            merged.append(dict(c, kept=kept))
+    return sorted(merged, key=lambda c: lengths.index(c["length"]))
+
+
+def control_result(name, spec, r, trained):
+    return {"name": name, "attention": spec, "test_bpc": r["bpc"], "bpc_increase": r["bpc"] - trained["bpc"],
+            "us_per_position": us_per_position(r)}
+
+
 def collect(exp, jobs, data, command):
     meta = checkpoints.data_meta(data)
     runs, copy = [], []
@@ -127,7 +173,8 @@ def collect(exp, jobs, data, command):
         results = runner.finished(job)
         if results is None:
             continue
-        trained, swapped, approx = results[0], results[1:-1], results[-1]
+        n = len(swaps(exp, smoke))
+        trained, swapped, controlled, approx = results[0], results[1:1 + n], results[1 + n:-1], results[-1]
         per_spec = {}
         for row in approx["rows"]:
             key = (row["attention"], row["clusters"])
@@ -152,7 +199,9 @@ def collect(exp, jobs, data, command):
                      "approx_shape": approx["config"], "approx_model": approx["model"],
                      "sessions": checkpoints.read_jsonl(os.path.join(job["dir"], "sessions.jsonl")),
                      "curve": stats.curve(metrics, ("step", "bpc", "valid_bpc", "elapsed")),
-                     "swaps": measured})
+                     "swaps": measured,
+                     "controls": [control_result(name, spec, r, trained)
+                                  for (name, spec), r in zip(controls(exp), controlled)]})
     return {
         "experiment": exp["title"], "command": command, "paper": exp["paper"],
         "corpus": {"dir": os.path.abspath(data), "sources": [os.path.basename(x["path"]) for x in meta.get("sources", [])],
@@ -160,7 +209,7 @@ def collect(exp, jobs, data, command):
         "train_command": shlex.join(jobs[0]["train"]),
         "steps": jobs[0]["steps"],
         "runs": runs,
-        "copy": copy,
+        "copy": kept_copy(exp, jobs, copy, smoke),
     }
 
 
@@ -184,6 +233,8 @@ def plot(results, png):
         right.plot(C, [x["row_l1_layer_mean"] for x in swapped], "-o", color=color, label=f"{mechanism}, model's q, k")
         right.plot(C, [x["random"]["row_l1"] for x in swapped], ":s", color=color, label=f"{mechanism}, random q, k")
     left.axhline(run["test_bpc"], color="#d62728", lw=1, label="full (trained)")
+    for x, style in zip(run.get("controls", []), ("--", ":")):
+        left.axhline(x["test_bpc"], color="#7f7f7f", lw=1, ls=style, label=f"control: {x['attention']}")
     for ax in (left, right):
         ax.set_xscale("log")
         ax.set_xticks(run_clusters(run), [str(c) for c in run_clusters(run)])
@@ -209,12 +260,19 @@ def table(results):
             print(f"| {x['mechanism']} | {x['clusters']} | {x['test_bpc']:.4f} | {x['bpc_increase']:+.4f} | "
                   f"{x['us_per_position']:.1f} | " + " | ".join(f"{x['layers'][n]['row_l1']:.3f}" for n in layer_names) +
                   f" | {x['random']['row_l1']:.3f} |")
+        for x in run.get("controls", []):  # no clusters, no distances (approx compares the clustered ones)
+            print(f"| control: {x['attention']} | - | {x['test_bpc']:.4f} | {x['bpc_increase']:+.4f} | "
+                  f"{x['us_per_position']:.1f} | " + " | ".join("-" for _ in layer_names) + " | - |")
     copy_table(results)
 
 
 def copy_table(results):
     if not results["copy"]:
         return
+    kept = [c for c in results["copy"] if c.get("kept")]
+    if kept:
+        print(f"copy models L = {', '.join(str(c['length']) for c in kept)}: not run here, kept from "
+              f"{kept[0]['kept']['from']} (collected by: {kept[0]['kept']['command']})")
     names = [x["name"] for x in results["copy"][0]["swaps"]]
     print("| swapped into the copy model | " + " | ".join(f"L = {c['length']}" for c in results["copy"]) + " |")
     print("|---|" + "---:|" * len(results["copy"]))
@@ -235,4 +293,9 @@ def smoke_check(first):
             problems.append(f"{x['name']}: test bpc {x['test_bpc']}")
         if len(x["layers"]) != 2 or x["random"] is None:
             problems.append(f"{x['name']}: distances for {sorted(x['layers'])} and random {x['random']}")
+    if [x["name"] for x in run["controls"]] != [name for name, _ in controls(EXPERIMENT)]:
+        problems.append(f"controls: {[x['name'] for x in run['controls']]}")
+    for x in run["controls"]:
+        if not math.isfinite(x["test_bpc"]) or x["test_bpc"] <= 0:
+            problems.append(f"control {x['name']}: test bpc {x['test_bpc']}")
     return problems
