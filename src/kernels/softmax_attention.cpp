@@ -65,6 +65,10 @@ ForwardTiles forward_tiles(const SoftmaxAttentionParams& p) {
 }
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
+// Dropout draws a tile row's mask in one call (kernels/common/dropout.h).
+static_assert(kForwardBlockK <= AttentionDropout::kMaxKeys && kMaxWindowBlockK <= AttentionDropout::kMaxKeys &&
+                  kBackwardBlockK <= AttentionDropout::kMaxKeys,
+              "a key tile wider than one dropout draw");
 
 /// Query i of batch n sees exactly the keys [visible.first(i), visible(i))
 /// before the bias.
@@ -421,12 +425,12 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
     for (int64_t r = 0; r < rows; ++r) vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
     return;
   }
-  uint16_t kept[AttentionDropout::kMaxKeys / 16];
+  uint16_t keep[AttentionDropout::kMaxKeys / 16];
   for (int64_t r = 0; r < rows; ++r) {
-    dropout.keep_bits(dropout.row(n, h, i0 + r), j0, cols, kept);
-    AttentionDropout::scale_kept(ds + r * BK, cols, kept, dropout.scale());
+    dropout.keep_bits(dropout.row(n, h, i0 + r), j0, cols, keep);
+    AttentionDropout::scale_kept(ds + r * BK, cols, keep, dropout.scale());
     vec::softmax_grad(ds + r * BK, prob + r * BK, cols, x.d[r]);
-    AttentionDropout::scale_kept(prob + r * BK, cols, kept, dropout.scale());
+    AttentionDropout::scale_kept(prob + r * BK, cols, keep, dropout.scale());
   }
 }
 

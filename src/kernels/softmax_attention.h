@@ -61,9 +61,11 @@ struct SoftmaxAttentionParams : QkvParams {
   double rotary_base = 10000.0;          // theta_c = rotary_base^(-2c / rotary_dim)
   int64_t window = 0;                    // > 0: each query sees only keys within window - 1
                                          // of its position i + S - L; 0: none
-  double dropout_p = 0.0;                // attention dropout in [0, 1) (kernels/common/dropout.h):
-  uint64_t dropout_seed = 0;             // P_ij kept (and scaled) as that file draws it for
-  int64_t dropout_batch_offset = 0;      // batch n + dropout_batch_offset; 0: none
+  // Attention dropout (kernels/common/dropout.h): P_ij kept and scaled, or
+  // zeroed, as that file draws it for batch n + dropout_batch_offset.
+  double dropout_p = 0.0;                // in [0, 1); 0: no dropout
+  uint64_t dropout_seed = 0;
+  int64_t dropout_batch_offset = 0;      // the draw's batch index of n = 0
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

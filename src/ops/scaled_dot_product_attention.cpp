@@ -177,14 +177,14 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
   torch::Tensor bias = m.bias;
   if (bias.defined() && batch.size() > 2) bias = as_nhxy(bias, batch);
 
+  auto out = softmax_attention(as_nhxy(query, batch), as_nhxy(k, kv_batch), as_nhxy(v, kv_batch),
+                               SoftmaxAttentionFuncOptions()
+                                   .scale(options.scale())
+                                   .causal(m.causal)
+                                   .bias(bias)
+                                   .dropout_p(p < 1 ? p : 0.0));
   // dropout_p = 1 drops every weight: zeros (and zero gradients), as torch's.
-  const auto out = softmax_attention(as_nhxy(query, batch), as_nhxy(k, kv_batch), as_nhxy(v, kv_batch),
-                                     SoftmaxAttentionFuncOptions()
-                                         .scale(options.scale())
-                                         .causal(m.causal)
-                                         .bias(bias)
-                                         .dropout_p(p < 1 ? p : 0.0)) *
-                   (p < 1 ? 1.0 : 0.0);
+  if (p == 1) out = out * 0.0;
   auto out_shape = batch;
   out_shape.push_back(L);
   out_shape.push_back(value.size(-1));

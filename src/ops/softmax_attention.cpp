@@ -275,8 +275,10 @@ class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAtt
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const SoftmaxConstants c{saved[5], ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-                             torch::Tensor(), 0, 0.0, 0, 0.0, 0};
+    SoftmaxConstants c{};  // the AMX kernel takes key lengths, scale and causal alone
+    c.key_lengths = saved[5];
+    c.scale = ctx->saved_data["scale"].toDouble();
+    c.causal = ctx->saved_data["causal"].toBool();
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
     const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
@@ -377,9 +379,11 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& given) {
+  // Validated (by the dispatch) before dropout's seed is drawn: a refused
+  // call leaves torch's generator as it was.
+  const bool kernel = softmax_attention_dispatch(q, k, v, given).uses_kernel();
   const SoftmaxAttentionFuncOptions options = with_dropout_seed(given);
-  if (!softmax_attention_dispatch(q, k, v, options).uses_kernel())
-    return reference::softmax_attention(q, k, v, options);
+  if (!kernel) return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
   auto slopes = options.alibi_slopes();

@@ -23,6 +23,7 @@
 //   padded batch), float32 against float64;
 // - scaled_dot_product_attention's dropout_p, bfloat16 inputs, the refusals,
 //   and nn::MultiheadAttention's dropout option.
+#include <attnkit/models/transformer.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/ops.h>
@@ -188,6 +189,52 @@ TEST(AttentionDropoutMask, EqualsTheScalarDefinition) {
       }
 }
 
+TEST(AttentionDropoutMask, MatchesValuesComputedApart) {
+  // The first 64 keys of four rows, bit j = key j kept, computed by a
+  // separate Python transcription of docs/MATH.md's definition (splitmix64
+  // row keys, two lowbias32 rounds per word, 16-bit draws against
+  // round(p 2^16)): a change of the draw, which would change every mask users
+  // get for a seed, fails here even though the kernel and the reference
+  // share the code.
+  struct Golden {
+    int64_t seed;
+    double p;
+    int64_t n, h, i;
+    uint64_t bits;
+  };
+  const Golden golden[] = {{123, 0.3, 0, 0, 0, 0xde20ee0ff65dbe9cULL},
+                           {123, 0.3, 1, 2, 3, 0xf7efa93fee777dd8ULL},
+                           {-7, 0.5, 0, 1, 1000, 0xd033f177b1ac38feULL},
+                           {std::numeric_limits<int64_t>::max(), 0.1, 4, 0, 2, 0xffdffffffffdeffdULL}};
+  for (const auto& g : golden) {
+    const auto mask = attnkit::attention_dropout_mask(g.n + 1, g.h + 1, g.i + 1, 64, g.p, g.seed)[g.n][g.h][g.i];
+    uint64_t bits = 0;
+    for (int64_t j = 0; j < 64; ++j)
+      if (mask[j].item<bool>()) bits |= uint64_t{1} << j;
+    EXPECT_EQ(bits, g.bits) << "seed " << g.seed << ", row (" << g.n << ", " << g.h << ", " << g.i << ")";
+  }
+}
+
+TEST(AttentionDropoutMask, KeepBitsFromAnyFirstKey) {
+  // Tiles of a window start at any key: keep_bits realigns the 32-key groups
+  // it draws. Every start within a group, and lengths around the vector and
+  // group sizes and up to the widest tile, against the scalar definition.
+  // (This build's own level; the kernel tests reach the vector levels' draws
+  // through windowed tiles.)
+  const attnkit::kernels::AttentionDropout dropout(0.4, 77, 0);
+  const uint64_t row = dropout.row(0, 1, 2);
+  uint16_t bits[attnkit::kernels::AttentionDropout::kMaxKeys / 16];
+  for (int64_t base : {int64_t{0}, int64_t{4096}})
+    for (int64_t offset = 0; offset < 32; ++offset)
+      for (int64_t n : {1, 15, 16, 17, 31, 32, 33, 1000, 1023, 1024}) {
+        const int64_t j0 = base + offset;
+        dropout.keep_bits(row, j0, n, bits);
+        int64_t wrong = 0;
+        for (int64_t c = 0; c < n; ++c) wrong += ((bits[c / 16] >> (c % 16)) & 1) != dropout.kept(row, j0 + c);
+        EXPECT_EQ(wrong, 0) << "j0 " << j0 << ", n " << n;
+      }
+}
+
 TEST(AttentionDropoutMask, ZeroKeepsEverythingAndSeedsDecide) {
   EXPECT_TRUE(attnkit::attention_dropout_mask(2, 3, 40, 300, 0.0, 5).all().item<bool>());
   // The probability is rounded to a multiple of 2^-16: 1e-10 is none.
@@ -333,6 +380,22 @@ TEST(AttentionDropoutKernel, MatchesTheFloat64Reference) {
   for (size_t index = 0; index < all.size(); ++index) {
     const auto& c = all[index];
     for (double p : {0.1, 0.5}) {
+      SCOPED_TRACE(c.name + ", p " + std::to_string(p));
+      expect_matches_reference(c, make(c), features(c, p, seed_of(index, p)), kTolerance);
+    }
+  }
+}
+
+TEST(AttentionDropoutKernel, HighRatesMatchTheReference) {
+  // Most weights dropped, the survivors scaled up to 2^16 (p = 1 - 2^-17
+  // keeps one draw in 2^16): the same comparison on two cases, tiles and a
+  // window. The factor multiplies the kept terms' rounding as well; their
+  // count falls with it, so the error relative to the largest entry stays
+  // within the tolerance.
+  const auto all = cases();
+  for (size_t index : {size_t{1}, size_t{5}}) {
+    const auto& c = all[index];
+    for (double p : {0.9, 0.99}) {
       SCOPED_TRACE(c.name + ", p " + std::to_string(p));
       expect_matches_reference(c, make(c), features(c, p, seed_of(index, p)), kTolerance);
     }
@@ -486,7 +549,7 @@ TEST(AttentionDropoutSeed, AnUnsetSeedComesFromTorchsGenerator) {
   const auto composite =
       attnkit::softmax_attention(x.q.to(torch::kDouble), x.k.to(torch::kDouble), x.v.to(torch::kDouble), o);
   EXPECT_LT(relative_error(a, composite), kTolerance);
-  // Without dropout the result does not depend on the generator's state.
+  // And what it drew was dropout: the result differs from none.
   const auto none = attnkit::softmax_attention(x.q, x.k, x.v);
   EXPECT_GT(rel_err(a, none), 1e-2);
 }
@@ -818,6 +881,52 @@ TEST(AttentionDropoutModule, MechanismsWithoutDropoutRefuseIt) {
       attnkit::nn::attend("full", q, k, v, args),
       attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().dropout_p(0.25).dropout_seed(11))));
   expect_error([&] { attnkit::nn::attend("linear", q, k, v, args); }, {"no attention dropout"});
+}
+
+TEST(AttentionDropoutModule, TheBuilderDropsInTrainingAndRoundTrips) {
+  using attnkit::models::Positions;
+  using attnkit::models::Transformer;
+  using attnkit::models::TransformerOptions;
+  // The JSON writes the key only when set (older checkpoints read as none).
+  EXPECT_EQ(TransformerOptions(7).to_json().find("attention_dropout"), std::string::npos);
+  const auto options = TransformerOptions(7).layers(1).width(16).heads(2).ffn(24).dropout(0).attention_dropout(0.4);
+  const auto back = TransformerOptions::from_json(options.to_json());
+  EXPECT_EQ(back.attention_dropout(), 0.4);
+  EXPECT_EQ(back.to_json(), options.to_json());
+
+  // Every block's attention drops in training, not in evaluation.
+  torch::manual_seed(3);
+  Transformer with(options);
+  Transformer without(TransformerOptions(options).attention_dropout(0));
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = with->named_parameters();
+    for (auto& item : without->named_parameters()) item.value().copy_(from[item.key()]);
+  }
+  const auto tokens = torch::randint(0, 7, {2, 9}, torch::kLong);
+  with->train();
+  without->train();
+  EXPECT_FALSE(torch::allclose(with->forward(tokens), without->forward(tokens)));
+  with->eval();
+  without->eval();
+  EXPECT_TRUE(torch::equal(with->forward(tokens), without->forward(tokens)));
+
+  // Refusals: a mechanism without dropout (self- or cross-attention),
+  // relative positions (their blocks are not the kernel's), out of range.
+  expect_error([&] { Transformer(TransformerOptions(options).attention({"linear"})); },
+               {"attention_dropout", "'linear' does not", "full"});
+  expect_error(
+      [&] {
+        Transformer(TransformerOptions(options)
+                        .architecture(attnkit::models::Architecture::encoder_decoder)
+                        .source_vocab_size(5)
+                        .cross_attention("linear"));
+      },
+      {"attention_dropout", "cross-attention 'linear'"});
+  expect_error([&] { Transformer(TransformerOptions(options).positions(Positions::relative)); },
+               {"attention_dropout", "relative-position blocks"});
+  expect_error([&] { Transformer(TransformerOptions(options).attention_dropout(1.0)); },
+               {"attention_dropout must be in [0, 1)"});
 }
 
 }  // namespace

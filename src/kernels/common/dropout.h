@@ -14,19 +14,17 @@
 // each word giving two keys their 16-bit draws: key j takes word
 // u = 16 floor(j / 32) + j mod 16, its low half when j mod 32 < 16 and its
 // high half otherwise (so 16 consecutive words serve 32 consecutive keys,
-// one vector of hashes). A key is kept iff its draw >= t = round(p 2^16):
-// kept with probability exactly 1 - t 2^-16 (p is rounded to a multiple of
-// 2^-16, as FlashAttention rounds it to 2^-8). Within a row the inner g is a
+// one vector of hashes). A key is kept iff its draw >= t = min(round(p 2^16),
+// 2^16 - 1) (ties rounded up): kept with probability exactly 1 - t 2^-16 (p is
+// rounded to a multiple of 2^-16, as FlashAttention rounds it to 2^-8). Within a row the inner g is a
 // bijection of u, so no two words of a row share an input; two rows share
 // their whole mask only if their 64-bit keys collide (probability 2^-64 per
 // pair).
 //
-// Why not Philox: Philox4x32-10 costs about ten 32x32->64 multiplies per four
-// words, and its words map to consecutive keys, which tiles starting at any
-// key (windows) would have to realign; this draw costs four 32-bit multiplies
-// per two keys, vectorises over 32 keys, and is realigned by a shift of bits.
-// The statistics tests (tests/ops/attention_dropout_test.cpp) check keep
-// rates and independence across keys, queries, heads, batches and seeds.
+// Why not Philox (PyTorch's and FlashAttention's generator): docs/MATH.md,
+// "Attention dropout". The statistics tests (tests/ops/attention_dropout_test.cpp)
+// check keep rates and independence across keys, queries, heads, batches and
+// seeds, and the bits against values computed apart from this file.
 //
 // keep_bits draws a row's mask for a run of keys into bits (bit c % 16 of
 // word c / 16 for key j0 + c); scale_kept applies it: x = kept ? x s : 0. Both
@@ -34,6 +32,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 
@@ -93,9 +92,10 @@ class AttentionDropout {
         seed_(mix64(seed)),
         batch_offset_(batch_offset) {}
 
-  /// round(p 2^16), at most 2^16 - 1: a key is dropped iff its draw < this.
+  /// round(p 2^16) (ties up, whatever the rounding mode), at most 2^16 - 1:
+  /// a key is dropped iff its draw < this.
   static uint32_t threshold(double p) {
-    return static_cast<uint32_t>(std::min(std::nearbyint(p * 0x1p16), 0x1p16 - 1));
+    return static_cast<uint32_t>(std::min(std::floor(p * 0x1p16 + 0.5), 0x1p16 - 1));
   }
   /// The probability a key is kept, 1 - threshold(p) 2^-16.
   static double keep_rate(double p) { return 1.0 - threshold(p) * 0x1p-16; }
@@ -119,14 +119,16 @@ class AttentionDropout {
   }
 
   /// bits[c / 16] bit c % 16 = kept(row, j0 + c) for c < n (n <= kMaxKeys);
-  /// the bits of the last word past n are unspecified.
+  /// bits holds kMaxKeys / 16 words (up to 2 ceil(n / 32) are written), and
+  /// the bits past n are unspecified.
   void keep_bits(uint64_t row, int64_t j0, int64_t n, uint16_t* bits) const {
+    assert(n <= kMaxKeys);
     // 32 keys per group from the group holding j0 on, 16 bits per half
     // group (halves[2 g + k] bit b: key first + 32 g + 16 k + b); when j0
     // starts a group (every tile but a window's) they are the bits.
     const int64_t first = j0 & ~int64_t{31}, offset = j0 - first;
     if (offset == 0) return draw_groups(row, first, (n + 31) / 32, bits);
-    uint16_t halves[kMaxKeys / 16 + 4];
+    uint16_t halves[2 * (kMaxKeys / 32 + 1) + 1];  // count <= kMaxKeys / 32 + 1, then a zero
     const int64_t count = (offset + n + 31) / 32;
     draw_groups(row, first, count, halves);
     halves[2 * count] = 0;
@@ -197,7 +199,7 @@ class AttentionDropout {
     const __m256i vlo = _mm256_set1_epi32(static_cast<int>(lo)), vhi = _mm256_set1_epi32(static_cast<int>(hi));
     const __m256i t = _mm256_set1_epi32(static_cast<int>(threshold_)), low = _mm256_set1_epi32(0xffff);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const auto kept = [&](__m256i draw) {  // 8 bits
+    const auto keep_mask8 = [&](__m256i draw) {  // bit l: lane l's draw >= t
       return ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(t, draw)))) & 0xffu;
     };
     for (int64_t g = 0; g < count; ++g) {
@@ -205,8 +207,8 @@ class AttentionDropout {
       for (uint32_t part = 0; part < 2; ++part) {
         const __m256i u = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(u0 + 16 * g + 8 * part)), lanes);
         const __m256i w = mix32x8(_mm256_xor_si256(vhi, mix32x8(_mm256_xor_si256(vlo, u))));
-        low_kept |= kept(_mm256_and_si256(w, low)) << (8 * part);
-        high_kept |= kept(_mm256_srli_epi32(w, 16)) << (8 * part);
+        low_kept |= keep_mask8(_mm256_and_si256(w, low)) << (8 * part);
+        high_kept |= keep_mask8(_mm256_srli_epi32(w, 16)) << (8 * part);
       }
       halves[2 * g] = static_cast<uint16_t>(low_kept);
       halves[2 * g + 1] = static_cast<uint16_t>(high_kept);
