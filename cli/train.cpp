@@ -51,7 +51,8 @@ void add_train_command(CLI::App& app) {
   const models::TransformerOptions m;
   const train::TrainerOptions t;
   f->layers = m.layers(); f->width = m.width(); f->heads = m.heads(); f->kv_heads = m.kv_heads(); f->ffn = m.ffn();
-  f->dropout = m.dropout(); f->attention_dropout = m.attention_dropout(); f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
+  f->dropout = m.dropout(); f->attention_dropout = m.attention_dropout();
+  f->conv_width = m.conv_width(); f->rotary_fraction = m.rotary_fraction();
   f->max_length = m.max_length();
   f->context = t.context(); f->batch = t.batch(); f->steps = t.steps(); f->lr = t.lr();
   f->min_lr = t.min_lr(); f->warmup = t.warmup(); f->clip = t.clip(); f->weight_decay = t.weight_decay();
@@ -193,7 +194,8 @@ void add_train_command(CLI::App& app) {
       model.positions(models::positions_from_string(f->positions))
           .norm(models::norm_from_string(f->norm))
           .layers(f->layers).width(f->width).heads(f->heads).kv_heads(f->kv_heads).ffn(f->ffn).dropout(f->dropout)
-          .attention_dropout(f->attention_dropout).conv_width(f->conv_width).rotary_fraction(f->rotary_fraction).max_length(f->max_length)
+          .attention_dropout(f->attention_dropout)
+          .conv_width(f->conv_width).rotary_fraction(f->rotary_fraction).max_length(f->max_length)
           .tie_embeddings(!f->untied).shared_weights(f->shared_weights)
           .normalization(models::normalization_from_string(f->normalization))
           .feed_forward(models::feed_forward_from_string(f->feed_forward)).bias(!f->no_bias);

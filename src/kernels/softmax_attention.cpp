@@ -687,7 +687,8 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
 /// n H + g G + r is (n Hkv + g) G + r. Taken when nothing about a row depends
 /// on its query head or position beyond q itself: no bias, ALiBi, rotary
 /// positions, window or dropout (whose mask is drawn per head); the causal
-/// mask of a single query over S keys hides nothing, so it is dropped. Returns false when p is not such a call.
+/// mask of a single query over S keys hides nothing, so it is dropped.
+/// Returns false when p is not such a call.
 bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
   if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0 ||
       p.dropout_p > 0)

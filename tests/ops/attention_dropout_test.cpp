@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -375,31 +376,28 @@ TEST(AttentionDropoutKernel, TheCasesTakeTheirPaths) {
   }
 }
 
-TEST(AttentionDropoutKernel, MatchesTheFloat64Reference) {
-  const auto all = cases();
-  for (size_t index = 0; index < all.size(); ++index) {
-    const auto& c = all[index];
-    for (double p : {0.1, 0.5}) {
-      SCOPED_TRACE(c.name + ", p " + std::to_string(p));
-      expect_matches_reference(c, make(c), features(c, p, seed_of(index, p)), kTolerance);
-    }
+/// Case `index` against the float64 reference at each rate, with its seeds.
+void expect_case_matches_reference(const std::vector<DropoutCase>& all, size_t index,
+                                   std::initializer_list<double> rates) {
+  const auto& c = all[index];
+  for (double p : rates) {
+    SCOPED_TRACE(c.name + ", p " + std::to_string(p));
+    expect_matches_reference(c, make(c), features(c, p, seed_of(index, p)), kTolerance);
   }
 }
 
-TEST(AttentionDropoutKernel, HighRatesMatchTheReference) {
-  // Most weights dropped, the survivors scaled up to 2^16 (p = 1 - 2^-17
-  // keeps one draw in 2^16): the same comparison on two cases, tiles and a
-  // window. The factor multiplies the kept terms' rounding as well; their
-  // count falls with it, so the error relative to the largest entry stays
-  // within the tolerance.
+TEST(AttentionDropoutKernel, MatchesTheFloat64Reference) {
   const auto all = cases();
-  for (size_t index : {size_t{1}, size_t{5}}) {
-    const auto& c = all[index];
-    for (double p : {0.9, 0.99}) {
-      SCOPED_TRACE(c.name + ", p " + std::to_string(p));
-      expect_matches_reference(c, make(c), features(c, p, seed_of(index, p)), kTolerance);
-    }
-  }
+  for (size_t index = 0; index < all.size(); ++index) expect_case_matches_reference(all, index, {0.1, 0.5});
+}
+
+TEST(AttentionDropoutKernel, HighRatesMatchTheReference) {
+  // Most weights dropped, the survivors scaled by 10 and 100: the same
+  // comparison on two cases, tiles and a window. The factor multiplies the
+  // kept terms' rounding as well; their count falls with it, so the error
+  // relative to the largest entry stays within the tolerance.
+  const auto all = cases();
+  for (size_t index : {size_t{1}, size_t{5}}) expect_case_matches_reference(all, index, {0.9, 0.99});
 }
 
 TEST(AttentionDropoutKernel, DropoutChangesTheResult) {
