@@ -11,6 +11,14 @@ optimizers, ``state_dict``, ``.to(dtype)`` (which changes a Parameter's data in
 place), ``copy.deepcopy``, pickling and ``DistributedDataParallel`` all behave
 as for any module.
 
+Every forward goes through the op ``attnkit::module_forward``, whose typed
+schema torch.jit.trace records and torch.jit.script compiles: a model built of
+these modules exports (``torch.jit.save``) and the file runs wherever
+libattnkit is loaded, in Python (``torch.jit.load``) or in C++
+(``torch::jit::load``). The C++ module pickles as its kind, settings and
+tensors (src/bindings/modules.cpp); other methods (``generate``,
+``set_attention``) are Python's only.
+
 Two things keep it so: a Parameter must not be replaced by a new tensor
 (``module.weight = nn.Parameter(...)``; change values in place, e.g. with
 ``copy_`` or ``load_state_dict``), which a call refuses with an error; and a
@@ -18,6 +26,7 @@ buffer that ``.to()`` replaced is handed back to the C++ module before the
 next call.
 """
 import json
+from typing import List, Optional
 
 import torch
 
@@ -27,6 +36,7 @@ __all__ = ["BridgedModule"]
 class _Node(torch.nn.Module):
     """A level of a C++ module's name tree (e.g. ``decoder_0`` or ``q_proj``)."""
 
+    @torch.jit.ignore  # not a method of the exported module: TorchScript skips it
     def forward(self, *args, **kwargs):
         raise RuntimeError("attnkit: a sub-module of a bridged module is not callable on its own; "
                            "call the module that owns it")
@@ -87,6 +97,11 @@ class BridgedModule(torch.nn.Module):
                     node.register_buffer(leaf, tensor)
                 else:
                     node.register_parameter(leaf, _as_parameter(tensor))
+        self._settings_changed()
+
+    def _settings_changed(self):
+        """Called when the module is built, unpickled or changed by a method:
+        a subclass keeps here what its forward reads of the settings."""
 
     def _sync(self):
         """Before a call: the C++ module must compute with the tensors Python
@@ -110,9 +125,20 @@ class BridgedModule(torch.nn.Module):
                 node, leaf = self._slot(name)
                 node._buffers[leaf] = tensor
 
+    def _forward(self, input0: torch.Tensor, input1: Optional[torch.Tensor] = None,
+                 input2: Optional[torch.Tensor] = None, input3: Optional[torch.Tensor] = None,
+                 causal: bool = False, offset: int = 0) -> List[torch.Tensor]:
+        """The C++ module's forward on its positional inputs (None for absent
+        ones): the op torch.jit.trace records and torch.jit.script compiles."""
+        if not torch.jit.is_scripting():
+            self._sync()
+        return torch.ops.attnkit.module_forward(self._bridge, input0, input1, input2, input3, causal, offset,
+                                                self.training)
+
     def _call(self, method, *inputs, **args):
-        """Runs `method` of the C++ module on positional tensor `inputs` (None
-        for absent ones) with keyword settings `args`; returns its outputs."""
+        """Runs `method` (other than forward) of the C++ module on positional
+        tensor `inputs` (None for absent ones) with keyword settings `args`;
+        returns its outputs."""
         self._sync()
         return list(self._bridge.call(method, list(inputs), json.dumps(args), self.training))
 

@@ -15,6 +15,9 @@ errors, and the same checkpoints. A run of ``attnkit train`` loads with
 """
 import json
 import warnings
+from typing import Optional
+
+from torch import Tensor
 
 from ._bridge import BridgedModule
 
@@ -52,6 +55,9 @@ class Transformer(BridgedModule):
     use: norm "pre", normalization "rms", feed_forward "swiglu", bias False and
     positions "rope", each unless given; kv_heads stays as given.
     """
+
+    # TorchScript compiles forward only: the options are Python's.
+    __jit_unused_properties__ = ["options"]
 
     def __init__(self, vocab_size, block="classic", **options):
         unknown = sorted(set(options) - set(_OPTIONS))
@@ -91,10 +97,11 @@ class Transformer(BridgedModule):
         """The builder's options as a dict (after set_attention, the new specs)."""
         return json.loads(self._bridge.settings())
 
-    def forward(self, tokens, source=None, source_lengths=None):
+    def forward(self, tokens: Tensor, source: Optional[Tensor] = None,
+                source_lengths: Optional[Tensor] = None) -> Tensor:
         """tokens (N, L) int64 -> logits (N, L, vocab_size); an encoder-decoder
         also takes source (N, S) and its lengths (int64 (N), optional)."""
-        return self._call("forward", tokens, source, source_lengths)[0]
+        return self._forward(tokens, source, source_lengths)[0]
 
     def generate(self, prompt, tokens=100, temperature=1.0, top_k=0, seed=0, source=None,
                  source_lengths=None):

@@ -29,8 +29,10 @@ import keyword
 import sys
 import types
 import warnings
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import _library
 from ._bridge import BridgedModule
@@ -56,33 +58,34 @@ def _renamed(what, name, value, old_name, old_value):
     return old_value
 
 
-def _lengths_from_padding(mask, N, S, what):
+def _lengths_from_padding(mask: Optional[Tensor], N: int, S: int, what: str) -> Optional[Tensor]:
     """key_padding_mask (N, S), True (or -inf) where a key is padding, as int64
     key lengths (N). Only trailing padding has a length form; anything else is
-    refused rather than silently changed."""
+    refused rather than silently changed. (TorchScript compiles it.)"""
     if mask is None:
         return None
-    if tuple(mask.shape) != (N, S):
-        raise ValueError(f"{what}: key_padding_mask must be (N, S) = ({N}, {S}), got shape {tuple(mask.shape)}")
+    if mask.dim() != 2 or mask.shape[0] != N or mask.shape[1] != S:
+        raise ValueError(f"{what}: key_padding_mask must be (N, S) = ({N}, {S}), got shape {mask.shape}")
     padded = mask if mask.dtype == torch.bool else torch.isneginf(mask)
-    if mask.dtype != torch.bool and not torch.all((mask == 0) | padded):
+    if mask.dtype != torch.bool and not bool(torch.all((mask == 0) | padded)):
         raise ValueError(f"{what}: a float key_padding_mask must hold 0 and -inf only")
     lengths = (~padded).sum(1)
-    expected = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    expected = torch.arange(S, device=mask.device).unsqueeze(0) >= lengths.unsqueeze(1)
     if not torch.equal(padded, expected):
         raise ValueError(f"{what}: key_padding_mask must pad at the end of each row (keys j >= "
                          "length); attnkit takes padding as key lengths")
     return lengths.to(torch.int64)
 
 
-def _causal_from_mask(attn_mask, L, S, what):
-    """True when attn_mask is the causal mask (query i sees keys j <= i + S - L)."""
+def _causal_from_mask(attn_mask: Optional[Tensor], L: int, S: int, what: str) -> bool:
+    """True when attn_mask is the causal mask (query i sees keys j <= i + S - L).
+    (TorchScript compiles it.)"""
     if attn_mask is None:
         return False
     hidden = torch.ones(L, S, dtype=torch.bool, device=attn_mask.device).triu(S - L + 1)
     given = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-    if tuple(attn_mask.shape) != (L, S) or not torch.equal(given, hidden) or (
-            attn_mask.dtype != torch.bool and not torch.all((attn_mask == 0) | given)):
+    if attn_mask.dim() != 2 or attn_mask.shape[0] != L or attn_mask.shape[1] != S or not torch.equal(
+            given, hidden) or (attn_mask.dtype != torch.bool and not bool(torch.all((attn_mask == 0) | given))):
         raise ValueError(f"{what}: attn_mask must be the causal mask of shape ({L}, {S}) (or pass "
                          "is_causal=True); attnkit's mechanisms take masks as the causal flag and key "
                          "lengths, not as arbitrary (L, S) matrices")
@@ -103,8 +106,8 @@ class Linear(BridgedModule):
         super().__init__("Linear", {"in_features": in_features, "out_features": out_features, "bias": bias})
         self.in_features, self.out_features = in_features, out_features
 
-    def forward(self, input):
-        return self._call("forward", input)[0]
+    def forward(self, input: Tensor) -> Tensor:
+        return self._forward(input)[0]
 
 
 class MultiheadAttention(BridgedModule):
@@ -148,51 +151,68 @@ class MultiheadAttention(BridgedModule):
                                                 "dropout": float(dropout), "attention": attention})
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
+    def _settings_changed(self):
+        # What forward reads of the settings, as plain attributes: TorchScript
+        # compiles forward, and they become the exported module's constants.
+        settings = json.loads(self._bridge.settings())
+        self._spec = settings["attention"]
+        self._exact = self._spec.split(":", 1)[0] == "full"
+        self._always_causal = _always_causal(self._spec)
+        self._kv_heads = settings["kv_heads"] or settings["heads"]
+        self._alibi = settings["alibi"]
+        self._rotary_dim, self._rotary_base = settings["rotary_dim"], settings["rotary_base"]
+
     @property
-    def attention_spec(self):
+    def attention_spec(self) -> str:
         """The mechanism's spec (after set_attention, the new one)."""
-        return json.loads(self._bridge.settings())["attention"]
+        return self._spec
 
     def set_attention(self, spec):
         """Swaps the mechanism behind the same projections."""
         self._command("set_attention", attention=spec)
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-                average_attn_weights=True, is_causal=False, key_lengths=None):
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = False, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False, key_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         what = "attnkit.nn.MultiheadAttention"
-        spec = self.attention_spec
-        if need_weights and spec.split(":", 1)[0] != "full":
-            raise ValueError(f"{what}: need_weights=True needs exact attention ('full'); '{spec}' forms "
+        if need_weights and not self._exact:
+            raise ValueError(f"{what}: need_weights=True needs exact attention ('full'); '{self._spec}' forms "
                              "no (L, S) weight matrix (swap in 'full' with set_attention to inspect one)")
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError(f"{what}: give key_padding_mask or key_lengths, not both")
         if not self.batch_first:
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         if key_lengths is None:
             key_lengths = _lengths_from_padding(key_padding_mask, key.shape[0], key.shape[1], what)
-        causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
-        if causal and _always_causal(spec):
+        causal = is_causal or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
+        if causal and self._always_causal:
             causal = False  # a causal pattern is causal by construction and takes no flag
-        out = self._call("forward", query, key, value, key_lengths, causal=causal)[0]
-        weights = self._weights(query, key, key_lengths, causal, average_attn_weights) if need_weights else None
+        out = self._forward(query, key, value, key_lengths, causal=causal)[0]
+        weights: Optional[Tensor] = None
+        if need_weights:
+            weights = self._weights(query, key, key_lengths, causal, average_attn_weights)
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
-    def _weights(self, query, key, key_lengths, causal, average):
+    def _weights(self, query: Tensor, key: Tensor, key_lengths: Optional[Tensor], causal: bool,
+                 average: bool) -> Tensor:
         """The exact kernel's attention weights P (N, H, L, S), as its output
         P V with V the identity: the same projections, scale, masks and rule
         for rows with nothing visible (zeros) as the forward. (N, batch-first)."""
-        def project(x, proj):
-            return torch.ops.attnkit.linear(x, proj.weight, getattr(proj, "bias", None))
         N, L, S, H = query.shape[0], query.shape[1], key.shape[1], self.num_heads
-        Hk = json.loads(self._bridge.settings())["kv_heads"] or H  # grouped heads: the kernel reads groups
-        q = project(query, self.q_proj).view(N, L, H, -1).transpose(1, 2)
-        k = project(key, self.k_proj).view(N, S, Hk, -1).transpose(1, 2)
-        identity = torch.eye(S, dtype=q.dtype).expand(N, Hk, S, S)  # stride 0 over N and H: no copy
-        settings = json.loads(self._bridge.settings())
-        slopes = torch.ops.attnkit.alibi_slopes(H) if settings.get("alibi") else None
+        q_bias: Optional[Tensor] = None
+        k_bias: Optional[Tensor] = None
+        if hasattr(self.q_proj, "bias"):
+            q_bias, k_bias = self.q_proj.bias, self.k_proj.bias
+        q = torch.ops.attnkit.linear(query, self.q_proj.weight, q_bias).view(N, L, H, -1).transpose(1, 2)
+        # grouped heads: the kernel reads the groups
+        k = torch.ops.attnkit.linear(key, self.k_proj.weight, k_bias).view(N, S, self._kv_heads, -1).transpose(1, 2)
+        identity = torch.eye(S, dtype=q.dtype).expand(N, self._kv_heads, S, S)  # stride 0 over N, H: no copy
+        slopes: Optional[Tensor] = None
+        if self._alibi:
+            slopes = torch.ops.attnkit.alibi_slopes(H)
         p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths,
-                                                alibi_slopes=slopes, rotary_dim=settings["rotary_dim"],
-                                                rotary_base=settings["rotary_base"])
+                                                alibi_slopes=slopes, rotary_dim=self._rotary_dim,
+                                                rotary_base=self._rotary_base)
         return p.mean(1) if average else p
 
 
@@ -207,20 +227,19 @@ class Attention(BridgedModule):
         super().__init__("Attention", {"spec": spec})
         self.spec = spec
 
-    def forward(self, q, k, v, causal=False, key_lengths=None):
-        return self._call("forward", q, k, v, key_lengths, causal=causal)[0]
-
-
-def _zoo_output(outputs):
-    return outputs[0], outputs[1]
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                key_lengths: Optional[Tensor] = None) -> Tensor:
+        return self._forward(q, k, v, key_lengths, causal=causal)[0]
 
 
 class _ScoreAttention(BridgedModule):
     """The zoo's score-based modules: forward(query (N, L, Dq), keys (N, S, Dk),
     values (N, S, Dv), key_lengths=None) -> (context (N, L, Dv), weights (N, L, S))."""
 
-    def forward(self, query, keys, values, key_lengths=None):
-        return _zoo_output(self._call("forward", query, keys, values, key_lengths))
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor,
+                key_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        outputs = self._forward(query, keys, values, key_lengths)
+        return outputs[0], outputs[1]
 
 
 class AdditiveAttention(_ScoreAttention):
@@ -255,8 +274,9 @@ class LocationAttention(BridgedModule):
         super().__init__("LocationAttention", {"query_dim": query_dim,
                                                "max_source_length": max_source_length})
 
-    def forward(self, query, values, key_lengths=None):
-        return _zoo_output(self._call("forward", query, values, key_lengths))
+    def forward(self, query: Tensor, values: Tensor, key_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        outputs = self._forward(query, values, key_lengths)
+        return outputs[0], outputs[1]
 
 
 class RelativePositionAttention(BridgedModule):
@@ -272,8 +292,8 @@ class RelativePositionAttention(BridgedModule):
         super().__init__("RelativePositionAttention", {"width": width, "heads": heads,
                                                        "max_relative": max_relative})
 
-    def forward(self, x, key_lengths=None, causal=False):
-        return self._call("forward", x, key_lengths, causal=causal)[0]
+    def forward(self, x: Tensor, key_lengths: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+        return self._forward(x, key_lengths, causal=causal)[0]
 
 
 class SinusoidalPositionalEncoding(BridgedModule):
@@ -283,8 +303,8 @@ class SinusoidalPositionalEncoding(BridgedModule):
         width = _renamed("attnkit.nn.SinusoidalPositionalEncoding", "width", width, "d_model", d_model)
         super().__init__("SinusoidalPositionalEncoding", {"width": width, "max_length": max_length})
 
-    def forward(self, x, offset=0):
-        return self._call("forward", x, offset=offset)[0]
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return self._forward(x, offset=offset)[0]
 
 
 class AgglomerativeAttention(BridgedModule):
@@ -300,8 +320,8 @@ class AgglomerativeAttention(BridgedModule):
         super().__init__("AgglomerativeAttention", {"width": width, "classes": classes,
                                                     "dropout": dropout})
 
-    def forward(self, query, reference=None, causal=False):
-        return self._call("forward", query, reference, causal=causal)[0]
+    def forward(self, query: Tensor, reference: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+        return self._forward(query, reference, causal=causal)[0]
 
 
 class LinearAttention(BridgedModule):
@@ -318,8 +338,8 @@ class LinearAttention(BridgedModule):
                                              "causal": causal, "eps": eps, "rotary_dim": rotary_dim,
                                              "rotary_base": rotary_base})
 
-    def forward(self, q, k, v):
-        return self._call("forward", q, k, v)[0]
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self._forward(q, k, v)[0]
 
 
 class GatedLinearAttention(BridgedModule):
@@ -331,8 +351,8 @@ class GatedLinearAttention(BridgedModule):
     def __init__(self, dim):
         super().__init__("GatedLinearAttention", {"dim": dim})
 
-    def forward(self, hidden, queries, causal=False):
-        return self._call("forward", hidden, queries, causal=causal)[0]
+    def forward(self, hidden: Tensor, queries: Tensor, causal: bool = False) -> Tensor:
+        return self._forward(hidden, queries, causal=causal)[0]
 
     def features(self, hidden):
         return self._call("features", hidden)[0]

@@ -9,9 +9,18 @@
 //     parameter's Python object becomes an nn.Parameter) under the same names,
 //     so autograd, optimizers, hooks and DistributedDataParallel act on the
 //     tensors the C++ code computes with, and state_dicts match checkpoints.
-//   * call(method, inputs, args, training) sets the training mode and runs
-//     `method` on `inputs` (positional, None for absent ones) with keyword
-//     settings `args` (a JSON object).
+//   * The op attnkit::module_forward(module, input0, input1?, input2?, input3?,
+//     causal, offset, training) runs the module's forward on its positional
+//     inputs (None for absent ones). An op of the dispatcher with a typed
+//     schema, it is what torch.jit.trace records and torch.jit.script
+//     compiles: a model of attnkit.nn modules exports, and the saved file
+//     runs wherever libattnkit is loaded (torch::jit::load in C++,
+//     torch.jit.load in Python).
+//   * call(method, inputs, args, training) runs any other method (generate,
+//     set_attention, features) with keyword settings `args` (a JSON object).
+//   * The class pickles (torch.jit.save, copy.deepcopy of a ScriptModule) as
+//     its kind, settings and named tensors; the tensors are those Python
+//     registered, so a saved file stores each one once.
 // Keeping the modules in C++ means Python runs the very code the CLI, the
 // trainer and the tests run: the same forward, checks, errors and checkpoints.
 #include <attnkit/document_memory.h>
@@ -24,6 +33,7 @@
 #include <attnkit/nn/zoo.h>
 #include <attnkit/runtime.h>
 #include <attnkit/train/trainer.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/custom_class.h>
 
 #include <cmath>
@@ -32,6 +42,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -97,25 +108,34 @@ at::Tensor required(const Inputs& inputs, size_t i, const std::string& what, con
   return t;
 }
 
+/// A forward's arguments besides its tensors (those of the op module_forward).
+struct ForwardArgs {
+  bool causal = false;
+  int64_t offset = 0;
+};
+
+/// Refuses the arguments `kind`'s forward has no use for, rather than
+/// ignoring them.
+void takes(const char* kind, const ForwardArgs& a, bool causal, bool offset) {
+  TORCH_CHECK(causal || !a.causal, kind, ".forward takes no causal flag");
+  TORCH_CHECK(offset || a.offset == 0, kind, ".forward takes no offset");
+}
+
+using Method = std::function<Outputs(const Inputs&, Settings&)>;
+
 /// One module kind: how to build it from its settings, and its methods.
 struct Bridged {
   std::shared_ptr<torch::nn::Module> module;
-  /// (method, inputs, settings) -> outputs
-  std::function<Outputs(const std::string&, const Inputs&, Settings&)> call;
+  /// (inputs, arguments) -> outputs
+  std::function<Outputs(const Inputs&, const ForwardArgs&)> forward;
+  /// The other methods by name: (inputs, settings) -> outputs.
+  std::map<std::string, Method> methods;
   /// The settings that rebuild it (for the Transformer, the options as changed
   /// by set_attention).
   std::function<std::string()> settings;
 };
 
 Outputs pair(const nn::AttentionOutput& out) { return {out.context, out.weights}; }
-
-void expect_method(const std::string& kind, const std::string& method, std::initializer_list<const char*> known) {
-  for (const char* m : known)
-    if (method == m) return;
-  std::string list;
-  for (const char* m : known) list += (list.empty() ? "" : ", ") + std::string(m);
-  TORCH_CHECK(false, kind, ": no method '", method, "' (it has: ", list, ")");
-}
 
 models::GenerateOptions generate_options(Settings& s) {
   return models::GenerateOptions()
@@ -129,12 +149,15 @@ Bridged bridge_transformer(std::shared_ptr<models::TransformerImpl> model) {
   Bridged b;
   b.module = model;
   b.settings = [model] { return model->options().to_json(); };
-  b.call = [model](const std::string& method, const Inputs& in, Settings& s) -> Outputs {
-    expect_method("Transformer", method, {"forward", "generate", "set_attention"});
-    if (method == "forward") return {model->forward(required(in, 0, "Transformer", "tokens"), input(in, 1), input(in, 2))};
-    if (method == "generate")
-      return {model->generate(required(in, 0, "Transformer.generate", "prompt"), generate_options(s),
-                              input(in, 1), input(in, 2))};
+  b.forward = [model](const Inputs& in, const ForwardArgs& a) -> Outputs {
+    takes("Transformer", a, /*causal=*/false, /*offset=*/false);
+    return {model->forward(required(in, 0, "Transformer", "tokens"), input(in, 1), input(in, 2))};
+  };
+  b.methods["generate"] = [model](const Inputs& in, Settings& s) -> Outputs {
+    return {model->generate(required(in, 0, "Transformer.generate", "prompt"), generate_options(s), input(in, 1),
+                            input(in, 2))};
+  };
+  b.methods["set_attention"] = [model](const Inputs&, Settings& s) -> Outputs {
     model->set_attention(s.require<std::vector<std::string>>("attention"));
     return {};
   };
@@ -145,12 +168,12 @@ Bridged bridge_transformer(std::shared_ptr<models::TransformerImpl> model) {
 template <class Holder>
 Bridged score_attention(Holder m, const char* kind) {
   return Bridged{m.ptr(),
-                 [m, kind](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                   expect_method(kind, method, {"forward"});
+                 [m, kind](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                   takes(kind, a, /*causal=*/false, /*offset=*/false);
                    return pair(m(required(in, 0, kind, "query"), required(in, 1, kind, "keys"),
                                  required(in, 2, kind, "values"), input(in, 3)));
                  },
-                 nullptr};
+                 {}, nullptr};
 }
 
 using Factory = std::function<Bridged(Settings&)>;
@@ -182,10 +205,10 @@ const std::map<std::string, Factory>& factories() {
        [](Settings& s) {
          nn::Linear m(torch::nn::LinearOptions(s.require<int64_t>("in_features"), s.require<int64_t>("out_features"))
                           .bias(s.get<bool>("bias", true)));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("Linear", method, {"forward"});
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                          takes("Linear", a, /*causal=*/false, /*offset=*/false);
                           return {m(required(in, 0, "Linear", "input"))};
-                        }, nullptr};
+                        }, {}, nullptr};
        }},
       {"MultiheadAttention",
        [](Settings& s) {
@@ -198,16 +221,16 @@ const std::map<std::string, Factory>& factories() {
                  .bias(s.get<bool>("bias", true))
                  .dropout(s.get<double>("dropout", 0.0))
                  .attention(s.get<std::string>("attention", "full")));
-         Bridged b{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
-                     expect_method("MultiheadAttention", method, {"forward", "set_attention"});
-                     if (method == "set_attention") {
-                       m->set_attention(a.require<std::string>("attention"));
-                       return {};
-                     }
+         Bridged b{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
                      const char* what = "MultiheadAttention";
+                     takes(what, a, /*causal=*/true, /*offset=*/false);
                      return {m(required(in, 0, what, "query"), required(in, 1, what, "key"),
-                               required(in, 2, what, "value"), input(in, 3), a.get<bool>("causal", false))};
-                   }, nullptr};
+                               required(in, 2, what, "value"), input(in, 3), a.causal)};
+                   }, {}, nullptr};
+         b.methods["set_attention"] = [m](const Inputs&, Settings& a) mutable -> Outputs {
+           m->set_attention(a.require<std::string>("attention"));
+           return {};
+         };
          b.settings = [m] {
            return json{{"width", m->options.width()},
                        {"heads", m->options.heads()},
@@ -225,13 +248,12 @@ const std::map<std::string, Factory>& factories() {
       {"Attention",
        [](Settings& s) {
          auto m = nn::make_mechanism(s.require<std::string>("spec"));
-         return Bridged{m, [m](const std::string& method, const Inputs& in, Settings& a) -> Outputs {
-                          expect_method("Attention", method, {"forward"});
+         return Bridged{m, [m](const Inputs& in, const ForwardArgs& a) -> Outputs {
                           const char* what = "Attention";
+                          takes(what, a, /*causal=*/true, /*offset=*/false);
                           return {m->forward(required(in, 0, what, "q"), required(in, 1, what, "k"),
-                                             required(in, 2, what, "v"),
-                                             nn::AttendArgs{a.get<bool>("causal", false), input(in, 3)})};
-                        }, nullptr};
+                                             required(in, 2, what, "v"), nn::AttendArgs{a.causal, input(in, 3)})};
+                        }, {}, nullptr};
        }},
       {"AdditiveAttention",
        [](Settings& s) {
@@ -254,41 +276,42 @@ const std::map<std::string, Factory>& factories() {
        [](Settings& s) {
          nn::LocationAttention m(nn::LocationAttentionOptions(s.require<int64_t>("query_dim"),
                                                               s.require<int64_t>("max_source_length")));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("LocationAttention", method, {"forward"});
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
                           const char* what = "LocationAttention";
+                          takes(what, a, /*causal=*/false, /*offset=*/false);
                           return pair(m(required(in, 0, what, "query"), required(in, 1, what, "values"), input(in, 2)));
-                        }, nullptr};
+                        }, {}, nullptr};
        }},
       {"RelativePositionAttention",
        [](Settings& s) {
          nn::RelativePositionAttention m(nn::RelativePositionAttentionOptions(
              s.require<int64_t>("width"), s.require<int64_t>("heads"), s.require<int64_t>("max_relative")));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
-                          expect_method("RelativePositionAttention", method, {"forward"});
-                          return {m(required(in, 0, "RelativePositionAttention", "x"), input(in, 1),
-                                    a.get<bool>("causal", false))};
-                        }, nullptr};
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                          const char* what = "RelativePositionAttention";
+                          takes(what, a, /*causal=*/true, /*offset=*/false);
+                          return {m(required(in, 0, what, "x"), input(in, 1), a.causal)};
+                        }, {}, nullptr};
        }},
       {"SinusoidalPositionalEncoding",
        [](Settings& s) {
          nn::SinusoidalPositionalEncoding m(nn::SinusoidalPositionalEncodingOptions(
              s.require<int64_t>("width"), s.get<int64_t>("max_length", 8192)));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
-                          expect_method("SinusoidalPositionalEncoding", method, {"forward"});
-                          return {m(required(in, 0, "SinusoidalPositionalEncoding", "x"), a.get<int64_t>("offset", 0))};
-                        }, nullptr};
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                          const char* what = "SinusoidalPositionalEncoding";
+                          takes(what, a, /*causal=*/false, /*offset=*/true);
+                          return {m(required(in, 0, what, "x"), a.offset)};
+                        }, {}, nullptr};
        }},
       {"AgglomerativeAttention",
        [](Settings& s) {
          nn::AgglomerativeAttention m(
              nn::AgglomerativeAttentionOptions(s.require<int64_t>("width"), s.require<int64_t>("classes"))
                  .dropout(s.get<double>("dropout", 0.0)));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
-                          expect_method("AgglomerativeAttention", method, {"forward"});
-                          return {m(required(in, 0, "AgglomerativeAttention", "query"), input(in, 1),
-                                    a.get<bool>("causal", false))};
-                        }, nullptr};
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                          const char* what = "AgglomerativeAttention";
+                          takes(what, a, /*causal=*/true, /*offset=*/false);
+                          return {m(required(in, 0, what, "query"), input(in, 1), a.causal)};
+                        }, {}, nullptr};
        }},
       {"LinearAttention",
        [](Settings& s) {
@@ -299,22 +322,25 @@ const std::map<std::string, Factory>& factories() {
                                    .eps(s.get<double>("eps", 1e-6))
                                    .rotary_dim(s.get<int64_t>("rotary_dim", 0))
                                    .rotary_base(s.get<double>("rotary_base", 10000.0)));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings&) mutable -> Outputs {
-                          expect_method("LinearAttention", method, {"forward"});
+         return Bridged{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
                           const char* what = "LinearAttention";
+                          // causal is an option of this module, not an argument
+                          takes(what, a, /*causal=*/false, /*offset=*/false);
                           return {m(required(in, 0, what, "q"), required(in, 1, what, "k"), required(in, 2, what, "v"))};
-                        }, nullptr};
+                        }, {}, nullptr};
        }},
       {"GatedLinearAttention",
        [](Settings& s) {
          nn::GatedLinearAttention m(nn::GatedLinearAttentionOptions(s.require<int64_t>("dim")));
-         return Bridged{m.ptr(), [m](const std::string& method, const Inputs& in, Settings& a) mutable -> Outputs {
-                          expect_method("GatedLinearAttention", method, {"forward", "features"});
-                          const char* what = "GatedLinearAttention";
-                          if (method == "features") return {m->features(required(in, 0, what, "hidden"))};
-                          return {m(required(in, 0, what, "hidden"), required(in, 1, what, "queries"),
-                                    a.get<bool>("causal", false))};
-                        }, nullptr};
+         Bridged b{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
+                     const char* what = "GatedLinearAttention";
+                     takes(what, a, /*causal=*/true, /*offset=*/false);
+                     return {m(required(in, 0, what, "hidden"), required(in, 1, what, "queries"), a.causal)};
+                   }, {}, nullptr};
+         b.methods["features"] = [m](const Inputs& in, Settings&) mutable -> Outputs {
+           return {m->features(required(in, 0, "GatedLinearAttention.features", "hidden"))};
+         };
+         return b;
        }},
       {"Transformer",
        [](Settings& s) {
@@ -333,8 +359,31 @@ std::vector<std::string> kinds() {
   return out;
 }
 
+/// Keeps torch's default CPU generator where it was: building a module to
+/// take saved values (unpickling) must not move the user's random stream.
+class GeneratorStateGuard {
+ public:
+  GeneratorStateGuard() : generator_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    state_ = generator_.get_state();
+  }
+  ~GeneratorStateGuard() {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    generator_.set_state(state_);
+  }
+  GeneratorStateGuard(const GeneratorStateGuard&) = delete;
+  GeneratorStateGuard& operator=(const GeneratorStateGuard&) = delete;
+
+ private:
+  at::Generator generator_;
+  at::Tensor state_;
+};
+
 class Module : public torch::CustomClassHolder {
  public:
+  /// What the class pickles to: kind, settings, and the tensors by name.
+  using State = std::tuple<std::string, std::string, std::vector<std::string>, std::vector<at::Tensor>>;
+
   Module(const std::string& kind, const std::string& settings) : kind_(kind) {
     if (kind == "run") {
       load_run(settings);
@@ -365,11 +414,24 @@ class Module : public torch::CustomClassHolder {
   std::vector<std::string> buffer_names() const { return names(bridged_.module->named_buffers()); }
   std::vector<at::Tensor> buffers() const { return bridged_.module->buffers(); }
 
-  std::vector<at::Tensor> call(const std::string& method, const Inputs& inputs, const std::string& args,
-                               bool training) {
+  /// The op attnkit::module_forward.
+  Outputs forward(const Inputs& inputs, const ForwardArgs& args, bool training) {
     bridged_.module->train(training);
+    return bridged_.forward(inputs, args);
+  }
+
+  /// A method other than forward (the op module_forward runs that).
+  Outputs call(const std::string& method, const Inputs& inputs, const std::string& args, bool training) {
+    const auto it = bridged_.methods.find(method);
+    if (it == bridged_.methods.end()) {
+      std::string list;
+      for (const auto& item : bridged_.methods) list += (list.empty() ? "" : ", ") + item.first;
+      TORCH_CHECK(false, kind_, ": no method '", method, "' (it has: ", list.empty() ? "none" : list,
+                  method == "forward" ? "; forward is the op attnkit::module_forward)" : ")");
+    }
     Settings s(parse_object(args, kind_ + "." + method + " settings"), kind_ + "." + method);
-    auto out = bridged_.call(method, inputs, s);
+    bridged_.module->train(training);
+    auto out = it->second(inputs, s);
     s.done();
     return out;
   }
@@ -384,6 +446,53 @@ class Module : public torch::CustomClassHolder {
     trainer.update(parse_object(trainer_json, "trainer settings"));
     return train::save_model_run(run_dir, *model, train::task_options_from_json(task_json),
                                  train::TrainerOptions::from_json(trainer.dump()), step);
+  }
+
+  /// Pickling: parameters and buffers by name, as the module holds them (a
+  /// module loaded from a run pickles as the Transformer it is; its run_info
+  /// is not kept).
+  State state() const {
+    std::vector<std::string> tensor_names;
+    std::vector<at::Tensor> tensors;
+    for (const auto& item : bridged_.module->named_parameters()) {
+      tensor_names.push_back(item.key());
+      tensors.push_back(item.value());
+    }
+    for (const auto& item : bridged_.module->named_buffers()) {
+      tensor_names.push_back(item.key());
+      tensors.push_back(item.value());
+    }
+    return State(kind_, settings(), std::move(tensor_names), std::move(tensors));
+  }
+
+  /// Unpickling: the module rebuilt from its kind and settings, every tensor
+  /// then made to share the saved tensor's storage (set_data), as Python's
+  /// ``tensor.data = saved`` does: a loaded file holds each tensor once.
+  static c10::intrusive_ptr<Module> from_state(State state) {
+    auto& [kind, settings, tensor_names, tensors] = state;
+    TORCH_CHECK(tensor_names.size() == tensors.size(), "attnkit.Module: a saved ", kind, " has ",
+                tensor_names.size(), " tensor names for ", tensors.size(), " tensors");
+    c10::intrusive_ptr<Module> module;
+    {
+      GeneratorStateGuard keep_random_stream;
+      module = c10::make_intrusive<Module>(kind, settings);
+    }
+    auto own = module->bridged_.module->named_parameters();
+    auto buffers = module->bridged_.module->named_buffers();
+    TORCH_CHECK(own.size() + buffers.size() == tensors.size(), "attnkit.Module: a saved ", kind, " has ",
+                tensors.size(), " tensors; one built from its settings has ", own.size() + buffers.size());
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& name = tensor_names[i];
+      at::Tensor* target = own.find(name);
+      if (target == nullptr) target = buffers.find(name);
+      TORCH_CHECK(target != nullptr, "attnkit.Module: a saved ", kind, " has a tensor '", name,
+                  "' that one built from its settings lacks");
+      TORCH_CHECK(target->sizes() == tensors[i].sizes(), "attnkit.Module: saved tensor '", name, "' of a ", kind,
+                  " has shape ", tensors[i].sizes(), "; the module's is ", target->sizes());
+      target->set_data(tensors[i]);
+    }
+    return module;
   }
 
  private:
@@ -413,6 +522,14 @@ class Module : public torch::CustomClassHolder {
   Bridged bridged_;
   std::string run_info_ = "{}";
 };
+
+/// The op's inputs are four positional tensors rather than a list: the
+/// tracer records no list of optional tensors (torch 1.13).
+Outputs module_forward(const c10::intrusive_ptr<Module>& module, const at::Tensor& input0,
+                       const c10::optional<at::Tensor>& input1, const c10::optional<at::Tensor>& input2,
+                       const c10::optional<at::Tensor>& input3, bool causal, int64_t offset, bool training) {
+  return module->forward({input0, input1, input2, input3}, ForwardArgs{causal, offset}, training);
+}
 
 /// DocumentMemory for Python: the C++ class as it is (nothing to adapt).
 class Memory : public torch::CustomClassHolder {
@@ -494,7 +611,9 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       .def("buffer_names", &Module::buffer_names)
       .def("buffers", &Module::buffers)
       .def("call", &Module::call)
-      .def("save_run", &Module::save_run);
+      .def("save_run", &Module::save_run)
+      .def_pickle([](const c10::intrusive_ptr<Module>& self) { return self->state(); },
+                  [](Module::State state) { return Module::from_state(std::move(state)); });
   m.class_<Memory>("DocumentMemory")
       .def(torch::init<int64_t>())
       .def("append", &Memory::append)
@@ -504,6 +623,11 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       .def("num_states", &Memory::num_states)
       .def("matrix", &Memory::matrix)
       .def("save", &Memory::save);
+  // Every module's forward (see the contract at the top of this file).
+  m.def("module_forward(__torch__.torch.classes.attnkit.Module module, Tensor input0, Tensor? input1=None, "
+        "Tensor? input2=None, Tensor? input3=None, bool causal=False, int offset=0, bool training=False) "
+        "-> Tensor[]",
+        &module_forward);
   m.def("mechanisms_json() -> str", &mechanisms_json);
   m.def("version() -> str", &attnkit::version);
   m.def("isa() -> str", &attnkit::isa);
@@ -515,7 +639,4 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def("load_document_memory(str path) -> __torch__.torch.classes.attnkit.DocumentMemory", &load_memory);
 }
 
-namespace {
-
-}  // namespace
 }  // namespace attnkit::bindings
