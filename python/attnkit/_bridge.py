@@ -125,6 +125,12 @@ class BridgedModule(torch.nn.Module):
                 node, leaf = self._slot(name)
                 node._buffers[leaf] = tensor
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: the C++ module must hold the
+        # tensors the scripted module will (a buffer `.to()` replaced).
+        self._sync()
+        return self
+
     def _forward(self, input0: torch.Tensor, input1: Optional[torch.Tensor] = None,
                  input2: Optional[torch.Tensor] = None, input3: Optional[torch.Tensor] = None,
                  causal: bool = False, offset: int = 0) -> List[torch.Tensor]:

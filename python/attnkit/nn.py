@@ -65,7 +65,7 @@ def _lengths_from_padding(mask: Optional[Tensor], N: int, S: int, what: str) -> 
     if mask is None:
         return None
     if mask.dim() != 2 or mask.shape[0] != N or mask.shape[1] != S:
-        raise ValueError(f"{what}: key_padding_mask must be (N, S) = ({N}, {S}), got shape {mask.shape}")
+        raise ValueError(f"{what}: key_padding_mask must be (N, S) = ({N}, {S}), got shape {list(mask.shape)}")
     padded = mask if mask.dtype == torch.bool else torch.isneginf(mask)
     if mask.dtype != torch.bool and not bool(torch.all((mask == 0) | padded)):
         raise ValueError(f"{what}: a float key_padding_mask must hold 0 and -inf only")
@@ -152,8 +152,10 @@ class MultiheadAttention(BridgedModule):
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
 
     def _settings_changed(self):
-        # What forward reads of the settings, as plain attributes: TorchScript
-        # compiles forward, and they become the exported module's constants.
+        # What forward reads of the settings, as plain attributes, which
+        # TorchScript can compile. A scripted module copies them when it is
+        # made: it shares the C++ module with this one, so script after
+        # set_attention (or script a deepcopy), not before.
         settings = json.loads(self._bridge.settings())
         self._spec = settings["attention"]
         self._exact = self._spec.split(":", 1)[0] == "full"
@@ -184,7 +186,7 @@ class MultiheadAttention(BridgedModule):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         if key_lengths is None:
             key_lengths = _lengths_from_padding(key_padding_mask, key.shape[0], key.shape[1], what)
-        causal = is_causal or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
+        causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
         if causal and self._always_causal:
             causal = False  # a causal pattern is causal by construction and takes no flag
         out = self._forward(query, key, value, key_lengths, causal=causal)[0]

@@ -361,6 +361,8 @@ std::vector<std::string> kinds() {
 
 /// Keeps torch's default CPU generator where it was: building a module to
 /// take saved values (unpickling) must not move the user's random stream.
+/// (It restores the whole state: draws another thread makes meanwhile are
+/// drawn again after it.)
 class GeneratorStateGuard {
  public:
   GeneratorStateGuard() : generator_(at::detail::getDefaultCPUGenerator()) {
@@ -416,6 +418,11 @@ class Module : public torch::CustomClassHolder {
 
   /// The op attnkit::module_forward.
   Outputs forward(const Inputs& inputs, const ForwardArgs& args, bool training) {
+    TORCH_CHECK(!(loaded_ && training && at::GradMode::is_enabled()), kind_,
+                ": this module was loaded from a saved file (torch.jit.load, torch::jit::load), which runs "
+                "inference only: its computation reads the file's tensors, not the loaded module's parameters, "
+                "so training it would update nothing. Fine-tune the eager model instead (load_state_dict from "
+                "the loaded module's state_dict), or run under no_grad");
     bridged_.module->train(training);
     return bridged_.forward(inputs, args);
   }
@@ -467,7 +474,11 @@ class Module : public torch::CustomClassHolder {
 
   /// Unpickling: the module rebuilt from its kind and settings, every tensor
   /// then made to share the saved tensor's storage (set_data), as Python's
-  /// ``tensor.data = saved`` does: a loaded file holds each tensor once.
+  /// ``tensor.data = saved`` does: a loaded file holds each tensor once. The
+  /// module stays a separate set of tensors from the loaded ScriptModule's
+  /// parameters (libtorch has no way to swap a module's tensors for others),
+  /// so it is for inference: its tensors take no gradients, and forward
+  /// refuses training mode with autograd on.
   static c10::intrusive_ptr<Module> from_state(State state) {
     auto& [kind, settings, tensor_names, tensors] = state;
     TORCH_CHECK(tensor_names.size() == tensors.size(), "attnkit.Module: a saved ", kind, " has ",
@@ -477,13 +488,16 @@ class Module : public torch::CustomClassHolder {
       GeneratorStateGuard keep_random_stream;
       module = c10::make_intrusive<Module>(kind, settings);
     }
+    module->loaded_ = true;
     auto own = module->bridged_.module->named_parameters();
     auto buffers = module->bridged_.module->named_buffers();
     TORCH_CHECK(own.size() + buffers.size() == tensors.size(), "attnkit.Module: a saved ", kind, " has ",
                 tensors.size(), " tensors; one built from its settings has ", own.size() + buffers.size());
     torch::NoGradGuard no_grad;
+    std::set<std::string> seen;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& name = tensor_names[i];
+      TORCH_CHECK(seen.insert(name).second, "attnkit.Module: a saved ", kind, " names tensor '", name, "' twice");
       at::Tensor* target = own.find(name);
       if (target == nullptr) target = buffers.find(name);
       TORCH_CHECK(target != nullptr, "attnkit.Module: a saved ", kind, " has a tensor '", name,
@@ -491,6 +505,7 @@ class Module : public torch::CustomClassHolder {
       TORCH_CHECK(target->sizes() == tensors[i].sizes(), "attnkit.Module: saved tensor '", name, "' of a ", kind,
                   " has shape ", tensors[i].sizes(), "; the module's is ", target->sizes());
       target->set_data(tensors[i]);
+      target->requires_grad_(false);
     }
     return module;
   }
@@ -521,6 +536,7 @@ class Module : public torch::CustomClassHolder {
   std::string kind_;
   Bridged bridged_;
   std::string run_info_ = "{}";
+  bool loaded_ = false;  // unpickled (from_state): inference only
 };
 
 /// The op's inputs are four positional tensors rather than a list: the
