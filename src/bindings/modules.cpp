@@ -18,9 +18,11 @@
 //     torch.jit.load in Python).
 //   * call(method, inputs, args, training) runs any other method (generate,
 //     set_attention, features) with keyword settings `args` (a JSON object).
-//   * The class pickles (torch.jit.save, copy.deepcopy of a ScriptModule) as
-//     its kind, settings and named tensors; the tensors are those Python
-//     registered, so a saved file stores each one once.
+//   * The class pickles (torch.jit.save) as its kind, settings and named
+//     tensors; the tensors are those Python registered, so a saved file
+//     stores each one once. (torch's copy.deepcopy of a ScriptModule calls
+//     __setstate__(__getstate__()) without copying the state: the copy's C++
+//     module shares the original's storage.)
 // Keeping the modules in C++ means Python runs the very code the CLI, the
 // trainer and the tests run: the same forward, checks, errors and checkpoints.
 #include <attnkit/document_memory.h>
