@@ -49,19 +49,37 @@ struct ForwardTiles {
 // (causal ? W : 2 W - 1) + BQ - 1 wide, and each of its rows sees W (or
 // 2 W - 1) of them. Tiles of 256 keys would cover a narrow band in two or
 // three products, the last one narrow, and compute up to 2x the visible
-// pairs; a key tile as wide as the band covers it in one, and 64 query rows
+// pairs; a key tile as wide as the band covers it in one, and few query rows
 // keep the band's edges, the pairs computed and masked beyond the visible
 // ones, at BQ - 1 per row (docs/PERFORMANCE.md, "Modern features", has the
 // tile shapes tried). A band wider than kMaxWindowBlockK keys takes the
 // dense tiles, whose waste at its edges is then small; a window wider than
 // all the keys is then computed exactly as no window.
+//
+// A band that is one tile is computed transposed when nothing else is added
+// to the scores (forward_band_by_columns): S^T = K Q^T has the band's keys
+// as rows and 32 queries as columns, the softmax runs down the columns
+// (two vectors per key), and oneDNN's sgemm is faster on that shape than on
+// Q K^T's 32 x band (docs/PERFORMANCE.md, "Modern features": 2.16 against
+// 2.57 ns per visible pair for the two products at W = 256, causal). 32
+// rows then waste less of the band than 64 and lose nothing to the
+// products; the row-major path keeps 64, its best.
 constexpr int64_t kWindowBlockQ = 64;
+constexpr int64_t kColumnBlockQ = 32;
 constexpr int64_t kMaxWindowBlockK = 1024;
 
+/// Whether the forward takes a window's band by columns: nothing but the
+/// window's own mask acts on the scores (bias, ALiBi and dropout are applied
+/// row by row in the row-major path).
+bool band_by_columns(const SoftmaxAttentionParams& p) {
+  return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f);
+}
+
 ForwardTiles forward_tiles(const SoftmaxAttentionParams& p) {
-  const int64_t band = (p.causal ? p.window : 2 * p.window - 1) + kWindowBlockQ - 1;
+  const int64_t bq = band_by_columns(p) ? kColumnBlockQ : kWindowBlockQ;
+  const int64_t band = (p.causal ? p.window : 2 * p.window - 1) + bq - 1;
   if (p.window <= 0 || band > kMaxWindowBlockK) return {kForwardBlockQ, kForwardBlockK};
-  return {kWindowBlockQ, round_up16(band)};
+  return {bq, round_up16(band)};
 }
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
@@ -194,6 +212,36 @@ struct ForwardScratch {
         acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {}
 };
 
+/// forward_keys for one tile: queries [i0, i0 + rows) over the keys
+/// [j0, j0 + cols) of a window's band (band_by_columns), transposed. The
+/// scores S^T = K Q^T (cols x rows) give m = the column maxima over each
+/// query's visible keys, P^T = exp(S^T - m) on them (0 elsewhere) and
+/// l = the column sums, then u = P V. One tile needs no rescaling: `a` gets
+/// u, m and l as they are.
+void forward_band_by_columns(const SoftmaxAttentionParams& p, const QkReader& qk, const Rows& q, int64_t n,
+                             int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                             const ForwardScratch& w, const Accumulator& a) {
+  const int64_t E = p.E, M = p.M;
+  const Visibility visible = visibility_of(p, n);
+  const Rows k = qk.keys(n, h, j0, cols, w.k);
+  const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), j0, cols, M, w.v);
+  float* st = w.s;  // cols x rows
+  sgemm(false, true, cols, rows, E, p.scale, k.data, k.ld, q.data, q.ld, 0.f, st, rows);
+  // Each query's visible keys [lo, hi); key indices fit int32 (a band is at
+  // most kMaxWindowBlockK keys past a query whose index the caller checked).
+  int32_t lo[kColumnBlockQ], hi[kColumnBlockQ];
+  float shift[kColumnBlockQ];
+  for (int64_t r = 0; r < rows; ++r) {
+    lo[r] = static_cast<int32_t>(visible.first(i0 + r));
+    hi[r] = static_cast<int32_t>(visible(i0 + r));
+  }
+  vec::column_max(st, cols, rows, rows, j0, lo, hi, a.m);
+  // A query with no visible key: P = 0, l = 0, m stays -inf.
+  for (int64_t r = 0; r < rows; ++r) shift[r] = a.m[r] == -kInf ? 0.f : a.m[r];
+  vec::column_exp_sum(st, cols, rows, rows, j0, lo, hi, shift, a.l);
+  sgemm(true, false, rows, M, cols, 1.f, st, rows, v.data, v.ld, 0.f, a.u, M);
+}
+
 /// The state `a` of queries [i0, i0 + rows) of head (n, h) over the keys
 /// [j_begin, j_end) (those of them each query sees), FlashAttention-2 style:
 /// for each key block, one query block (forward_tiles) at a time.
@@ -218,6 +266,9 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
   const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
   if (span_begin >= span_end) return;  // nothing visible: no need to read q
   const Rows q = qk.queries(n, h, i0, rows, w.q);
+  if (band_by_columns(p) && rows <= kColumnBlockQ && span_end - span_begin <= BK &&
+      span_end <= std::numeric_limits<int32_t>::max())
+    return forward_band_by_columns(p, qk, q, n, h, i0, rows, span_begin, span_end - span_begin, w, a);
   for (int64_t j0 = span_begin; j0 < span_end; j0 += BK) {
     const int64_t span_cols = std::min(BK, span_end - j0);
     const Rows k = qk.keys(n, h, j0, span_cols, w.k);

@@ -401,6 +401,105 @@ inline void softmax_grad(float* ds, const float* p, int64_t n, float d) {
 #endif
 }
 
+// A softmax taken down the columns of a tile x (count rows of n columns,
+// row stride ld): column i is a query whose visible rows (keys j0 + c) are
+// lo[i] <= j0 + c < hi[i]; the others count as -inf. The lanes hold a
+// column each, so the maxima and sums stay in registers over the rows.
+
+/// m[i] = max over the visible rows c of x[c][i]; -inf when none is visible.
+/// (A NaN may be dropped here: the sums of column_exp_sum carry it.)
+inline void column_max(const float* x, int64_t count, int64_t ld, int64_t n, int64_t j0, const int32_t* lo,
+                       const int32_t* hi, float* m) {
+  const float low = -std::numeric_limits<float>::infinity();
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(n - i);
+    const __m512i l = _mm512_maskz_loadu_epi32(lanes, lo + i), h = _mm512_maskz_loadu_epi32(lanes, hi + i);
+    __m512 mi = _mm512_set1_ps(low);
+    for (int64_t c = 0; c < count; ++c) {
+      const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + c));
+      const __mmask16 seen = lanes & _mm512_cmple_epi32_mask(l, j) & _mm512_cmplt_epi32_mask(j, h);
+      mi = _mm512_mask_max_ps(mi, seen, mi, _mm512_maskz_loadu_ps(lanes, x + c * ld + i));
+    }
+    _mm512_mask_storeu_ps(m + i, lanes, mi);
+  }
+#elif ATTNKIT_AVX2
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i lanes = n - i >= 8 ? _mm256_set1_epi32(-1) : tail_mask8(n - i);
+    const __m256i l = _mm256_maskload_epi32(lo + i, lanes), h = _mm256_maskload_epi32(hi + i, lanes);
+    __m256 mi = _mm256_set1_ps(low);
+    for (int64_t c = 0; c < count; ++c) {
+      const __m256i j = _mm256_set1_epi32(static_cast<int32_t>(j0 + c));
+      // lo <= j and j < hi: not (lo > j), and hi > j
+      const __m256i seen = _mm256_andnot_si256(_mm256_cmpgt_epi32(l, j), _mm256_cmpgt_epi32(h, j));
+      const __m256 xi = _mm256_blendv_ps(_mm256_set1_ps(low), _mm256_maskload_ps(x + c * ld + i, lanes),
+                                         _mm256_castsi256_ps(seen));
+      mi = _mm256_max_ps(mi, xi);
+    }
+    _mm256_maskstore_ps(m + i, lanes, mi);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = low;
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t j = j0 + c;
+      if (lo[i] <= j && j < hi[i] && x[c * ld + i] > mi) mi = x[c * ld + i];
+    }
+    m[i] = mi;
+  }
+#endif
+}
+
+/// x[c][i] = exp(x[c][i] - shift[i]) for the visible rows, 0 for the others,
+/// and sum[i] = the column's sum of them.
+inline void column_exp_sum(float* x, int64_t count, int64_t ld, int64_t n, int64_t j0, const int32_t* lo,
+                           const int32_t* hi, const float* shift, float* sum) {
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(n - i);
+    const __m512i l = _mm512_maskz_loadu_epi32(lanes, lo + i), h = _mm512_maskz_loadu_epi32(lanes, hi + i);
+    const __m512 s = _mm512_maskz_loadu_ps(lanes, shift + i);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; ++c) {
+      const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + c));
+      const __mmask16 seen = _mm512_cmple_epi32_mask(l, j) & _mm512_cmplt_epi32_mask(j, h);
+      float* xc = x + c * ld + i;
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, xc), s)));
+      _mm512_mask_storeu_ps(xc, lanes, e);
+      total = _mm512_add_ps(total, e);
+    }
+    _mm512_mask_storeu_ps(sum + i, lanes, total);
+  }
+#elif ATTNKIT_AVX2
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i lanes = n - i >= 8 ? _mm256_set1_epi32(-1) : tail_mask8(n - i);
+    const __m256i l = _mm256_maskload_epi32(lo + i, lanes), h = _mm256_maskload_epi32(hi + i, lanes);
+    const __m256 s = _mm256_maskload_ps(shift + i, lanes);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t c = 0; c < count; ++c) {
+      const __m256i j = _mm256_set1_epi32(static_cast<int32_t>(j0 + c));
+      const __m256i seen = _mm256_andnot_si256(_mm256_cmpgt_epi32(l, j), _mm256_cmpgt_epi32(h, j));
+      float* xc = x + c * ld + i;
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(xc, lanes), s)), _mm256_castsi256_ps(seen));
+      _mm256_maskstore_ps(xc, lanes, e);
+      total = _mm256_add_ps(total, e);
+    }
+    _mm256_maskstore_ps(sum + i, lanes, total);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    float total = 0.f;
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t j = j0 + c;
+      float& xc = x[c * ld + i];
+      xc = lo[i] <= j && j < hi[i] ? exp(xc - shift[i]) : 0.f;
+      total += xc;
+    }
+    sum[i] = total;
+  }
+#endif
+}
+
 /// x[c] -= slope * |from - c|: ALiBi's linear distance penalty along a row of
 /// scores whose first key is `from` positions before the query (from may be
 /// negative: keys after the query). Exact for |from - c| < 2^24.
