@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "base/memory.h"
+#include "kernels/common/denormals.h"
 #include "kernels/common/dropout.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -249,6 +250,7 @@ void forward_band_by_columns(const SoftmaxAttentionParams& p, const QkReader& qk
 void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n, int64_t h,
                   int64_t i0, int64_t rows, int64_t j_begin, int64_t j_end,
                   const ForwardScratch& w, const Accumulator& a) {
+  const SubnormalsAsZero subnormals_as_zero;  // kernels/common/denormals.h says why
   const auto [BQ, BK] = forward_tiles(p);
   const int64_t E = p.E, M = p.M;
   const Visibility visible = visibility_of(p, n);
@@ -283,13 +285,20 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
       float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
-      add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
+      // The bias here; ALiBi's distances row by row below, on a row about to
+      // be read anyway (a pass over the whole tile first cost 13-19% on a
+      // CPU whose tile falls out of L1: docs/PERFORMANCE.md, "Modern
+      // features"). A masked score is -inf before or after them.
+      if (p.bias) add_bias(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
       if (needs_mask(visible, i0 + b, block_rows, j0, cols)) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
+      const float slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.f;
+      const int64_t first = i0 + b + p.S - p.L - j0;  // row 0's distance to key j0
 
       // Online softmax: P = exp(s - m_new), l = l * exp(m - m_new) + rowsum(P),
       // and the accumulator rescaled by the same factor.
       for (int64_t r = 0; r < block_rows; ++r) {
         float* sr = w.s + r * BK;
+        if (p.alibi_slopes) vec::sub_distance(sr, cols, static_cast<float>(first + r), slope);
         // max(block max, m) keeps a NaN of either: the row then stays NaN.
         const float m_new = std::max(vec::max(sr, cols), m[r]);
         if (m_new == -kInf) {  // nothing visible to this row yet: P = 0, not NaN
@@ -596,6 +605,7 @@ struct BackwardScratch {
 /// (each owns its dK, dV rows), query blocks inner.
 void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, int64_t n,
                    int64_t h, int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
+  const SubnormalsAsZero subnormals_as_zero;  // as in the forward
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
