@@ -228,18 +228,23 @@ void forward_band_by_columns(const SoftmaxAttentionParams& p, const QkReader& qk
   const Rows v = rows_of(head_matrix(p.v, p.v_stride, n, p.kv_head(h)), j0, cols, M, w.v);
   float* st = w.s;  // cols x rows
   sgemm(false, true, cols, rows, E, p.scale, k.data, k.ld, q.data, q.ld, 0.f, st, rows);
-  // Each query's visible keys [lo, hi); key indices fit int32 (a band is at
-  // most kMaxWindowBlockK keys past a query whose index the caller checked).
+  // Each query's visible keys [lo, hi) within this tile's [j0, j0 + cols),
+  // which the caller checked fits int32.
   int32_t lo[kColumnBlockQ], hi[kColumnBlockQ];
   float shift[kColumnBlockQ];
   for (int64_t r = 0; r < rows; ++r) {
-    lo[r] = static_cast<int32_t>(visible.first(i0 + r));
-    hi[r] = static_cast<int32_t>(visible(i0 + r));
+    const int64_t first = std::clamp(visible.first(i0 + r), j0, j0 + cols);
+    lo[r] = static_cast<int32_t>(first);
+    hi[r] = static_cast<int32_t>(std::clamp(visible(i0 + r), first, j0 + cols));
   }
   vec::column_max(st, cols, rows, rows, j0, lo, hi, a.m);
   // A query with no visible key: P = 0, l = 0, m stays -inf.
   for (int64_t r = 0; r < rows; ++r) shift[r] = a.m[r] == -kInf ? 0.f : a.m[r];
   vec::column_exp_sum(st, cols, rows, rows, j0, lo, hi, shift, a.l);
+  // column_max may drop a NaN score; the sum keeps it. A NaN m too, as the
+  // row-major path leaves it, so that a key split's merge keeps the chunk.
+  for (int64_t r = 0; r < rows; ++r)
+    if (std::isnan(a.l[r])) a.m[r] = a.l[r];
   sgemm(true, false, rows, M, cols, 1.f, st, rows, v.data, v.ld, 0.f, a.u, M);
 }
 

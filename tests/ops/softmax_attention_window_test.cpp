@@ -158,3 +158,26 @@ TEST(SoftmaxAttentionWindow, DispatchAndRefusals) {
 }
 
 }  // namespace
+
+// A NaN score reaches its query's output and lse, whichever path takes the
+// band: one tile by columns, the row-major tiles (with ALiBi), and the
+// forward's key split (L = 1 over 2100 keys), where a chunk whose maximum
+// lost the NaN would be merged as empty.
+TEST(SoftmaxAttentionWindow, ANaNScoreReachesItsQuery) {
+  struct Shape {
+    int64_t L, S, window;
+    bool alibi;
+  };
+  for (const Shape s : {Shape{40, 40, 8, false}, Shape{40, 40, 8, true}, Shape{1, 2100, 700, false}}) {
+    torch::manual_seed(5);
+    auto q = torch::randn({1, 2, s.L, 8}), k = torch::randn({1, 2, s.S, 8}), v = torch::randn({1, 2, s.S, 8});
+    q[0][1][s.L - 1][3] = std::numeric_limits<float>::quiet_NaN();
+    auto o = SoftmaxAttentionFuncOptions().window(s.window).causal(true);
+    if (s.alibi) o.alibi_slopes(attnkit::alibi_slopes(2));
+    const auto out = attnkit::softmax_attention(q, k, v, o);
+    const std::string what = "L " + std::to_string(s.L) + ", S " + std::to_string(s.S) + (s.alibi ? ", ALiBi" : "");
+    EXPECT_TRUE(torch::isnan(out[0][1][s.L - 1]).all().item<bool>()) << what;
+    EXPECT_TRUE(torch::isfinite(out[0][0]).all().item<bool>()) << what;  // the other head is untouched
+    if (s.L > 1) EXPECT_TRUE(torch::isfinite(out[0][1].slice(0, 0, s.L - 1)).all().item<bool>()) << what;
+  }
+}

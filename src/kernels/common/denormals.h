@@ -8,9 +8,12 @@
 // long row's weights that low, the products of P V took a sixth of the
 // forward on an AMX Xeon (docs/PERFORMANCE.md, "Modern features"; AMD's Zen 4
 // showed no such cost). A subnormal is below 1.2e-38: next to a row's
-// largest weight of 1 it is nothing, so the results change by less than
-// float resolution, and stay bitwise the same on any thread count (every
-// work item sets the same mode). Other architectures: no change.
+// largest weight of 1 it is nothing. The mode also reads subnormal inputs
+// (q, k, v, dout, a bias) as zero and writes gradients below 1.2e-38 as
+// zero: an absolute change under 1.2e-38 (docs/MATH.md says so). The guard
+// covers the kernels' sweeps over key blocks (forward_keys, backward_keys);
+// the final divisions and merges run in the calling threads' own mode.
+// Other architectures: no change.
 #pragma once
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -26,17 +29,18 @@ ATTNKIT_KERNELS_BEGIN
 class SubnormalsAsZero {
  public:
 #if defined(__x86_64__) || defined(__i386__)
-  SubnormalsAsZero() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero); }
-  ~SubnormalsAsZero() { _mm_setcsr(saved_); }
+  SubnormalsAsZero() : saved_(_mm_getcsr() & kModes) { _mm_setcsr(_mm_getcsr() | kModes); }
+  // Only the two modes go back: exception flags raised meanwhile stay raised.
+  ~SubnormalsAsZero() { _mm_setcsr((_mm_getcsr() & ~kModes) | saved_); }
 #else
-  SubnormalsAsZero() = default;
+  SubnormalsAsZero() {}  // user-provided: a variable of it is not "unused"
 #endif
   SubnormalsAsZero(const SubnormalsAsZero&) = delete;
   SubnormalsAsZero& operator=(const SubnormalsAsZero&) = delete;
 
  private:
 #if defined(__x86_64__) || defined(__i386__)
-  static constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
+  static constexpr unsigned kModes = 0x8000 | 0x0040;  // flush to zero, denormals are zero
   unsigned saved_;
 #endif
 };

@@ -502,13 +502,12 @@ inline void column_exp_sum(float* x, int64_t count, int64_t ld, int64_t n, int64
 
 /// x[c] -= slope * |from - c|: ALiBi's linear distance penalty along a row of
 /// scores whose first key is `from` positions before the query (from may be
-/// negative: keys after the query). Exact for |from - c| < 2^24.
+/// negative: keys after the query). Exact while |from| + n < 2^24.
 inline void sub_distance(float* x, int64_t n, float from, float slope) {
 #ifdef __AVX512F__
   // from - c for the 16 columns of a block is (from - i) - lane: the block's
   // offset is broadcast from i rather than stepped from the previous block's
-  // (a chain of dependent adds, one per block, made this loop latency-bound:
-  // about a sixth of a forward with ALiBi).
+  // (no chain of dependent adds). Exact while |from| + n < 2^24.
   const __m512 s = _mm512_set1_ps(slope);
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t i = 0;
