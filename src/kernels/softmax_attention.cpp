@@ -290,20 +290,13 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
       float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
-      // The bias here; ALiBi's distances row by row below, on a row about to
-      // be read anyway (a pass over the whole tile first cost 13-19% on a
-      // CPU whose tile falls out of L1: docs/PERFORMANCE.md, "Modern
-      // features"). A masked score is -inf before or after them.
-      if (p.bias) add_bias(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
+      add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
       if (needs_mask(visible, i0 + b, block_rows, j0, cols)) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
-      const float slope = p.alibi_slopes ? p.alibi_slopes[h] : 0.f;
-      const int64_t first = i0 + b + p.S - p.L - j0;  // row 0's distance to key j0
 
       // Online softmax: P = exp(s - m_new), l = l * exp(m - m_new) + rowsum(P),
       // and the accumulator rescaled by the same factor.
       for (int64_t r = 0; r < block_rows; ++r) {
         float* sr = w.s + r * BK;
-        if (p.alibi_slopes) vec::sub_distance(sr, cols, static_cast<float>(first + r), slope);
         // max(block max, m) keeps a NaN of either: the row then stays NaN.
         const float m_new = std::max(vec::max(sr, cols), m[r]);
         if (m_new == -kInf) {  // nothing visible to this row yet: P = 0, not NaN

@@ -502,36 +502,27 @@ inline void column_exp_sum(float* x, int64_t count, int64_t ld, int64_t n, int64
 
 /// x[c] -= slope * |from - c|: ALiBi's linear distance penalty along a row of
 /// scores whose first key is `from` positions before the query (from may be
-/// negative: keys after the query). Exact while |from| + n < 2^24.
+/// negative: keys after the query). Exact for |from - c| < 2^24.
 inline void sub_distance(float* x, int64_t n, float from, float slope) {
 #ifdef __AVX512F__
-  // from - c for the 16 columns of a block is (from - i) - lane: the block's
-  // offset is broadcast from i rather than stepped from the previous block's
-  // (no chain of dependent adds). Exact while |from| + n < 2^24.
-  const __m512 s = _mm512_set1_ps(slope);
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 f = _mm512_set1_ps(from), s = _mm512_set1_ps(slope);
+  const __m512 sixteen = _mm512_set1_ps(16.f);
+  __m512 c = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 d = _mm512_sub_ps(_mm512_set1_ps(from - static_cast<float>(i)), lane);
-    _mm512_storeu_ps(x + i, _mm512_fnmadd_ps(s, _mm512_abs_ps(d), _mm512_loadu_ps(x + i)));
-  }
-  const __m512 c = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(i)));
-  const __m512 f = _mm512_set1_ps(from);
+  for (; i + 16 <= n; i += 16, c = _mm512_add_ps(c, sixteen))
+    _mm512_storeu_ps(x + i, _mm512_fnmadd_ps(s, _mm512_abs_ps(_mm512_sub_ps(f, c)), _mm512_loadu_ps(x + i)));
   if (i < n) {
     const __mmask16 k = tail_mask(n - i);
     _mm512_mask_storeu_ps(x + i, k, _mm512_fnmadd_ps(s, _mm512_abs_ps(_mm512_sub_ps(f, c)),
                                                      _mm512_maskz_loadu_ps(k, x + i)));
   }
 #elif ATTNKIT_AVX2
-  const __m256 s = _mm256_set1_ps(slope), sign = _mm256_set1_ps(-0.f);
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 f = _mm256_set1_ps(from), s = _mm256_set1_ps(slope), eight = _mm256_set1_ps(8.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 c = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {  // the block's offset from i, as above
-    const __m256 d = _mm256_sub_ps(_mm256_set1_ps(from - static_cast<float>(i)), lane);
-    _mm256_storeu_ps(x + i, _mm256_fnmadd_ps(s, _mm256_andnot_ps(sign, d), _mm256_loadu_ps(x + i)));
-  }
-  const __m256 c = _mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(i)));
-  const __m256 f = _mm256_set1_ps(from);
+  for (; i + 8 <= n; i += 8, c = _mm256_add_ps(c, eight))
+    _mm256_storeu_ps(x + i, _mm256_fnmadd_ps(s, _mm256_andnot_ps(sign, _mm256_sub_ps(f, c)), _mm256_loadu_ps(x + i)));
   if (i < n) {
     const __m256i k = tail_mask8(n - i);
     _mm256_maskstore_ps(x + i, k, _mm256_fnmadd_ps(s, _mm256_andnot_ps(sign, _mm256_sub_ps(f, c)),
