@@ -8,7 +8,14 @@
 //   packed      varlen_attention on (T, H, E) with the offsets;
 //   padded      softmax_attention on (16, H, Lmax, E) with key_lengths: every
 //               sequence padded to the longest, padded query rows computed;
-//   one_by_one  softmax_attention on each (1, H, Lb, E) sequence in turn.
+//   one_by_one  softmax_attention on each (1, H, Lb, E) sequence in turn,
+//               each stored apart, heads-major and contiguous;
+//   one_by_one_views
+//               the same calls on each sequence's view of the packed
+//               (T, H, E) tensors (a (1, H, Lb, E) view whose rows are H E
+//               floats apart): one by one on the data the packed op reads.
+//               Each view is a leaf of its own, so the backward writes each
+//               sequence's gradients apart, as one_by_one does.
 // Counter: GFLOP/s of the useful work, 4 E H sum_b Lb^2 for the forward
 // (2.5x that more with the backward), the same count for all three, so
 // their ratios are the time ratios.
@@ -34,7 +41,7 @@ std::vector<int64_t> lengths() {
   return l;
 }
 
-enum Layout { packed, padded, one_by_one };
+enum Layout { packed, padded, one_by_one, one_by_one_views };
 
 struct Batch {
   std::vector<int64_t> lengths = ::lengths();
@@ -55,9 +62,15 @@ struct Batch {
       for (auto* t : {&q, &k, &v, &dout}) t->push_back(make({offsets.back(), kH, kE}));
     } else if (layout == padded) {
       for (auto* t : {&q, &k, &v, &dout}) t->push_back(make({kSequences, kH, longest, kE}));
-    } else {
+    } else if (layout == one_by_one) {
       for (int64_t n : lengths)
         for (auto* t : {&q, &k, &v, &dout}) t->push_back(make({1, kH, n, kE}));
+    } else {
+      for (auto* t : {&q, &k, &v, &dout}) {
+        const auto whole = torch::randn({offsets.back(), kH, kE});
+        for (int64_t b = 0; b < kSequences; ++b)
+          t->push_back(whole.slice(0, offsets[b], offsets[b + 1]).permute({1, 0, 2}).unsqueeze(0).requires_grad_(true));
+      }
     }
     for (auto& t : dout) t = t.detach();
   }
@@ -70,7 +83,7 @@ struct Batch {
       if (layout == packed) out = attnkit::varlen_attention(q[i], k[i], v[i], cu, cu, options);
       if (layout == padded)
         out = attnkit::softmax_attention(q[i], k[i], v[i], attnkit::SoftmaxAttentionFuncOptions(options).key_lengths(key_lengths));
-      if (layout == one_by_one) out = attnkit::softmax_attention(q[i], k[i], v[i], options);
+      if (layout == one_by_one || layout == one_by_one_views) out = attnkit::softmax_attention(q[i], k[i], v[i], options);
       if (backward) {
         torch::autograd::grad({out}, {q[i], k[i], v[i]}, {dout[i]});
       }
@@ -108,6 +121,7 @@ void BM_Varlen(benchmark::State& state, Layout layout, bool causal, bool backwar
 ATTNKIT_VARLEN_BENCH(packed)
 ATTNKIT_VARLEN_BENCH(padded)
 ATTNKIT_VARLEN_BENCH(one_by_one)
+ATTNKIT_VARLEN_BENCH(one_by_one_views)
 
 }  // namespace
 
