@@ -19,7 +19,8 @@
 #   process and registered alone with the extra label `apart`, for a runner to
 #   include or leave out (scripts/test --sanitize leaves them out).
 # The list is kept in a file next to the CTest files and made again whenever
-# the binary is newer.
+# the binary is newer or the arguments changed. A binary that is not built or
+# cannot list its tests gets one failing test in place of its suites.
 function(attnkit_add_suite_tests)
   cmake_parse_arguments(arg "" "TARGET" "LABELS;PER_ISA_SUITES;APART" ${ARGN})
   set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${arg_TARGET}_suites_include.cmake")
@@ -31,6 +32,7 @@ function(attnkit_add_suite_tests)
   file(GENERATE OUTPUT "${include_file}" CONTENT
 "set(attnkit_suite_exe \"$<TARGET_FILE:${arg_TARGET}>\")
 set(attnkit_suite_target \"${arg_TARGET}\")
+set(attnkit_suite_cmake \"${CMAKE_COMMAND}\")
 set(attnkit_suite_list \"${list_file}\")
 set(attnkit_suite_labels \"${labels}\")
 set(attnkit_suite_per_isa \"${per_isa}\")
