@@ -17,6 +17,7 @@
 #include "base/memory.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/isa.h"
+#include "kernels/common/onednn_compat.h"
 
 namespace attnkit::kernels {
 
@@ -110,7 +111,7 @@ bool onednn_runs_bf16_matmul() {
   try {
     const dnnl::engine engine(dnnl::engine::kind::cpu, 0);  // not cpu_engine(): it decides the level
     const dnnl::memory::desc square({16, 16}, dt::bf16, dnnl::memory::format_tag::ab);
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(square, square, square), engine);
+    onednn::matmul_primitive_desc(engine, square, square, {}, square);
     return true;
   } catch (const dnnl::error&) {
     return false;
@@ -241,18 +242,13 @@ Entry create(const Key& key) {
   float alpha, beta;
   std::memcpy(&alpha, &key.alpha_bits, sizeof alpha);
   std::memcpy(&beta, &key.beta_bits, sizeof beta);
-  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.f) {
-    dnnl::post_ops ops;
-    ops.append_sum(beta);
-    attr.set_post_ops(ops);
-  }
-  dnnl::matmul::desc desc = [&] {
-    if (!key.bias) return dnnl::matmul::desc(e.a, e.b, e.c);
-    e.bias = dnnl::memory::desc({1, n}, dt::bf16, dims{n, 1});
-    return dnnl::matmul::desc(e.a, e.b, e.bias, e.c);
-  }();
-  const dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  // C = alpha (op(A) op(B) + bias) + beta C, as the float32 path computes it.
+  dnnl::post_ops ops;
+  if (alpha != 1.f) onednn::append_multiply(ops, alpha);
+  if (beta != 0.f) ops.append_sum(beta);
+  if (ops.len() > 0) attr.set_post_ops(ops);
+  if (key.bias) e.bias = dnnl::memory::desc({1, n}, dt::bf16, dims{n, 1});
+  const auto pd = onednn::matmul_primitive_desc(cpu_engine(), e.a, e.b, e.bias, e.c, attr);
   e.scratchpad = pd.scratchpad_desc();
   e.primitive = dnnl::matmul(pd);
   return e;

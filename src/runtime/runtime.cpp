@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/memory.h"
+#include "runtime/allocator_compat.h"
 #include "kernels/common/gemm.h"
 #include "kernels/gemm_bf16.h"
 #include "kernels/common/isa.h"
@@ -145,7 +146,7 @@ namespace {
 /// come back through raw_deallocate afterwards, and is then recognised (not
 /// in the table) and handed to the base's deleter untouched. The table is
 /// sharded by address so that concurrent calls rarely share a lock.
-class CountingAllocator final : public c10::Allocator {
+class CountingAllocator final : public AllocatorBase {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {
     g_base_deleter = base->raw_deleter();
@@ -154,7 +155,7 @@ class CountingAllocator final : public c10::Allocator {
                 "allocation (no raw_deleter), which the counting wrapper needs");
   }
 
-  c10::DataPtr allocate(size_t bytes) const override {
+  c10::DataPtr allocate_block(size_t bytes) const override {
     void* data = base_->raw_allocate(bytes);
     if (data != nullptr) {
       Shard& shard = shard_of(data);

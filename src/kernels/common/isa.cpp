@@ -1,6 +1,7 @@
 // The level decision (isa.h). Compiled once, for the library's default target:
 // nothing here may need more than the oldest x86-64 CPU has.
 #include "kernels/common/isa.h"
+#include "kernels/common/onednn_compat.h"
 
 #include <oneapi/dnnl/dnnl.h>
 
@@ -100,7 +101,7 @@ dnnl_cpu_isa_t onednn_isa(Level level) {
     case Level::avx512_bf16: return dnnl_cpu_isa_avx512_core_bf16;
     case Level::amx: return dnnl_cpu_isa_avx512_core_amx;
   }
-  return dnnl_cpu_isa_all;
+  return onednn::kNoIsaCap;
 }
 
 #else  // not x86: the scalar build is the only one
