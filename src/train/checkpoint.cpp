@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "train/optimizer_compat.h"
 #include "train/refusal.h"
 
 namespace attnkit::train {
@@ -333,7 +334,9 @@ void load_training_state(const std::string& payload, const std::string& tensors_
   }
   if (optimizer != nullptr)
     reading("the optimiser state does not fit", [&] {
-      optimizer->load(optimizer_archive);
+      // Through the loader that reads either torch's files
+      // (train/optimizer_compat.h says why torch's own cannot).
+      optimizer_compat::load_optimizer(optimizer_archive, *optimizer);
       return true;
     });
   if (restore_generator)

@@ -20,6 +20,8 @@
 #include <sstream>
 #include <string>
 
+#include "train/c10d_compat.h"
+
 namespace attnkit::train {
 
 namespace {
@@ -97,7 +99,7 @@ struct LauncherStore::Impl {
 };
 
 LauncherStore::LauncherStore(const std::string& master_addr, double timeout) : impl_(std::make_unique<Impl>()) {
-  c10d::TCPStoreOptions so;
+  c10d::TCPStoreOptions so = c10d_compat::tcp_store_options();
   so.port = 0;  // the operating system's choice, held from here on
   so.isServer = true;
   so.waitWorkers = false;  // the workers do not exist yet
@@ -138,7 +140,7 @@ std::unique_ptr<Communicator> Communicator::connect(const DistributedOptions& o)
   const std::string where = o.master_addr() + ":" + std::to_string(o.master_port());
   auto impl = std::make_unique<Impl>();
   try {
-    c10d::TCPStoreOptions so;
+    c10d::TCPStoreOptions so = c10d_compat::tcp_store_options();
     so.port = static_cast<uint16_t>(o.master_port());
     so.isServer = o.rank() == 0 && !o.launcher_store();
     so.numWorkers = static_cast<std::size_t>(o.world_size());
