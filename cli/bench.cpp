@@ -4,8 +4,10 @@
 // What runs: `fast` is the attnkit op a user calls (the table's impl column
 // says which backend it took: kernel or composite); `reference` is the
 // mechanism's composite definition from src/reference, in float32; `torch`
-// is the plain libtorch matmul-softmax-matmul a user would write (exact
-// attention only), on whatever BLAS libtorch loaded (named in the header).
+// is what a libtorch user would pick instead for exact attention: torch 2's
+// scaled_dot_product_attention (its CPU flash kernel), or on torch 1.13, which
+// has no public one, `torch-composite`, the plain matmul-softmax-matmul on
+// whatever BLAS libtorch loaded (both named in the header).
 #include <attnkit/nn/registry.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
@@ -19,6 +21,7 @@
 
 #include "bench_util.h"
 #include "commands.h"
+#include "torch_sdpa.h"
 
 namespace attnkit::cli {
 
@@ -44,7 +47,7 @@ struct BenchConfig {
 };
 
 struct Result {
-  std::string attention, run, impl, pass;  // run: fast | reference | torch; impl: what ran
+  std::string attention, run, impl, pass;  // run: fast | reference | torch | torch-composite; impl: what ran
   std::string dtype;                        // float32 | bfloat16
   std::string dispatch_reason;
   int64_t N, H, L, S, E, M;
@@ -98,8 +101,9 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
                                                 : "no causal form";
     return r;
   }
-  if (run == "torch" && info.name != "full") {
-    r.note = "no torch composite";
+  const bool torch_row = run == "torch" || run == "torch-composite";
+  if (torch_row && info.name != "full") {
+    r.note = "no torch baseline";
     return r;
   }
 
@@ -114,8 +118,11 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
 
   // What the row runs, and which backend that is.
   std::function<torch::Tensor()> call;
-  if (run == "torch") {
-    r.impl = "torch";
+  if (run == "torch" && torch_has_sdpa()) {
+    r.impl = "torch-sdpa";
+    call = [&] { return torch_sdpa(inputs[0], inputs[1], inputs[2], c.causal); };
+  } else if (torch_row) {
+    r.impl = "torch-composite";
     call = [&] { return torch_composite(inputs, c.causal); };
   } else if (run == "reference") {
     r.impl = "composite";
@@ -197,8 +204,14 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
 }
 
 void print_header(const MachineRecord& machine) {
-  std::cout << machine.header() << "\n"
-            << std::left << std::setw(22) << "attention" << std::setw(11) << "impl" << std::setw(17)
+  std::cout << machine.header()
+            << "`torch` rows: "
+            << (torch_has_sdpa() ? "torch's scaled_dot_product_attention (libtorch " + machine.torch_version +
+                                       "; its CPU kernels), `torch-composite` rows: matmul-softmax-matmul"
+                                 : "matmul-softmax-matmul (libtorch " + machine.torch_version +
+                                       " has no public scaled_dot_product_attention)")
+            << "\n\n"
+            << std::left << std::setw(22) << "attention" << std::setw(16) << "impl" << std::setw(17)
             << "pass" << std::setw(6) << "dtype" << std::right << std::setw(7) << "L" << std::setw(7) << "S" << std::setw(11)
             << "ms" << std::setw(10)
             << "GFLOP/s" << std::setw(7) << "%peak" << std::setw(9) << "ns/edge" << std::setw(10)
@@ -215,7 +228,7 @@ std::string opt(const c10::optional<double>& x, int precision, bool scientific =
 }
 
 void print_row(const Result& r, double peak) {
-  std::cout << std::left << std::setw(22) << r.attention << std::setw(11)
+  std::cout << std::left << std::setw(22) << r.attention << std::setw(16)
             << (r.impl.empty() ? r.run : r.impl) << std::setw(17) << r.pass << std::setw(6)
             << (r.dtype == "bfloat16" ? "bf16" : "f32") << std::right
             << std::setw(7) << r.L << std::setw(7) << r.S;
@@ -234,8 +247,9 @@ void print_row(const Result& r, double peak) {
 void print_legend() {
   std::cout
       << "\nimpl        what ran: kernel (an attnkit kernel; the `path` lines name its ISA level\n"
-      << "            and how it ran), composite (libtorch ops, src/reference), torch (plain\n"
-      << "            libtorch matmul-softmax-matmul)\n"
+      << "            and how it ran), composite (libtorch ops, src/reference), torch-sdpa\n"
+      << "            (torch's scaled_dot_product_attention), torch-composite (plain libtorch\n"
+      << "            matmul-softmax-matmul)\n"
       << "dtype       the inputs' dtype (f32, bf16); %peak is against the float32 sgemm peak\n"
       << "ms          median wall time of --repeats calls after an untimed warm-up\n"
       << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
@@ -315,7 +329,8 @@ void run_bench(const BenchConfig& c) {
       for (const auto& run : c.impl)
         for (const auto& pass : c.pass)
           for (const auto& dtype : c.dtypes) {
-            if (run == "torch" && info->name != "full") continue;  // nothing to compare
+            if ((run == "torch" || run == "torch-composite") && info->name != "full")
+              continue;  // nothing to compare
             Result r = measure(c, *info, spec, run, pass, dtype, length);
             print_row(r, machine.sgemm_gflops);
             if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
@@ -367,7 +382,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--list", *list, "Print the mechanisms, their options and what they support");
   cmd->add_option("--impl", *impl,
                   "Comma list of fast (the attnkit op), reference (its composite definition), "
-                  "torch (plain libtorch, full only) (default: fast,torch)");
+                  "torch (torch's scaled_dot_product_attention on torch 2, else as torch-composite; "
+                  "full only), torch-composite (plain libtorch matmul-softmax-matmul, full only) "
+                  "(default: fast,torch)");
   cmd->add_option("--pass", *pass, "Comma list of forward, forward_backward (default: forward)");
   cmd->add_option("--lengths", *lengths,
                   "Comma list of sequence lengths: keys S, and queries L = S unless --queries "
@@ -407,7 +424,7 @@ void add_bench_command(CLI::App& app) {
     if (!lengths->empty()) c.lengths = parse_positive_list("--lengths", *lengths);
     if (!dtypes->empty()) c.dtypes = split_list(*dtypes);
     resolve_specs("--attention", c.attention);  // refuses bad specs before any work
-    check_choices("--impl", c.impl, {"fast", "reference", "torch"});
+    check_choices("--impl", c.impl, {"fast", "reference", "torch", "torch-composite"});
     check_choices("--pass", c.pass, {"forward", "forward_backward"});
     check_choices("--dtype", c.dtypes, {"float32", "bfloat16"});
     run_bench(c);

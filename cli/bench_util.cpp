@@ -3,6 +3,7 @@
 #include <attnkit/runtime.h>
 #include <attnkit/train/clock.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -50,6 +51,7 @@ MachineRecord MachineRecord::measure(bool with_peaks) {
   m.isa_description = attnkit::isa_description();
   m.threads = num_threads();
   m.sgemm_gflops = with_peaks ? sgemm_peak_gflops() : 0;
+  m.torch_version = TORCH_VERSION;
   m.torch_blas = torch_blas_library();
   m.torch_mm_gflops = with_peaks ? measure_torch_mm_gflops() : 0;
   return m;
@@ -63,7 +65,8 @@ std::string MachineRecord::header() const {
   const auto rate = [](double gflops) { return gflops > 0 ? fmt(gflops, 1) + " GFLOP/s" : "not measured"; };
   o << "cpu: " << cpu << ", " << threads << " thread(s), isa " << isa_description
     << "; sgemm peak (oneDNN, this process): " << rate(sgemm_gflops) << "\n"
-    << "libtorch matmul (the `torch` rows): " << torch_blas << ", torch.mm " << rate(torch_mm_gflops)
+    << "libtorch " << torch_version << ", its matmul (the `torch` rows): " << torch_blas << ", torch.mm "
+    << rate(torch_mm_gflops)
     << "\n";
   return o.str();
 }
@@ -74,6 +77,7 @@ nlohmann::json MachineRecord::to_json() const {
           {"isa_description", isa_description},
           {"threads", threads},
           {"sgemm_gflops", sgemm_gflops},
+          {"torch_version", torch_version},
           {"torch_blas", torch_blas},
           {"torch_mm_gflops", torch_mm_gflops}};
 }

@@ -34,6 +34,7 @@ struct MachineRecord {
   std::string isa_description;  // and how it was chosen
   int threads = 1;
   double sgemm_gflops = 0;     // best of every measurement so far
+  std::string torch_version;   // libtorch's (TORCH_VERSION)
   std::string torch_blas;      // the library behind libtorch's matmul
   double torch_mm_gflops = 0;  // torch::mm of 1024^3 float32 through it
 

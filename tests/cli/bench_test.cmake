@@ -33,23 +33,38 @@ endif()
 
 file(REMOVE ${OUT})
 run_ok(${CLI} bench --attention full,linear,agglomerative,clustered:clusters=8,bits=16
-       --impl fast,reference,torch --pass forward,forward_backward --lengths 33,64 --heads 2
+       --impl fast,reference,torch,torch-composite --pass forward,forward_backward --lengths 33,64 --heads 2
        --head-dim 16 --repeats 1 --threads 1 --json ${OUT})
-if(NOT out MATCHES "full +torch")
-  message(FATAL_ERROR "bench table lacks the torch row:\n${out}")
+if(NOT out MATCHES "full +torch-composite")
+  message(FATAL_ERROR "bench table lacks the torch-composite row:\n${out}")
 endif()
 if(NOT out MATCHES "approx_err +max" OR NOT out MATCHES "err +max")
   message(FATAL_ERROR "bench table lacks the column legend:\n${out}")
 endif()
 file(READ ${OUT} json)
-read_fields("${json}" machine cpu threads sgemm_gflops torch_blas)
-if(NOT threads EQUAL 1 OR sgemm_gflops LESS_EQUAL 0 OR torch_blas STREQUAL "")
-  message(FATAL_ERROR "bad machine record: ${cpu} ${threads} ${sgemm_gflops} ${torch_blas}")
+read_fields("${json}" machine cpu threads sgemm_gflops torch_version torch_blas)
+if(NOT threads EQUAL 1 OR sgemm_gflops LESS_EQUAL 0 OR torch_blas STREQUAL "" OR
+   NOT torch_version MATCHES "^[0-9]+\\.[0-9]+")
+  message(FATAL_ERROR "bad machine record: ${cpu} ${threads} ${sgemm_gflops} ${torch_version} ${torch_blas}")
 endif()
-# 2 lengths x (full: fast, reference, torch; linear, agglomerative, clustered:
-# fast, reference) x 2 passes = 36 rows.
-require_length("${json}" 36 "bench results" results)
-foreach(i RANGE 35)
+# `torch`: torch's own scaled_dot_product_attention where libtorch has one
+# (torch 2), else the composite, as the header says.
+if(torch_version VERSION_GREATER_EQUAL 2)
+  set(torch_impl torch-sdpa)
+  set(torch_header "`torch` rows: torch's scaled_dot_product_attention")
+else()
+  set(torch_impl torch-composite)
+  set(torch_header "has no public scaled_dot_product_attention")
+endif()
+string(FIND "${out}" "${torch_header}" at)
+if(at LESS 0 OR NOT out MATCHES "full +${torch_impl} ")
+  message(FATAL_ERROR "torch ${torch_version}: the header or the ${torch_impl} row is missing:\n${out}")
+endif()
+# 2 lengths x (full: fast, reference, torch, torch-composite; linear,
+# agglomerative, clustered: fast, reference) x 2 passes = 40 rows.
+require_length("${json}" 40 "bench results" results)
+set(torch_rows 0)
+foreach(i RANGE 39)
   read_fields("${json}" "results;${i}" attention run impl dispatch_reason pass N H L S E M causal
               threads ms gflops peak_bytes err approx_err)
   string(JSON approx_type TYPE "${json}" results ${i} approx_err)
@@ -63,8 +78,12 @@ foreach(i RANGE 35)
     message(FATAL_ERROR "${row}: the float32 op should run its kernel")
   endif()
   if((run STREQUAL "reference" AND NOT impl STREQUAL "composite") OR
-     (run STREQUAL "torch" AND NOT impl STREQUAL "torch"))
+     (run STREQUAL "torch" AND NOT impl STREQUAL torch_impl) OR
+     (run STREQUAL "torch-composite" AND NOT impl STREQUAL "torch-composite"))
     message(FATAL_ERROR "${row}: wrong impl")
+  endif()
+  if(run STREQUAL "torch")
+    math(EXPR torch_rows "${torch_rows} + 1")
   endif()
   # err: each mechanism against its own float64 definition, float32 rounding only.
   if(NOT err LESS 1e-4)
@@ -79,6 +98,25 @@ foreach(i RANGE 35)
     message(FATAL_ERROR "${row} has an approx_err but does not approximate exact attention")
   endif()
 endforeach()
+if(NOT torch_rows EQUAL 4)
+  message(FATAL_ERROR "expected 4 `torch` rows, got ${torch_rows}")
+endif()
+# Causal torch rows with L != S: torch's is_causal is top-left, ours
+# bottom-right; the row must still match our float64 definition (err), in
+# both passes.
+set(torch_causal_out ${OUT}.torch-causal.json)
+run_ok(${CLI} bench --attention full --impl torch,torch-composite --pass forward,forward_backward --causal
+       --queries 5 --lengths 16 --heads 2 --head-dim 8 --repeats 1 --threads 1 --no-peak
+       --json ${torch_causal_out})
+file(READ ${torch_causal_out} json)
+require_length("${json}" 4 "causal torch bench results" results)
+foreach(i RANGE 3)
+  read_fields("${json}" "results;${i}" run impl L S causal err)
+  if(NOT L EQUAL 5 OR NOT S EQUAL 16 OR NOT causal OR NOT err LESS 1e-4)
+    message(FATAL_ERROR "causal torch row ${i} (${run} -> ${impl}): L=${L} S=${S} causal=${causal} err=${err}")
+  endif()
+endforeach()
+file(REMOVE ${torch_causal_out})
 
 # --dim, --head-dim's name before the naming pass, still works with one
 # warning line; neither is a flag of another meaning.
