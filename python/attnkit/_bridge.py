@@ -165,7 +165,10 @@ class BridgedModule(torch.nn.Module):
 
     def __setstate__(self, state):
         kind, settings = state.pop("_bridge_rebuild")
-        self.__dict__.update(state)
+        # nn.Module's own __setstate__: it also adds what a newer torch's
+        # modules hold and an older torch's pickle lacks (torch 2's
+        # _backward_pre_hooks, ... for a module pickled under torch 1.13).
+        torch.nn.Module.__setstate__(self, state)
         values = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         # A new C++ module takes the unpickled values; building it must not
         # move the user's random stream.

@@ -48,7 +48,9 @@ def train(model, batches, rank=0, world=1):
 
 
 def worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # USE_LIBUV=0: torch >= 2.4 asks for TCPStore's libuv backend by default,
+    # which Debian 13's torch 2.6 is built without (torch 1.13 ignores it).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = torch.nn.parallel.DistributedDataParallel(build())

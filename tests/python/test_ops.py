@@ -8,6 +8,8 @@ import attnkit
 
 torch.manual_seed(0)
 
+TORCH_2 = int(torch.__version__.split(".")[0]) >= 2
+
 
 def composite(q, k, v, causal=False):
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -384,10 +386,73 @@ class LinearTest(unittest.TestCase):
 class ScaledDotProductAttentionTest(unittest.TestCase):
     """attnkit.scaled_dot_product_attention from Python. Its conformance to
     torch 2.5's documentation is tested in C++ (tests/ops/
-    scaled_dot_product_attention_test.cpp); here: the signature, and
-    agreement with torch 1.13's private _scaled_dot_product_attention, whose
-    arguments are a subset (a boolean mask, is_causal; no scale, no GQA)."""
+    scaled_dot_product_attention_test.cpp); here: the signature, agreement
+    with torch 2's own function where torch has it, and on torch 1.13 with its
+    private _scaled_dot_product_attention, whose arguments are a subset (a
+    boolean mask, is_causal; no scale, no GQA)."""
 
+    @unittest.skipUnless(TORCH_2, f"torch {torch.__version__} has no public scaled_dot_product_attention "
+                                  "(torch 2's is compared on Debian 13)")
+    def test_agrees_with_torch_2s_own_function(self):
+        """Values and gradients against torch.nn.functional's on float64 (its
+        math path) and float32 (its CPU flash kernel), over torch 2.5's whole
+        signature but dropout (its random stream is not ours): float and bool
+        masks of every broadcast shape, is_causal top-left with L < S and
+        L > S, scale, enable_gqa, and rows whose mask hides every key, where
+        torch 2.6 gives zeros as we do (values and gradients; torch 1.13's
+        private function gave NaN)."""
+        theirs_fn = torch.nn.functional.scaled_dot_product_attention
+        torch.manual_seed(2)
+        cases = (
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8)),
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8), is_causal=True),       # L < S: top-left
+            dict(q=(2, 3, 7, 8), k=(2, 3, 4, 8), is_causal=True),       # L > S: rows past S see all
+            dict(q=(1, 2, 6, 8), k=(1, 2, 6, 8), is_causal=True, scale=0.3),
+            dict(q=(4, 5, 8), k=(4, 7, 8), mask=(5, 7), bool_mask=True),  # 3-D inputs
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8), mask=(2, 3, 5, 7)),
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8), mask=(2, 1, 5, 7), bool_mask=True),
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8), mask=(1, 3, 1, 7)),
+            dict(q=(2, 4, 5, 8), k=(2, 2, 9, 8), enable_gqa=True),
+            dict(q=(2, 4, 5, 8), k=(2, 2, 9, 8), enable_gqa=True, is_causal=True),
+            dict(q=(2, 4, 5, 8), k=(2, 1, 9, 8), enable_gqa=True, mask=(5, 9), bool_mask=True),
+            dict(q=(2, 3, 5, 8), k=(2, 3, 7, 8), mask=(5, 7), bool_mask=True, hidden_row=2),
+            dict(q=(1, 1, 1, 4), k=(1, 1, 1, 4)),
+        )
+        for case in cases:
+            with self.subTest(**case):
+                shape_q, shape_k = case["q"], case["k"]
+                q, k = torch.randn(shape_q, dtype=torch.double), torch.randn(shape_k, dtype=torch.double)
+                v = torch.randn(shape_k[:-1] + (6,), dtype=torch.double)
+                mask = None
+                if "mask" in case:
+                    if case.get("bool_mask"):
+                        mask = torch.rand(case["mask"]) < 0.7
+                        mask[..., 0] = True
+                        if "hidden_row" in case:
+                            mask[..., case["hidden_row"], :] = False
+                    else:
+                        mask = torch.randn(case["mask"], dtype=torch.double)
+                args = dict(attn_mask=mask, is_causal=case.get("is_causal", False), scale=case.get("scale"),
+                            enable_gqa=case.get("enable_gqa", False))
+                for dtype, tol in ((torch.double, 1e-12), (torch.float, 2e-5)):
+                    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+                    m = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+                    ours = attnkit.scaled_dot_product_attention(*leaves, **{**args, "attn_mask": m})
+                    mirror = [t.detach().clone().requires_grad_() for t in leaves]
+                    theirs = theirs_fn(*mirror, **{**args, "attn_mask": m})
+                    scale = theirs.abs().max().item()
+                    torch.testing.assert_close(ours, theirs, rtol=0, atol=tol * scale)
+                    cot = torch.randn_like(theirs)
+                    grads = torch.autograd.grad((ours * cot).sum(), leaves)
+                    want = torch.autograd.grad((theirs * cot).sum(), mirror)
+                    for a, b in zip(grads, want):
+                        torch.testing.assert_close(a, b, rtol=0, atol=5 * tol * max(1.0, b.abs().max().item()))
+                    if "hidden_row" in case:
+                        self.assertEqual(ours[..., case["hidden_row"], :].abs().max().item(), 0.0)
+                        self.assertEqual(theirs[..., case["hidden_row"], :].abs().max().item(), 0.0)
+
+    @unittest.skipIf(TORCH_2, f"torch {torch.__version__} has no private _scaled_dot_product_attention "
+                              "(the public function is compared instead)")
     def test_agrees_with_torch_1_13_private_function(self):
         private = torch.nn.functional._scaled_dot_product_attention
         torch.manual_seed(1)
