@@ -91,6 +91,11 @@ inline double max_abs(const torch::Tensor& t) {
 
 inline bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
 
+/// An int64 tensor of the values (lengths, indices, labels).
+inline torch::Tensor i64(const std::vector<int64_t>& values) {
+  return torch::tensor(values, torch::TensorOptions().dtype(torch::kLong));
+}
+
 /// Checks the autograd gradients of sum(f(inputs) * cotangent) against central
 /// differences, in float64, for every input with requires_grad. Inputs must be
 /// small (each element is perturbed twice). Tolerance: |analytic - numeric| <=

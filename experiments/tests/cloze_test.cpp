@@ -17,6 +17,8 @@
 #include "tasks/cloze.h"
 #include "test_util.h"
 
+namespace cloze_test {
+
 using attnkit::experiments::ClozeExample;
 using attnkit::experiments::ClozeOptions;
 using attnkit::experiments::ClozeTask;
@@ -233,3 +235,5 @@ TEST(ClozeTask, RefusesBadInput) {
   const ClozeTask task(stops + " c c", stops, stops, ClozeOptions().paragraph(4).query(2).min_count(1).stop_words(2));
   expect_error([&] { task.example(Split::valid, 1, 0); }, {"valid example 0", "found no query span"});
 }
+
+}  // namespace cloze_test

@@ -18,7 +18,7 @@
 #include "models/graph_attention.h"
 #include "test_util.h"
 
-namespace attnkit::experiments {
+namespace attnkit::experiments::graph_attention_test {
 namespace {
 
 using testing::expect_error;
@@ -401,4 +401,4 @@ TEST(GraphAttention, OneNode) {
 }
 
 }  // namespace
-}  // namespace attnkit::experiments
+}  // namespace attnkit::experiments::graph_attention_test

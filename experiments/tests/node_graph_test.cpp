@@ -17,10 +17,13 @@
 #include "tasks/node_graph.h"
 #include "test_util.h"
 
+namespace node_graph_test {
+
 namespace fs = std::filesystem;
 using attnkit::experiments::load_node_graph;
 using attnkit::experiments::NodeGraph;
 using attnkit::tasks::Split;
+using attnkit::testing::edge_rows;
 using attnkit::testing::expect_error;
 
 namespace {
@@ -55,17 +58,6 @@ void write_dataset(const fs::path& dir, const std::map<std::string, std::string>
   for (const auto& [name, text] : files) std::ofstream(dir / name, std::ios::binary) << text;
 }
 
-/// The rows of a shared edge list, read through its offsets.
-std::vector<std::vector<int64_t>> rows_of(const attnkit::EdgeList& e) {
-  const auto off = e.offsets.contiguous();
-  const auto col = e.columns.contiguous();
-  std::vector<std::vector<int64_t>> rows(off.numel() - 1);
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int64_t p = off[i].item<int64_t>(); p < off[i + 1].item<int64_t>(); ++p)
-      rows[i].push_back(col[p].item<int64_t>());
-  return rows;
-}
-
 TEST(NodeGraph, LoadsEveryField) {
   TempDir tmp;
   write_dataset(tmp.path(), valid_files());
@@ -91,7 +83,7 @@ TEST(NodeGraph, LoadsEveryField) {
 
   // Each undirected edge in both directions plus every self-edge, rows sorted.
   EXPECT_FALSE(g.edges.per_head());
-  EXPECT_EQ(rows_of(g.edges),
+  EXPECT_EQ(edge_rows(g.edges),
             (std::vector<std::vector<int64_t>>{{0, 1, 3}, {0, 1, 4}, {2, 3}, {0, 2, 3}, {1, 4}}));
   EXPECT_EQ(g.edges.num_edges(), 5 + 2 * 4);
   EXPECT_NO_THROW(attnkit::check_edge_list(g.edges, 5, 5, 1));
@@ -226,3 +218,5 @@ TEST(NodeGraph, RefusesWrongMetaAndMissingFiles) {
 }
 
 }  // namespace
+
+}  // namespace node_graph_test

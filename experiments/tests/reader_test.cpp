@@ -12,6 +12,8 @@
 #include "models/reader.h"
 #include "test_util.h"
 
+namespace reader_test {
+
 using attnkit::experiments::linear_readout;
 using attnkit::experiments::Reader;
 using attnkit::experiments::ReaderOptions;
@@ -209,3 +211,5 @@ TEST(Reader, RefusesBadInput) {
                {"linear_readout", "must be (N, k) = (2, 4)"});
   expect_error([] { Reader(ReaderOptions(1)); }, {"option 'vocab' must be >= 2, got 1"});
 }
+
+}  // namespace reader_test

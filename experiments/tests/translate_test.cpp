@@ -13,6 +13,8 @@
 #include "tasks/dictionary.h"
 #include "test_util.h"
 
+namespace translate_test {
+
 using attnkit::experiments::CharVocabulary;
 using attnkit::experiments::decode_utf8;
 using attnkit::experiments::edit_distance;
@@ -277,3 +279,5 @@ TEST(Seq2Seq, RefusesBadInput) {
   expect_error([&] { model->greedy(fits, torch::tensor({4, 4}), 0); }, {"max_steps >= 1"});
   expect_error([] { Seq2Seq(Seq2SeqOptions(4, 4)); }, {"'vocab' must be >= 5"});
 }
+
+}  // namespace translate_test

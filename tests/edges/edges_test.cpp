@@ -17,7 +17,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::edges_test {
 namespace {
 
 using testing::expect_error;
@@ -550,4 +550,4 @@ TEST(SparseDispatch, KernelForFloat32AndBfloat16CompositeOtherwiseSayingWhy) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::edges_test

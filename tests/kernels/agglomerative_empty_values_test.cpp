@@ -10,7 +10,7 @@
 
 #include <limits>
 
-namespace attnkit::testing {
+namespace attnkit::testing::agglomerative_empty_values_test {
 namespace {
 
 TEST(AgglomerativeEmptyValues, ForwardSavesDenominatorsWithoutAverages) {
@@ -74,4 +74,4 @@ TEST(AgglomerativeEmptyValues, OpGradientsAreZerosAsInFloat64) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::agglomerative_empty_values_test

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-namespace attnkit::kernels {
+namespace attnkit::kernels::gemm_test {
 namespace {
 
 // Naive row-major C = alpha op(A) op(B) + beta C in double.
@@ -55,4 +55,4 @@ TEST(Gemm, ZeroInnerDimensionScalesC) {
 }
 
 }  // namespace
-}  // namespace attnkit::kernels
+}  // namespace attnkit::kernels::gemm_test

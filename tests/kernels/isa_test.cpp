@@ -18,7 +18,7 @@
 #include <sstream>
 #include <string>
 
-namespace attnkit::kernels::isa {
+namespace attnkit::kernels::isa::isa_test {
 namespace {
 
 /// The flags line of /proc/cpuinfo (empty where there is none).
@@ -125,4 +125,4 @@ TEST(Isa, RuntimeAndDispatchNameTheLevel) {
 }
 
 }  // namespace
-}  // namespace attnkit::kernels::isa
+}  // namespace attnkit::kernels::isa::isa_test

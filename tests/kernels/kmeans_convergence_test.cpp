@@ -10,7 +10,7 @@
 
 #include <random>
 
-namespace attnkit::testing {
+namespace attnkit::testing::kmeans_convergence_test {
 namespace {
 
 struct KMeansRun {
@@ -117,4 +117,4 @@ TEST(KMeansConvergence, OpBoundsIterations) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::kmeans_convergence_test

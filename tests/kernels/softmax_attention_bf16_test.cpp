@@ -38,7 +38,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::softmax_attention_bf16_test {
 namespace {
 
 struct Case {
@@ -229,4 +229,4 @@ TEST(SoftmaxAttentionBf16, EmptySizesGiveEmptyOrZeroResults) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::softmax_attention_bf16_test

@@ -22,11 +22,14 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
+namespace softmax_attention_decode_test {
+
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
 using attnkit::testing::f32;
 using attnkit::testing::f64;
+using attnkit::testing::ThreadsGuard;
 
 // Per element |op - reference| <= kTolerance * mag, mag the element's error
 // scale as in softmax_attention_kernel_test.cpp: the sum of the absolute
@@ -129,17 +132,6 @@ bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
          std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
 }
 
-class ThreadSetting {
- public:
-  explicit ThreadSetting(int threads) : previous_(attnkit::num_threads()) {
-    attnkit::set_num_threads(threads);
-  }
-  ~ThreadSetting() { attnkit::set_num_threads(previous_); }
-
- private:
-  int previous_;
-};
-
 TEST(SoftmaxAttentionDecode, NarrowedCacheMatchesFloat64ReferenceOnOneAndTwoThreads) {
   const DecodeCase cases[] = {
       {1, 1, 1, 20000, 64, 64, false, {}},
@@ -169,11 +161,11 @@ TEST(SoftmaxAttentionDecode, NarrowedCacheMatchesFloat64ReferenceOnOneAndTwoThre
     const auto scales = error_scales(c, x);
     std::vector<torch::Tensor> one, two;
     {
-      ThreadSetting threads(1);
+      ThreadsGuard threads(1);
       one = run(c, x, torch::kFloat, op);
     }
     {
-      ThreadSetting threads(2);
+      ThreadsGuard threads(2);
       two = run(c, x, torch::kFloat, op);
     }
     for (int t = 0; t < 4; ++t) {
@@ -187,3 +179,5 @@ TEST(SoftmaxAttentionDecode, NarrowedCacheMatchesFloat64ReferenceOnOneAndTwoThre
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_decode_test

@@ -19,6 +19,8 @@
 #include "kernels/common/vec.h"
 #include "kernels/softmax_attention.h"
 
+namespace softmax_attention_kernel_test {
+
 namespace {
 
 namespace kernels = attnkit::kernels;
@@ -745,3 +747,5 @@ TEST(SoftmaxKernelExp, SpecialValuesAndUnderflow) {
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_kernel_test

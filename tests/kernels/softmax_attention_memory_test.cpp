@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-namespace attnkit {
+namespace attnkit::softmax_attention_memory_test {
 namespace {
 
 TEST(SoftmaxAttentionMemory, ForwardAt16kStaysBelow64MiB) {
@@ -27,4 +27,4 @@ TEST(SoftmaxAttentionMemory, ForwardAt16kStaysBelow64MiB) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::softmax_attention_memory_test

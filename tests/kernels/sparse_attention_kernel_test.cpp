@@ -20,7 +20,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::sparse_attention_kernel_test {
 namespace {
 
 using testing::f32;
@@ -324,4 +324,4 @@ TEST(SparseAttentionKernel, SecondOrderGradientsRaise) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::sparse_attention_kernel_test

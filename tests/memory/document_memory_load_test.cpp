@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <string>
 
-namespace attnkit {
+namespace attnkit::document_memory_load_test {
 namespace {
 
 std::string load_error(const std::string& path) {
@@ -59,4 +59,4 @@ TEST(DocumentMemoryLoad, FifoAndDeviceAreRefusedWithoutBlocking) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::document_memory_load_test

@@ -12,7 +12,7 @@
 
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::document_memory_test {
 namespace {
 
 using testing::expect_error;
@@ -233,4 +233,4 @@ TEST(DocumentMemory, ThreadCountOnlyChangesRounding) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::document_memory_test

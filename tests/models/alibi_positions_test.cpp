@@ -9,7 +9,7 @@
 #include "models/decoding_util.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::alibi_positions_test {
 namespace {
 
 using testing::expect_error;
@@ -119,4 +119,4 @@ TEST(AlibiPositions, OptionsAndRefusals) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::alibi_positions_test

@@ -15,7 +15,7 @@
 #include "models/decoding_util.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::grouped_heads_test {
 namespace {
 
 using testing::decode_all;
@@ -250,4 +250,4 @@ TEST(GroupedHeads, RefusalsNameTheProblem) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::grouped_heads_test

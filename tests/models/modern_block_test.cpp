@@ -17,7 +17,7 @@
 #include "models/decoding_util.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::modern_block_test {
 namespace {
 
 using models::FeedForward;
@@ -184,4 +184,4 @@ TEST(ModernBlock, RefusalsNameTheProblem) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::modern_block_test

@@ -13,7 +13,7 @@
 #include "models/decoding_util.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::rotary_positions_test {
 namespace {
 
 using testing::expect_error;
@@ -158,4 +158,4 @@ TEST(RotaryPositions, OptionsAndRefusals) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::rotary_positions_test

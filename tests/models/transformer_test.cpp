@@ -7,7 +7,7 @@
 #include "models/decoding_util.h"
 #include "test_util.h"
 
-namespace attnkit::models {
+namespace attnkit::models::transformer_test {
 namespace {
 
 using attnkit::testing::expect_error;
@@ -408,4 +408,4 @@ TEST(Transformer, PatternsThatAddNodesTrainInAnEncoder) {
 }
 
 }  // namespace
-}  // namespace attnkit::models
+}  // namespace attnkit::models::transformer_test

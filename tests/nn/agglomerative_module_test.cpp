@@ -11,7 +11,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::agglomerative_module_test {
 namespace {
 
 using testing::expect_error;
@@ -236,4 +236,4 @@ TEST(AgglomerativeModule, RejectsBadInputs) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::agglomerative_module_test

@@ -6,7 +6,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::decoding_test {
 namespace {
 
 using attnkit::testing::expect_error;
@@ -57,4 +57,4 @@ TEST(CachedSoftmaxState, EqualsCausalExactAttention) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::decoding_test

@@ -15,7 +15,7 @@
 #include "nn/edge_predictor_util.h"
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::edge_predictor_test {
 namespace {
 
 using testing::expect_error;
@@ -472,4 +472,4 @@ TEST(EdgePredictor, GivenDistancesReplaceSequenceDistances) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::edge_predictor_test

@@ -9,7 +9,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::linear_module_test {
 namespace {
 
 using testing::expect_error;
@@ -240,4 +240,4 @@ TEST(LinearMultihead, GatedLinearGatesTheValueProjectionWithTheKeyProjection) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::linear_module_test

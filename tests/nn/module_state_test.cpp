@@ -14,7 +14,7 @@
 
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::module_state_test {
 namespace {
 
 using testing::expect_error;
@@ -97,4 +97,4 @@ TEST(ModuleState, ALoadedModuleRefusesTrainingWithAutograd) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::module_state_test

@@ -12,13 +12,14 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::multihead_test {
 namespace {
 
 using testing::all_finite;
 using testing::expect_error;
 using testing::expect_gradients_match;
 using testing::f64;
+using testing::i64;
 using testing::max_abs;
 using testing::rel_err;
 
@@ -30,10 +31,6 @@ constexpr double kSameMathTol = 1e-12;
 /// bias gets no gradient in softmax-normalised mechanisms; float64 rounding
 /// leaves ~1e-16 of the other gradients' size.
 constexpr double kShiftInvariantTol = 1e-10;
-
-torch::Tensor lengths_tensor(const std::vector<int64_t>& lengths) {
-  return torch::tensor(lengths, torch::kLong);
-}
 
 /// The multi-head formula written out: x W^T + b projections, for each head h
 /// the features [h dh, (h+1) dh), a masked softmax of q k^T / sqrt(dh) built
@@ -96,10 +93,10 @@ TEST(MultiheadTest, FullEqualsComposite) {
                 kSameMathTol);
       // Padding, a zero length included, with and without causal.
       const std::vector<int64_t> lens{S - 1, 0};
-      EXPECT_LT(rel_err(m->forward(query, key, value, lengths_tensor(lens)),
+      EXPECT_LT(rel_err(m->forward(query, key, value, i64(lens)),
                         composite_mha(m, query, key, value, lens, false)),
                 kSameMathTol);
-      EXPECT_LT(rel_err(m->forward(query, key, value, lengths_tensor(lens), true),
+      EXPECT_LT(rel_err(m->forward(query, key, value, i64(lens), true),
                         composite_mha(m, query, key, value, lens, true)),
                 kSameMathTol);
     }
@@ -109,7 +106,7 @@ TEST(MultiheadTest, ZeroLengthGivesOutputBiasOnly) {
   torch::manual_seed(32);
   auto m = make_mha(4, 2);
   auto x = torch::randn({2, 3, 4}, f64());
-  auto out = m->forward(x, x, x, lengths_tensor({3, 0}));
+  auto out = m->forward(x, x, x, i64({3, 0}));
   EXPECT_TRUE(all_finite(out));
   EXPECT_LT(max_abs(out[1] - m->out_proj->bias.detach().expand({3, 4})), kSameMathTol);
 }
@@ -198,7 +195,7 @@ TEST(MultiheadTest, FullGradientsMatchFiniteDifferences) {
       inputs.push_back((*lin)->weight.detach());
       inputs.push_back((*lin)->bias.detach());
     }
-    auto len = lengths_tensor({3, 2});
+    auto len = i64({3, 2});
     expect_gradients_match(
         [&](const std::vector<torch::Tensor>& in) {
           for (size_t l = 0; l < lins.size(); ++l) {
@@ -245,7 +242,7 @@ TEST(MultiheadTest, ImprovedClusteredWithAllKeysEqualsFull) {
     for (int64_t clusters : {1, 2}) {
       auto mech = std::string("improved-clustered:clusters=" + std::to_string(clusters) + ",topk=" + std::to_string(topk));
       EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, "full", x)), kSameMathTol);
-      auto lens = lengths_tensor({4, 6});
+      auto lens = i64({4, 6});
       EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, "full", x, lens)), kSameMathTol);
     }
   }
@@ -259,7 +256,7 @@ TEST(MultiheadTest, ClusteredWithOneQueryPerClusterEqualsFull) {
     SCOPED_TRACE("clusters " + std::to_string(clusters));
     auto mech = std::string("clustered:clusters=" + std::to_string(clusters));
     EXPECT_LT(rel_err(run_as(m, mech, x), run_as(m, "full", x)), kSameMathTol);
-    auto lens = lengths_tensor({2, 5});
+    auto lens = i64({2, 5});
     EXPECT_LT(rel_err(run_as(m, mech, x, lens), run_as(m, "full", x, lens)), kSameMathTol);
   }
   // Fewer clusters than queries is an approximation: it must differ.
@@ -274,7 +271,7 @@ TEST(MultiheadTest, AttendMapsNamesOntoOps) {
   const int64_t N = 2, H = 2, L = 7, E = 3;
   auto q = torch::randn({N, H, L, E}, f64()), k = torch::randn({N, H, L, E}, f64());
   auto v = torch::randn({N, H, L, 4}, f64());
-  auto lens = lengths_tensor({5, 7});
+  auto lens = i64({5, 7});
   auto same = [](const torch::Tensor& a, const torch::Tensor& b) { return rel_err(a, b) < kSameMathTol; };
 
   EXPECT_TRUE(same(attend("full", q, k, v, {true, lens}),
@@ -347,7 +344,7 @@ TEST(MultiheadTest, UnknownMechanismListsKnownNames) {
 TEST(MultiheadTest, UnsupportedMasksRaiseClearErrors) {
   const int64_t D = 4, H = 2;
   auto x = torch::zeros({2, 5, D});
-  auto lens = lengths_tensor({5, 3});
+  auto lens = i64({5, 3});
   auto with = [&](const std::string& name) {
     return MultiheadAttention(MultiheadAttentionOptions(D, H).attention(name));
   };
@@ -398,9 +395,9 @@ TEST(MultiheadTest, RejectsBadInput) {
   expect_error([&] { m->forward(x, x, torch::zeros({2, 3, 2})); }, {"MultiheadAttention", "'value'", "feature size"});
   expect_error([&] { m->forward(x, torch::zeros({1, 3, 4}), x); }, {"MultiheadAttention", "'key'", "batch size N"});
   expect_error([&] { m->forward(x, x, torch::zeros({2, 4, 4})); }, {"MultiheadAttention", "'value'", "length S"});
-  expect_error([&] { m->forward(x, x, x, lengths_tensor({3, 4})); }, {"softmax_attention", "'key_lengths'"});
+  expect_error([&] { m->forward(x, x, x, i64({3, 4})); }, {"softmax_attention", "'key_lengths'"});
   expect_error([&] { m->forward(x, x, x.to(torch::kInt)); }, {"MultiheadAttention", "'value'", "floating"});
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::multihead_test

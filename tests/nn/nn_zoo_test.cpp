@@ -13,13 +13,14 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::nn_zoo_test {
 namespace {
 
 using testing::all_finite;
 using testing::expect_error;
 using testing::expect_gradients_match;
 using testing::f64;
+using testing::i64;
 using testing::max_abs;
 using testing::rel_err;
 
@@ -141,10 +142,6 @@ void expect_output_matches(const AttentionOutput& got, const AttentionOutput& wa
   EXPECT_LT(rel_err(got.context, want.context), kLoopTol);
 }
 
-torch::Tensor lengths_tensor(const std::vector<int64_t>& lengths) {
-  return torch::tensor(lengths, torch::kLong);
-}
-
 // --- Shapes ----------------------------------------------------------------------------
 
 TEST(NnZooTest, OutputShapes) {
@@ -210,7 +207,7 @@ TEST(NnZooTest, AdditiveMatchesLoops) {
   auto e = additive_scores_loop(m, s, h);
   EXPECT_LT(rel_err(m->scores(s, h), e), kLoopTol);
   expect_output_matches(m->forward(s, h, val), loop_attend(e, val, {}));
-  expect_output_matches(m->forward(s, h, val, lengths_tensor({2, 1})), loop_attend(e, val, {2, 1}));
+  expect_output_matches(m->forward(s, h, val, i64({2, 1})), loop_attend(e, val, {2, 1}));
 }
 
 TEST(NnZooTest, GeneralMatchesLoops) {
@@ -226,7 +223,7 @@ TEST(NnZooTest, GeneralMatchesLoops) {
   EXPECT_DOUBLE_EQ(e[0][0][1].item<double>(), 0.5);
   EXPECT_LT(rel_err(m->scores(s, h), e), kLoopTol);
   expect_output_matches(m->forward(s, h, val), loop_attend(e, val, {}));
-  expect_output_matches(m->forward(s, h, val, lengths_tensor({3})), loop_attend(e, val, {3}));
+  expect_output_matches(m->forward(s, h, val, i64({3})), loop_attend(e, val, {3}));
 }
 
 TEST(NnZooTest, DotLiteralAndLoops) {
@@ -251,7 +248,7 @@ TEST(NnZooTest, DotLiteralAndLoops) {
     auto e = dot_scores_loop(sr, hr, scaled);
     DotAttention m(DotAttentionOptions().scaled(scaled));
     expect_output_matches(m->forward(sr, hr, vr), loop_attend(e, vr, {}));
-    expect_output_matches(m->forward(sr, hr, vr, lengths_tensor({4, 2})), loop_attend(e, vr, {4, 2}));
+    expect_output_matches(m->forward(sr, hr, vr, i64({4, 2})), loop_attend(e, vr, {4, 2}));
   }
 }
 
@@ -270,7 +267,7 @@ TEST(NnZooTest, LocationMatchesLoopsOnFirstSPositions) {
   EXPECT_NEAR(e[0][0][2].item<double>(), -0.55, kLiteralTol);
   auto o = m->forward(s, val);
   expect_output_matches(o, loop_attend(e, val, {}));
-  expect_output_matches(m->forward(s, val, lengths_tensor({2})), loop_attend(e, val, {2}));
+  expect_output_matches(m->forward(s, val, i64({2})), loop_attend(e, val, {2}));
   // The key side is never looked at: the source length comes from the values.
   auto val5 = torch::randn({1, 5, 2}, f64());
   auto o5 = m->forward(s, val5);
@@ -295,10 +292,10 @@ TEST(NnZooTest, KeyLengthsMaskIncludingZeroLength) {
   loc->to(torch::kDouble);
   std::vector<std::pair<std::string, std::function<AttentionOutput(const torch::Tensor&, const torch::Tensor&,
                                                                    const torch::Tensor&)>>>
-      modules{{"additive", [&](auto& a, auto& b, auto& c) { return add->forward(a, b, c, lengths_tensor(lens)); }},
-              {"general", [&](auto& a, auto& b, auto& c) { return gen->forward(a, b, c, lengths_tensor(lens)); }},
-              {"dot", [&](auto& a, auto& b, auto& c) { return dot->forward(a, b, c, lengths_tensor(lens)); }},
-              {"location", [&](auto& a, auto&, auto& c) { return loc->forward(a, c, lengths_tensor(lens)); }}};
+      modules{{"additive", [&](auto& a, auto& b, auto& c) { return add->forward(a, b, c, i64(lens)); }},
+              {"general", [&](auto& a, auto& b, auto& c) { return gen->forward(a, b, c, i64(lens)); }},
+              {"dot", [&](auto& a, auto& b, auto& c) { return dot->forward(a, b, c, i64(lens)); }},
+              {"location", [&](auto& a, auto&, auto& c) { return loc->forward(a, c, i64(lens)); }}};
   for (auto& [name, fwd] : modules) {
     SCOPED_TRACE(name);
     auto sg = s.clone().requires_grad_(true), hg = h.clone().requires_grad_(true);
@@ -443,8 +440,8 @@ TEST(NnZooTest, RelativePositionMatchesShawLoop) {
       auto x = torch::randn({N, L, d}, f64());
       EXPECT_LT(rel_err(m->forward(x), shaw_loop(m, x, {}, false)), kLoopTol);
       EXPECT_LT(rel_err(m->forward(x, {}, true), shaw_loop(m, x, {}, true)), kLoopTol);
-      EXPECT_LT(rel_err(m->forward(x, lengths_tensor({4, 6})), shaw_loop(m, x, {4, 6}, false)), kLoopTol);
-      EXPECT_LT(rel_err(m->forward(x, lengths_tensor({3, 5}), true), shaw_loop(m, x, {3, 5}, true)), kLoopTol);
+      EXPECT_LT(rel_err(m->forward(x, i64({4, 6})), shaw_loop(m, x, {4, 6}, false)), kLoopTol);
+      EXPECT_LT(rel_err(m->forward(x, i64({3, 5}), true), shaw_loop(m, x, {3, 5}, true)), kLoopTol);
     }
 }
 
@@ -461,7 +458,7 @@ TEST(NnZooTest, RelativePositionTablesMatter) {
     m->wV.add_(1.0);
   }
   EXPECT_GT(max_abs(m->forward(x) - base), 1e-3);
-  auto y = m->forward(x, lengths_tensor({0, 3}));
+  auto y = m->forward(x, i64({0, 3}));
   EXPECT_TRUE(all_finite(y));
   EXPECT_LT(max_abs(y[0] - m->out_proj->bias.detach().expand({3, 4})), kLoopTol);
   EXPECT_LT(rel_err(y, shaw_loop(m, x, {0, 3}, false)), kLoopTol);
@@ -478,7 +475,7 @@ TEST(NnZooTest, AdditiveGradients) {
   torch::manual_seed(21);
   AdditiveAttention m(AdditiveAttentionOptions(2, 3, 2));
   m->to(torch::kDouble);
-  auto len = lengths_tensor({3, 2});
+  auto len = i64({3, 2});
   expect_gradients_match(
       [&](const std::vector<torch::Tensor>& in) {
         m->W->weight = in[3];
@@ -495,7 +492,7 @@ TEST(NnZooTest, GeneralGradients) {
   torch::manual_seed(22);
   GeneralAttention m(GeneralAttentionOptions(2, 3));
   m->to(torch::kDouble);
-  auto len = lengths_tensor({3, 1});
+  auto len = i64({3, 1});
   expect_gradients_match(
       [&](const std::vector<torch::Tensor>& in) {
         m->W = in[3];
@@ -510,7 +507,7 @@ TEST(NnZooTest, DotGradients) {
   for (bool scaled : {true, false}) {
     SCOPED_TRACE(scaled ? "scaled" : "unscaled");
     DotAttention m(DotAttentionOptions().scaled(scaled));
-    auto len = lengths_tensor({2, 3});
+    auto len = i64({2, 3});
     expect_gradients_match(
         [&](const std::vector<torch::Tensor>& in) { return flat(m->forward(in[0], in[1], in[2], len)); },
         {torch::randn({2, 2, 3}, f64()), torch::randn({2, 3, 3}, f64()), torch::randn({2, 3, 2}, f64())});
@@ -521,7 +518,7 @@ TEST(NnZooTest, LocationGradients) {
   torch::manual_seed(24);
   LocationAttention m(LocationAttentionOptions(2, 4));
   m->to(torch::kDouble);
-  auto len = lengths_tensor({3, 2});
+  auto len = i64({3, 2});
   expect_gradients_match(
       [&](const std::vector<torch::Tensor>& in) {
         m->W->weight = in[2];
@@ -545,7 +542,7 @@ TEST(NnZooTest, RelativePositionGradients) {
   m->to(torch::kDouble);
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "full");
-    auto len = lengths_tensor({4, 3});
+    auto len = i64({4, 3});
     std::vector<torch::Tensor> inputs{torch::randn({2, 4, 4}, f64())};
     std::vector<Linear*> lins{&m->q_proj, &m->k_proj, &m->v_proj, &m->out_proj};
     for (auto* lin : lins) {
@@ -579,9 +576,9 @@ TEST(NnZooTest, ScoringModulesRejectBadInput) {
   expect_error([&] { add->forward(s, torch::zeros({3, 4, 3}), val); }, {"AdditiveAttention", "'keys'", "batch size N"});
   expect_error([&] { add->forward(s, h, torch::zeros({2, 5, 5})); }, {"AdditiveAttention", "'values'", "key count S"});
   expect_error([&] { add->forward(s, h, torch::zeros({1, 4, 5})); }, {"AdditiveAttention", "'values'", "batch size N"});
-  expect_error([&] { add->forward(s, h, val, lengths_tensor({4, 5})); }, {"AdditiveAttention", "'key_lengths'", "5"});
-  expect_error([&] { add->forward(s, h, val, lengths_tensor({-1, 2})); }, {"AdditiveAttention", "'key_lengths'", "negative"});
-  expect_error([&] { add->forward(s, h, val, lengths_tensor({1})); }, {"AdditiveAttention", "'key_lengths'", "shape"});
+  expect_error([&] { add->forward(s, h, val, i64({4, 5})); }, {"AdditiveAttention", "'key_lengths'", "5"});
+  expect_error([&] { add->forward(s, h, val, i64({-1, 2})); }, {"AdditiveAttention", "'key_lengths'", "negative"});
+  expect_error([&] { add->forward(s, h, val, i64({1})); }, {"AdditiveAttention", "'key_lengths'", "shape"});
   expect_error([&] { add->forward(s, h, val, torch::tensor({1, 2}, torch::kInt)); },
                {"AdditiveAttention", "'key_lengths'", "int64"});
   expect_error([&] { add->forward(s.to(torch::kLong), h, val); }, {"AdditiveAttention", "'query'", "floating"});
@@ -596,7 +593,7 @@ TEST(NnZooTest, ScoringModulesRejectBadInput) {
   expect_error([&] { dot->forward(s, h, val); }, {"DotAttention", "'keys'", "feature size", "expected 2"});
   expect_error([&] { dot->forward(s, h[0], val); }, {"DotAttention", "'keys'", "3 dimensions"});
   expect_error([&] { dot->forward(s, torch::zeros({1, 4, 2}), val); }, {"DotAttention", "'keys'", "batch size N"});
-  expect_error([&] { dot->forward(s, torch::zeros({2, 4, 2}), val, lengths_tensor({9, 1})); },
+  expect_error([&] { dot->forward(s, torch::zeros({2, 4, 2}), val, i64({9, 1})); },
                {"DotAttention", "'key_lengths'"});
 
   LocationAttention loc(LocationAttentionOptions(2, 4));
@@ -604,7 +601,7 @@ TEST(NnZooTest, ScoringModulesRejectBadInput) {
                {"LocationAttention", "source length 5", "max_source_length 4"});
   expect_error([&] { loc->forward(torch::zeros({2, 3, 3}), val); }, {"LocationAttention", "'query'", "feature size"});
   expect_error([&] { loc->forward(s, torch::zeros({1, 4, 3})); }, {"LocationAttention", "'values'", "batch size N"});
-  expect_error([&] { loc->forward(s, torch::zeros({2, 3, 3}), lengths_tensor({4, 1})); },
+  expect_error([&] { loc->forward(s, torch::zeros({2, 3, 3}), i64({4, 1})); },
                {"LocationAttention", "'key_lengths'"});
   expect_error([&] { loc->forward(s, torch::zeros({4, 3})); }, {"LocationAttention", "'values'", "3 dimensions"});
 }
@@ -625,11 +622,11 @@ TEST(NnZooTest, RelativePositionRejectsBadInput) {
   RelativePositionAttention m(RelativePositionAttentionOptions(4, 2, 1));
   expect_error([&] { m->forward(torch::zeros({3, 4})); }, {"RelativePositionAttention", "'x'", "3 dimensions"});
   expect_error([&] { m->forward(torch::zeros({1, 3, 5})); }, {"RelativePositionAttention", "'x'", "feature size"});
-  expect_error([&] { m->forward(torch::zeros({2, 3, 4}), lengths_tensor({3, 4})); },
+  expect_error([&] { m->forward(torch::zeros({2, 3, 4}), i64({3, 4})); },
                {"RelativePositionAttention", "'key_lengths'"});
-  expect_error([&] { m->forward(torch::zeros({2, 3, 4}), lengths_tensor({3})); },
+  expect_error([&] { m->forward(torch::zeros({2, 3, 4}), i64({3})); },
                {"RelativePositionAttention", "'key_lengths'"});
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::nn_zoo_test

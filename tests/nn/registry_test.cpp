@@ -9,7 +9,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::registry_test {
 namespace {
 
 using testing::expect_error;
@@ -190,9 +190,9 @@ TEST(Registry, ModulesHonourSupportsAndCarryClusteredState) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::registry_test
 
-namespace attnkit::nn {
+namespace attnkit::nn::registry_test {
 namespace {
 
 /// MultiheadAttention end to end on the float32 kernels (projections on
@@ -238,9 +238,9 @@ TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::registry_test
 
-namespace attnkit::nn {
+namespace attnkit::nn::registry_test {
 namespace {
 
 TEST(MultiheadClone, KeepsTheSwappedMechanismAndItsState) {
@@ -293,9 +293,9 @@ TEST(Registry, Float32FormsMatchTheirFloat64Definitions) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::registry_test
 
-namespace attnkit::nn {
+namespace attnkit::nn::registry_test {
 namespace {
 
 TEST(Registry, ExactFlopsCountTheVisiblePairs) {
@@ -313,9 +313,9 @@ TEST(Registry, ExactFlopsCountTheVisiblePairs) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::registry_test
 
-namespace attnkit::nn {
+namespace attnkit::nn::registry_test {
 namespace {
 
 TEST(Registry, SparseEntriesReuseTheRightCachedEdgeList) {
@@ -339,4 +339,4 @@ TEST(Registry, SparseEntriesReuseTheRightCachedEdgeList) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::registry_test

@@ -14,7 +14,7 @@
 #include "nn/edge_predictor_util.h"
 #include "test_util.h"
 
-namespace attnkit::nn {
+namespace attnkit::nn::sac_test {
 namespace {
 
 using testing::expect_error;
@@ -333,4 +333,4 @@ TEST(SacModel, RefusesWhatItCannotDo) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn
+}  // namespace attnkit::nn::sac_test

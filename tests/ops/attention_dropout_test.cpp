@@ -48,6 +48,8 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
+namespace attention_dropout_test {
+
 namespace {
 
 using attnkit::ScaledDotProductAttentionFuncOptions;
@@ -928,3 +930,5 @@ TEST(AttentionDropoutModule, TheBuilderDropsInTrainingAndRoundTrips) {
 }
 
 }  // namespace
+
+}  // namespace attention_dropout_test

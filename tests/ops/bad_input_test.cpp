@@ -9,15 +9,11 @@
 
 #include <limits>
 
-namespace attnkit::testing {
+namespace attnkit::testing::bad_input_test {
 namespace {
 
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();
-
-torch::Tensor i64(std::vector<int64_t> values) {
-  return torch::tensor(values, torch::TensorOptions().dtype(torch::kLong));
-}
 
 // Valid inputs: N = 2, H = 3, L = 4, S = 6, E = 5, M = 7.
 constexpr int64_t N = 2, H = 3, L = 4, S = 6, E = 5, M = 7;
@@ -415,4 +411,4 @@ TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::bad_input_test

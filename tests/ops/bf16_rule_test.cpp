@@ -21,7 +21,7 @@
 
 #include "reference/reference.h"
 
-namespace attnkit {
+namespace attnkit::bf16_rule_test {
 namespace {
 
 using Op = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
@@ -96,4 +96,4 @@ TEST(Bf16Rule, SparseAttention) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::bf16_rule_test

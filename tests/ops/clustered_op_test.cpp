@@ -19,7 +19,7 @@
 
 #include <cmath>
 
-namespace attnkit::testing {
+namespace attnkit::testing::clustered_op_test {
 namespace {
 
 // The float32 op against float64 evaluation of the same float32 inputs:
@@ -501,4 +501,4 @@ TEST(ClusteredModule, AdvanceSeedMovesOnInTrainingOnly) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::clustered_op_test

@@ -52,7 +52,7 @@
 #include <thread>
 #include <vector>
 
-namespace attnkit::testing {
+namespace attnkit::testing::concurrency_test {
 namespace {
 
 constexpr int kThreads = 4;
@@ -69,10 +69,6 @@ torch::Tensor normal(const std::vector<int64_t>& shape, std::mt19937& gen, float
   float* x = t.data_ptr<float>();
   for (int64_t i = 0; i < t.numel(); ++i) x[i] = d(gen);
   return t;
-}
-
-torch::Tensor lengths(const std::vector<int64_t>& values) {
-  return torch::tensor(values, torch::TensorOptions().dtype(torch::kLong));
 }
 
 /// `lists` random edge lists over L x S, each entry present with probability
@@ -236,7 +232,7 @@ Cases make_cases() {
     const std::vector<int64_t> lens[] = {{260, 131}, {0, 77, 131}, {299}, {513, 400}};
     const bool strided = t == 1;
     Inputs x = qkv(shapes[t], strided);
-    x.push_back(lengths(lens[t]));
+    x.push_back(i64(lens[t]));
     return Job{"", x, {}, [strided, view](const Inputs& x) {
                  return softmax_attention(
                      view(x[0], strided), view(x[1], strided), view(x[2], strided),
@@ -329,8 +325,8 @@ Cases make_cases() {
       const bool strided = t == 2;
       Inputs x = qkv(shapes[t], strided);
       // Padding in some variants: key lengths in 1, query lengths in 3.
-      x.push_back(t == 1 ? lengths({657, 300}) : torch::Tensor());
-      x.push_back(t == 3 ? lengths({265, 133}) : torch::Tensor());
+      x.push_back(t == 1 ? i64({657, 300}) : torch::Tensor());
+      x.push_back(t == 3 ? i64({265, 133}) : torch::Tensor());
       auto o =
           ClusteredAttentionFuncOptions().clusters(clusters[t]).topk(topk_scale * topk[t]).seed(t);
       return Job{"", x, {}, [o, strided, view](const Inputs& x) {
@@ -485,21 +481,8 @@ void report(const std::vector<std::string>& failures) {
   for (size_t i = 0; i < std::min<size_t>(failures.size(), 20); ++i) ADD_FAILURE() << failures[i];
 }
 
-/// Sets attnkit's thread count for its lifetime (0: the library's default),
-/// then restores the previous setting.
-class ThreadSetting {
- public:
-  explicit ThreadSetting(int threads) : saved_(num_threads()) { set_num_threads(threads); }
-  ~ThreadSetting() { set_num_threads(saved_); }
-  ThreadSetting(const ThreadSetting&) = delete;
-  ThreadSetting& operator=(const ThreadSetting&) = delete;
-
- private:
-  int saved_;
-};
-
 void check_ops_concurrently(int setting) {
-  ThreadSetting threads(setting);
+  ThreadsGuard threads(setting);  // 0: the library's default
   SCOPED_TRACE("attnkit::num_threads() = " + std::to_string(num_threads()));
   Cases cases = make_cases();
   const auto expected = run_serially(cases);
@@ -519,7 +502,7 @@ TEST(OpsConcurrency, MatchSerialResultsWithOneThread) {
 // between the largest single call's and the sum of every thread's largest.
 TEST(OpsConcurrency, CountingAllocatorBalancesUnderConcurrentCalls) {
   memory::install_counting_allocator();
-  ThreadSetting threads(1);  // the counters are shared by calls, not by a call's OpenMP threads
+  ThreadsGuard threads(1);  // the counters are shared by calls, not by a call's OpenMP threads
   Cases cases = make_cases();
   const auto expected = run_serially(cases);  // also sets the cotangents
   // Each job's peak extra bytes, serially, with the comparison the concurrent
@@ -638,4 +621,4 @@ TEST(OpsConcurrency, DocumentMemoryConstMembersAndOwnMemories) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::concurrency_test

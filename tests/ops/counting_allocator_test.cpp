@@ -8,13 +8,14 @@
 #include <ATen/Context.h>
 #include <attnkit/runtime.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <cstring>
 
-namespace attnkit {
+namespace attnkit::counting_allocator_test {
 namespace {
 
 TEST(CountingAllocator, RawAllocationIsCountedAndAligned) {
@@ -73,4 +74,4 @@ TEST(CountingAllocator, MkldnnTensorsWorkUnderIt) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::counting_allocator_test

@@ -6,15 +6,12 @@
 
 #include "test_util.h"
 
-namespace attnkit::testing {
+namespace attnkit::testing::gradients_test {
 namespace {
 
 using Inputs = std::vector<torch::Tensor>;
 
 torch::Tensor rnd(std::vector<int64_t> shape) { return torch::randn(shape, f64()); }
-torch::Tensor i64(std::vector<int64_t> values) {
-  return torch::tensor(values, torch::TensorOptions().dtype(torch::kLong));
-}
 
 /// Autograd gradients of sum(f(inputs) * cot) for every input (float64).
 std::vector<torch::Tensor> grads_of(const std::function<torch::Tensor(const Inputs&)>& f, Inputs inputs,
@@ -374,4 +371,4 @@ TEST(GradientKernels, InPlaceChangeOfClusteredKeyLengthsBeforeBackwardRaises) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::gradients_test

@@ -9,7 +9,7 @@
 #include <random>
 #include <set>
 
-namespace attnkit::testing {
+namespace attnkit::testing::identities_test {
 namespace {
 
 // Two float64 evaluations of the same quantity by different formulas on O(1)
@@ -272,4 +272,4 @@ TEST(Identities, ClusteredPaddedQueriesOutputExactlyZero) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::identities_test

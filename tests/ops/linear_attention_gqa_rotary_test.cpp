@@ -29,7 +29,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::linear_attention_gqa_rotary_test {
 namespace {
 
 using testing::f64;
@@ -291,4 +291,4 @@ TEST(LinearAttentionGqaRotary, DispatchAndRefusals) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::linear_attention_gqa_rotary_test

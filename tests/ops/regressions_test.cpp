@@ -7,7 +7,7 @@
 #include <cfloat>
 #include <limits>
 
-namespace attnkit::testing {
+namespace attnkit::testing::regressions_test {
 namespace {
 
 // ---------------------------------------------------------------------------
@@ -253,4 +253,4 @@ TEST(Issue15Dtypes, Bfloat16RunsEveryOpForwardAndBackward) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::regressions_test

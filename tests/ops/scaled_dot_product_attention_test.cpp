@@ -21,6 +21,8 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
+namespace scaled_dot_product_attention_test {
+
 namespace {
 
 using attnkit::ScaledDotProductAttentionFuncOptions;
@@ -253,3 +255,5 @@ TEST(Sdpa, Refusals) {
 }
 
 }  // namespace
+
+}  // namespace scaled_dot_product_attention_test

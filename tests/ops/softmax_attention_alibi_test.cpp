@@ -25,6 +25,8 @@
 #include "ops/softmax_cases.h"
 #include "test_util.h"
 
+namespace softmax_attention_alibi_test {
+
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
@@ -170,3 +172,5 @@ TEST(SoftmaxAttentionAlibi, DispatchAndRefusals) {
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_alibi_test

@@ -24,6 +24,8 @@
 #include "ops/softmax_cases.h"
 #include "test_util.h"
 
+namespace softmax_attention_gqa_test {
+
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
@@ -137,3 +139,5 @@ TEST(SoftmaxAttentionGqa, DispatchAndRefusals) {
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_gqa_test

@@ -19,6 +19,8 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
+namespace softmax_attention_op_test {
+
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
@@ -411,3 +413,5 @@ TEST(SoftmaxAttentionOp, InPlaceChangeBetweenForwardAndBackwardRaises) {
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_op_test

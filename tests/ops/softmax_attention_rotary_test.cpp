@@ -31,6 +31,8 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
+namespace softmax_attention_rotary_test {
+
 namespace {
 
 using attnkit::RotaryEmbeddingFuncOptions;
@@ -221,3 +223,5 @@ TEST(SoftmaxAttentionRotary, DispatchAndRefusals) {
 }
 
 }  // namespace
+
+}  // namespace softmax_attention_rotary_test

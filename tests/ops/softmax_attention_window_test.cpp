@@ -29,6 +29,8 @@
 #include "ops/softmax_cases.h"
 #include "test_util.h"
 
+namespace softmax_attention_window_test {
+
 namespace {
 
 using attnkit::SoftmaxAttentionFuncOptions;
@@ -181,3 +183,5 @@ TEST(SoftmaxAttentionWindow, ANaNScoreReachesItsQuery) {
     if (s.L > 1) EXPECT_TRUE(torch::isfinite(out[0][1].slice(0, 0, s.L - 1)).all().item<bool>()) << what;
   }
 }
+
+}  // namespace softmax_attention_window_test

@@ -31,7 +31,7 @@
 #include "kernels/sparse_cases.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::sparse_attention_alibi_test {
 namespace {
 
 using namespace testing::sparse;
@@ -166,4 +166,4 @@ TEST(SparseAttentionAlibi, Refusals) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::sparse_attention_alibi_test

@@ -24,7 +24,7 @@
 #include "kernels/sparse_cases.h"
 #include "test_util.h"
 
-namespace attnkit {
+namespace attnkit::sparse_attention_gqa_test {
 namespace {
 
 using namespace testing::sparse;
@@ -133,4 +133,4 @@ TEST(SparseAttentionGroupedHeads, Refusals) {
 }
 
 }  // namespace
-}  // namespace attnkit
+}  // namespace attnkit::sparse_attention_gqa_test

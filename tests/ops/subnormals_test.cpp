@@ -16,6 +16,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 
+namespace subnormals_test {
 namespace {
 
 // MXCSR without its exception flags (bits 0-5): the mode a thread computes in.
@@ -41,4 +42,5 @@ TEST(SubnormalsAsZero, TheCallersFloatingPointModeComesBack) {
 }
 
 }  // namespace
+}  // namespace subnormals_test
 #endif

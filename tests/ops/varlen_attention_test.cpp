@@ -24,6 +24,8 @@
 #include "ops/varlen_cases.h"
 #include "test_util.h"
 
+namespace varlen_attention_test {
+
 namespace {
 
 using attnkit::LinearAttentionFuncOptions;
@@ -314,3 +316,5 @@ TEST(VarlenAttention, RefusesBadArguments) {
 }
 
 }  // namespace
+
+}  // namespace varlen_attention_test

@@ -9,7 +9,7 @@
 #include <limits>
 #include <set>
 
-namespace attnkit::testing {
+namespace attnkit::testing::reference_test {
 namespace {
 
 // Hand results are exact rationals or short closed forms; float64 evaluation of
@@ -23,9 +23,6 @@ const double kE = std::exp(1.0);
 /// float64 tensor of the given shape from a flat list of values.
 torch::Tensor t64(std::vector<double> values, std::vector<int64_t> shape) {
   return torch::tensor(values, f64()).view(shape);
-}
-torch::Tensor i64(std::vector<int64_t> values) {
-  return torch::tensor(values, torch::TensorOptions().dtype(torch::kLong));
 }
 
 void expect_close(const torch::Tensor& actual, const torch::Tensor& expected, double tol = kHandTol) {
@@ -657,4 +654,4 @@ TEST(ReferenceSparse, PerHeadListsApplyToTheirHead) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing
+}  // namespace attnkit::testing::reference_test

@@ -14,6 +14,8 @@
 
 #include "test_util.h"
 
+namespace char_lm_test {
+
 namespace fs = std::filesystem;
 using attnkit::tasks::Batch;
 using attnkit::tasks::CharLm;
@@ -434,3 +436,5 @@ TEST(MaskedCharTask, EvalScoresTheSameCharactersEveryTime) {
                             batches.front().weight));
   EXPECT_GT(scored, 0);
 }
+
+}  // namespace char_lm_test

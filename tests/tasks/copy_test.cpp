@@ -7,6 +7,8 @@
 
 #include "test_util.h"
 
+namespace copy_test {
+
 using attnkit::tasks::Batch;
 using attnkit::tasks::CopyTask;
 using attnkit::tasks::Split;
@@ -176,3 +178,5 @@ TEST(CopyTask, RefusesLengthsThatCannotMaskBothHalves) {
   expect_error([] { CopyTask task(0); }, {"got 0"});
   expect_error([] { CopyTask task(-5); }, {"got -5"});
 }
+
+}  // namespace copy_test

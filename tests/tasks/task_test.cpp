@@ -14,6 +14,8 @@
 
 #include "test_util.h"
 
+namespace task_test {
+
 namespace fs = std::filesystem;
 using attnkit::tasks::Batch;
 using attnkit::tasks::Metrics;
@@ -160,3 +162,5 @@ TEST(MakeTask, BuildsTheKnownTasksAndExplainsTheRest) {
   options.copy_length = 1;
   expect_error([&] { attnkit::tasks::make_task(options); }, {"task copy", "got 1"});
 }
+
+}  // namespace task_test

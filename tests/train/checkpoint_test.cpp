@@ -13,6 +13,8 @@
 
 #include "test_util.h"
 
+namespace checkpoint_test {
+
 namespace fs = std::filesystem;
 using namespace attnkit::train;
 
@@ -288,3 +290,5 @@ TEST(TrainCheckpoint, DamagedCodeInThePayloadIsRefusedNamingTheFile) {
     EXPECT_NE(msg.find("not a readable torch archive"), std::string::npos) << msg;
   }
 }
+
+}  // namespace checkpoint_test

@@ -32,7 +32,7 @@
 
 extern char** environ;
 
-namespace attnkit::train {
+namespace attnkit::train::distributed_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -641,4 +641,4 @@ TEST(DataParallelCli, RefusesBadArguments) {
 }
 
 }  // namespace
-}  // namespace attnkit::train
+}  // namespace attnkit::train::distributed_test

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+namespace loop_test {
+
 using namespace attnkit::train;
 
 namespace {
@@ -138,3 +140,5 @@ TEST(TrainLoop, RefusesMissingHooksAndAStartOutsideTheRun) {
   EXPECT_THROW(run_loop(-1, 3, t.hooks()), std::invalid_argument);
   EXPECT_TRUE(t.events.empty());
 }
+
+}  // namespace loop_test

@@ -17,6 +17,8 @@
 #include "test_util.h"
 #include "train/train_test_util.h"
 
+namespace mixed_precision_test {
+
 using namespace attnkit;
 using namespace attnkit::train;
 using attnkit::testing::char_lm_data;
@@ -165,3 +167,5 @@ TEST(TrainMixedPrecision, EveryMechanismTrainsInBf16) {
   std::printf("trained in bf16 (%d of %zu):%s\n", trained, nn::mechanisms().size(), names.c_str());
   EXPECT_EQ(trained, static_cast<int>(nn::mechanisms().size()));
 }
+
+}  // namespace mixed_precision_test

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 
+namespace options_test {
+
 namespace fs = std::filesystem;
 using namespace attnkit::train;
 
@@ -232,3 +234,5 @@ TEST(TrainSignals, HandlerOnlySetsTheFlag) {
   clear_stop();
   EXPECT_FALSE(stop_requested());
 }
+
+}  // namespace options_test

@@ -14,6 +14,8 @@
 
 #include "train/train_test_util.h"
 
+namespace overfit_test {
+
 using namespace attnkit;
 using namespace attnkit::train;
 
@@ -56,3 +58,5 @@ TEST(TrainOverfit, TinyModelLearnsTheShippedText) {
   EXPECT_LT(m.bits(), 1.5);
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace overfit_test

@@ -15,6 +15,8 @@
 
 #include "train/train_test_util.h"
 
+namespace run_before_rename_test {
+
 namespace fs = std::filesystem;
 using namespace attnkit;
 using namespace attnkit::train;
@@ -112,3 +114,5 @@ TEST(RunBeforeRename, Generates) {
   // Greedy decoding is deterministic.
   EXPECT_TRUE(torch::equal(out, run.model->generate(prompt, models::GenerateOptions().tokens(5).temperature(0).seed(1))));
 }
+
+}  // namespace run_before_rename_test

@@ -17,6 +17,8 @@
 #include "test_util.h"
 #include "train/train_test_util.h"
 
+namespace run_directory_test {
+
 namespace fs = std::filesystem;
 using namespace attnkit::train;
 using attnkit::testing::expect_error;
@@ -144,3 +146,5 @@ TEST(TrainClock, HelpersReadTheClocksAndTheLoad) {
     EXPECT_EQ(load_average(), -1);
   }
 }
+
+}  // namespace run_directory_test

@@ -20,6 +20,8 @@
 #include "test_util.h"
 #include "train/train_test_util.h"
 
+namespace trainer_test {
+
 namespace fs = std::filesystem;
 using namespace attnkit;
 using namespace attnkit::train;
@@ -76,7 +78,7 @@ using attnkit::testing::ThreadsGuard;
 void check_resume_is_bitwise(const std::string& name, const models::TransformerOptions& model,
                              const tasks::TaskOptions& task, DType dtype = DType::float32) {
   const auto straight_dir = fresh_dir(name + "_straight"), resumed_dir = fresh_dir(name + "_resumed");
-  auto tiny_run = [dtype](const std::string& out) { return ::tiny_run(out).dtype(dtype); };
+  auto tiny_run = [dtype](const std::string& out) { return trainer_test::tiny_run(out).dtype(dtype); };
   Trainer straight(tiny_run(straight_dir), model, task);
   const auto full = straight.run();
   EXPECT_EQ(full.step, 20);
@@ -447,3 +449,5 @@ TEST(TrainTrainer, RunDirectoryIsLockedAndRechecked) {
   EXPECT_NE(error_of([&] { late.run(); }).find("changed since the run was opened"), std::string::npos);
   EXPECT_EQ(list_checkpoints(dir).size(), 1u);
 }
+
+}  // namespace trainer_test
