@@ -6,8 +6,9 @@
 #   oneDNN       2.6.3                  3.7.2                2.6 <= v < 4
 #
 # Their differences live in one file each: src/kernels/common/onednn_compat.h
-# (oneDNN), src/runtime/allocator_compat.h (c10's allocator) and
-# python/attnkit/_compat.py (the Python side).
+# (oneDNN), src/runtime/allocator_compat.h (c10's allocator),
+# src/train/c10d_compat.h (c10d), src/train/optimizer_compat.h (torch's
+# optimiser archives) and cli/torch_sdpa.h (torch 2's own SDPA).
 # A version outside the range stops the configure step with the reason;
 # -DATTNKIT_ALLOW_UNTESTED_VERSIONS=ON turns that into a warning, for trying
 # a newer release at one's own risk.
