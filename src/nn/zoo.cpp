@@ -210,12 +210,16 @@ torch::Tensor RelativePositionAttentionImpl::forward(const torch::Tensor& x,
   auto bucket = (pos.view({1, L}) - pos.view({L, 1})).clamp(-K, K) + K;
   auto bucket4 = bucket.view({1, 1, L, L}).expand({N, H, L, L});
   // q_i . wK[bucket]: per-bucket products (N,H,L,2K+1) gathered, no (L,L,dz) tensor.
-  auto rel = torch::matmul(q, wK.t()).gather(3, bucket4);
+  // The products with parameters go through our GEMM (attnkit::linear), as
+  // every dense layer's do: libtorch's matmul picks its path by whether the
+  // parameter requires grad (torch 2), so it would compute a loaded,
+  // gradient-free copy of the module in other bits than the module itself.
+  auto rel = attnkit::linear(q, wK).gather(3, bucket4);
   auto scores = (torch::matmul(q, k.transpose(2, 3)) + rel) / std::sqrt(double(dz));
   auto alpha = detail::masked_softmax(scores, detail::visibility(N, L, L, causal, key_lengths));
   // sum_j alpha_ij wV[bucket_ij] = (alpha summed per bucket) @ wV.
   auto per_bucket = torch::zeros({N, H, L, 2 * K + 1}, alpha.options()).scatter_add(3, bucket4, alpha);
-  auto z = torch::matmul(alpha, v) + torch::matmul(per_bucket, wV);  // (N,H,L,dz)
+  auto z = torch::matmul(alpha, v) + attnkit::linear(per_bucket, wV.t());  // (N,H,L,dz)
   return out_proj(z.transpose(1, 2).reshape({N, L, options.width()}));
 }
 
