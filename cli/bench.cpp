@@ -74,6 +74,9 @@ torch::Tensor torch_composite(const nn::MechanismInputs& x, bool causal) {
   return torch::matmul(torch::softmax(scores, -1), v);
 }
 
+/// The rows that time what a libtorch user would run instead (exact attention only).
+bool is_torch_run(const std::string& run) { return run == "torch" || run == "torch-composite"; }
+
 /// max |a - b| / max |b| (0 when both are empty or zero).
 double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
   if (b.numel() == 0) return 0;
@@ -101,7 +104,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
                                                 : "no causal form";
     return r;
   }
-  const bool torch_row = run == "torch" || run == "torch-composite";
+  const bool torch_row = is_torch_run(run);
   if (torch_row && info.name != "full") {
     r.note = "no torch baseline";
     return r;
@@ -329,8 +332,7 @@ void run_bench(const BenchConfig& c) {
       for (const auto& run : c.impl)
         for (const auto& pass : c.pass)
           for (const auto& dtype : c.dtypes) {
-            if ((run == "torch" || run == "torch-composite") && info->name != "full")
-              continue;  // nothing to compare
+            if (is_torch_run(run) && info->name != "full") continue;  // nothing to compare
             Result r = measure(c, *info, spec, run, pass, dtype, length);
             print_row(r, machine.sgemm_gflops);
             if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
