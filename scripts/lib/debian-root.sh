@@ -16,9 +16,16 @@ fmt_time() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 # Re-runs the calling script in a private mount namespace, so that no mount it
 # makes can propagate to the host or outlive it, whatever happens. Call it
 # first, with the script's arguments.
+# Inside a chroot (CI's Debian 13 leg runs in check-fresh-machine's Debian 12
+# root) "/" is no mount point, and unshare cannot make it private ("cannot
+# change root filesystem propagation"). There the namespace keeps the
+# propagation it inherits: the enclosing script made its own namespace
+# private already, and every mount these scripts make is made private itself.
 debian_root_private_namespace() {
   if [ -z "${ATTNKIT_DEBIAN_ROOT_PRIVATE_NS:-}" ]; then
-    ATTNKIT_DEBIAN_ROOT_PRIVATE_NS=1 exec unshare --mount --propagation private -- \
+    local propagation=private
+    unshare --mount --propagation private -- true 2>/dev/null || propagation=unchanged
+    ATTNKIT_DEBIAN_ROOT_PRIVATE_NS=1 exec unshare --mount --propagation "$propagation" -- \
       bash "${BASH_SOURCE[1]}" "$@"
   fi
 }
