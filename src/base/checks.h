@@ -4,6 +4,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -118,6 +119,28 @@ inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tenso
               ", M = ", v.size(3));
 }
 
+/// Whether t's values can be read here: false for meta tensors and for the
+/// stand-ins a tracer passes (torch.compile's and torch.export's fake
+/// tensors, like any tensor subclass, carry the Python dispatch key). A check
+/// of values is skipped on such tensors; the kernel op that reads them checks
+/// again when it runs on real ones (ops/softmax_attention.cpp).
+inline bool has_data(const torch::Tensor& t) { return !t.is_meta() && !t.key_set().has(c10::DispatchKey::Python); }
+
+/// 0 <= lengths[n] <= limit, for lengths that check_lengths accepted; no
+/// check where the values are not there to read (has_data).
+inline void check_length_values(const char* op, const char* name, const torch::Tensor& lengths, int64_t limit) {
+  if (!lengths.defined() || lengths.numel() == 0 || !has_data(lengths)) return;
+  // A loop over the N entries rather than min() and max() ops: the check runs
+  // twice per call of a kernel op (at its boundary and in its kernel), and two
+  // reductions cost microseconds against a decoding step's tens.
+  const auto values = lengths.contiguous();
+  const int64_t* entry = values.data_ptr<int64_t>();
+  int64_t lo = entry[0], hi = entry[0];
+  for (int64_t n = 1; n < values.numel(); ++n) lo = std::min(lo, entry[n]), hi = std::max(hi, entry[n]);
+  TORCH_CHECK(lo >= 0, op, ": argument '", name, "' has a negative entry ", lo);
+  TORCH_CHECK(hi <= limit, op, ": argument '", name, "' has an entry ", hi, " larger than the sequence length ", limit);
+}
+
 /// Optional int64 (N) lengths with 0 <= lengths[n] <= limit.
 inline void check_lengths(const char* op, const char* name, const torch::Tensor& lengths,
                           int64_t N, int64_t limit) {
@@ -129,12 +152,7 @@ inline void check_lengths(const char* op, const char* name, const torch::Tensor&
               "' must be int64, got dtype ", lengths.scalar_type());
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == N, op, ": argument '", name,
               "' must have shape (", N, "), got ", shape_str(lengths));
-  if (N == 0) return;
-  const int64_t lo = lengths.min().item<int64_t>();
-  const int64_t hi = lengths.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0, op, ": argument '", name, "' has a negative entry ", lo);
-  TORCH_CHECK(hi <= limit, op, ": argument '", name, "' has an entry ", hi,
-              " larger than the sequence length ", limit);
+  check_length_values(op, name, lengths, limit);
 }
 
 inline void check_finite(const char* op, const char* name, double value) {

@@ -8,11 +8,14 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "base/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/dispatch_util.h"
+#include "ops/kernel_op.h"
 
 namespace attnkit {
 
@@ -118,8 +121,110 @@ void kernel_backward(const torch::Tensor& x2, const WeightView& w, const torch::
   kernels::linear_backward(make_params<T>(x2, w, torch::Tensor()), data<T>(dy), ldy, g);
 }
 
+// ---------------------------------------------------------------------------
+// The kernels as ops of their own (ops/kernel_op.h): attnkit::_linear_forward
+// and attnkit::_linear_backward, with CPU and Meta kernels, called by the
+// autograd Function below through the dispatcher. Their CPU kernels check
+// their arguments as linear does (Python can call them directly).
+// ---------------------------------------------------------------------------
+
+constexpr const char* kLinearForwardOp = "_linear_forward";
+constexpr const char* kLinearBackwardOp = "_linear_backward";
+using detail::OptionalTensor;
+using LinearForwardSignature = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const OptionalTensor&);
+using LinearBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using LinearBackwardSignature = LinearBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                     bool, bool, bool);
+
+void check_linear_kernel_arguments(const char* op, const torch::Tensor& x, const torch::Tensor& weight,
+                                   const torch::Tensor& bias) {
+  check_linear(x, weight, bias);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, op,
+              ": the kernels take float32 or bfloat16, got ", detail::dtype_name(x.scalar_type()));
+}
+
+/// y (..., out) in x's dtype, allocated in its final shape (not a view of a
+/// 2-D result: a view made inside a custom Function could not be modified in
+/// place by the caller).
+torch::Tensor linear_output(const torch::Tensor& x, const torch::Tensor& weight) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return torch::empty(sizes, x.options());
+}
+
+torch::Tensor linear_forward_cpu(const torch::Tensor& x, const torch::Tensor& weight, const OptionalTensor& bias) {
+  const auto b = bias ? bias->contiguous() : torch::Tensor();
+  check_linear_kernel_arguments(kLinearForwardOp, x, weight, b);
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const auto x2 = as_rows(x, in);
+  const auto w = bind_weight(weight);
+  auto y = linear_output(x, weight);
+  if (x.scalar_type() == torch::kBFloat16)
+    kernel_forward<kernels::bf16>(x2, w, b, y, out);
+  else
+    kernel_forward<float>(x2, w, b, y, out);
+  return y;
+}
+
+torch::Tensor linear_forward_meta(const torch::Tensor& x, const torch::Tensor& weight, const OptionalTensor&) {
+  return linear_output(x, weight);
+}
+
+/// The gradients asked for (the rest are empty (0) tensors): dx in x's shape,
+/// contiguous; dweight (out, in) in the weight's stored layout (the kernel
+/// writes it so: no transposing copy; the .t() view of an (in, out) buffer
+/// when the weight is one); dbias (out).
+LinearBackwardResult linear_gradients(const torch::Tensor& x, const torch::Tensor& weight, bool dx_asked,
+                                      bool dweight_asked, bool dbias_asked) {
+  const int64_t in = weight.size(1), out = weight.size(0);
+  // (Each its own tensor: an op's outputs must not alias one another.)
+  auto none = [&] { return torch::empty({0}, x.options()); };
+  const bool transposed = bind_weight(weight).transposed;
+  return {dx_asked ? torch::empty(x.sizes(), x.options()) : none(),
+          !dweight_asked ? none()
+          : transposed   ? torch::empty({in, out}, x.options()).t()
+                         : torch::empty({out, in}, x.options()),
+          dbias_asked ? torch::empty({out}, x.options()) : none()};
+}
+
+LinearBackwardResult linear_backward_meta(const torch::Tensor& /*dy*/, const torch::Tensor& x,
+                                          const torch::Tensor& weight, bool dx, bool dweight, bool dbias) {
+  return linear_gradients(x, weight, dx, dweight, dbias);
+}
+
+LinearBackwardResult linear_backward_cpu(const torch::Tensor& grad_y, const torch::Tensor& x,
+                                         const torch::Tensor& weight, bool dx_asked, bool dweight_asked,
+                                         bool dbias_asked) {
+  check_linear_kernel_arguments(kLinearBackwardOp, x, weight, torch::Tensor());
+  auto y_sizes = x.sizes().vec();
+  y_sizes.back() = weight.size(0);
+  TORCH_CHECK(grad_y.scalar_type() == x.scalar_type() && grad_y.sizes() == torch::IntArrayRef(y_sizes),
+              kLinearBackwardOp, ": argument 'grad_y' must be ", detail::dtype_name(x.scalar_type()), " of shape ",
+              torch::IntArrayRef(y_sizes), " (x's with the weight's out), got ",
+              detail::dtype_name(grad_y.scalar_type()), " ", detail::shape_str(grad_y));
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const auto x2 = as_rows(x, in);
+  const auto w = bind_weight(weight);
+  // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
+  const auto dy = as_rows(grad_y, out);
+  auto grads = linear_gradients(x, weight, dx_asked, dweight_asked, dbias_asked);
+  auto& [dx, dweight, dbias] = grads;
+  // The kernel writes what it is given; undefined: not asked for.
+  auto asked = [](bool yes, const torch::Tensor& t) { return yes ? t : torch::Tensor(); };
+  const auto dw_stored = dweight_asked && w.transposed ? dweight.t() : dweight;
+  const int64_t ldy = row_stride(dy);
+  if (x.scalar_type() == torch::kBFloat16)
+    kernel_backward<kernels::bf16>(x2, w, dy, ldy, asked(dx_asked, dx), asked(dweight_asked, dw_stored),
+                                   asked(dbias_asked, dbias));
+  else
+    kernel_backward<float>(x2, w, dy, ldy, asked(dx_asked, dx), asked(dweight_asked, dw_stored),
+                           asked(dbias_asked, dbias));
+  return grads;
+}
+
 /// y = x W^T + b by kernels/linear (float32 or bfloat16: every tensor has x's
-/// dtype); the backward computes only the gradients autograd asks for.
+/// dtype), through the two ops above; the backward computes only the
+/// gradients autograd asks for.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -128,56 +233,29 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias) {
-    const int64_t in = weight.size(1), out = weight.size(0);
-    const auto x2 = as_rows(x, in);
-    const auto w = bind_weight(weight);
-    const auto b = bias.defined() ? bias.contiguous() : bias;
-    // Allocated in its final shape (not a view of a 2-D result): a view made
-    // inside a custom Function could not be modified in place by the caller.
-    auto sizes = x.sizes().vec();
-    sizes.back() = out;
-    auto y = torch::empty(sizes, x.options());
-    if (x.scalar_type() == torch::kBFloat16)
-      kernel_forward<kernels::bf16>(x2, w, b, y, out);
-    else
-      kernel_forward<float>(x2, w, b, y, out);
-    // The originals, not x2 / w.stored: they carry the autograd edges that
-    // once_differentiable attaches its error node to (and the version checks).
+    static const auto op = detail::kernel_op<LinearForwardSignature>("attnkit::_linear_forward");
+    auto y = op.call(x, weight, detail::as_optional(bias));
+    // The originals: they carry the autograd edges that once_differentiable
+    // attaches its error node to (and the version checks).
     ctx->save_for_backward({x, weight});
     ctx->saved_data["has_bias"] = bias.defined();
     return y;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    static const auto op = detail::kernel_op<LinearBackwardSignature>("attnkit::_linear_backward");
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &weight = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const int64_t in = weight.size(1), out = weight.size(0);
-    const auto x2 = as_rows(x, in);
-    const auto w = bind_weight(weight);
-    const int64_t rows = x2.size(0);
-    // sum().backward() hands us a stride-0 gradient: as_rows materialises it.
-    const auto dy = as_rows(grads[0], out);
+    const bool asked[3] = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2)};
     // Gradients in the inputs' dtype (autograd hands dy in the output's dtype).
-    torch::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0))  // in x's shape; the kernel sees (rows, in) rows
-      dx = torch::empty(x.sizes(), x2.options());
-    // In the weight's stored layout: no transposing copy (the kernel writes
-    // the stored layout; autograd gets the (out, in) view).
-    torch::Tensor dw_stored;
-    if (ctx->needs_input_grad(1))
-      dw_stored = w.transposed ? torch::empty({in, out}, x2.options()) : torch::empty({out, in}, x2.options());
-    if (has_bias && ctx->needs_input_grad(2)) db = torch::empty({out}, x2.options());
-    const int64_t ldy = rows <= 1 ? std::max<int64_t>(out, 1) : dy.stride(0);
-    const bool bf16 = x.scalar_type() == torch::kBFloat16;
-    if (bf16)
-      kernel_backward<kernels::bf16>(x2, w, dy, ldy, dx, dw_stored, db);
-    else
-      kernel_backward<float>(x2, w, dy, ldy, dx, dw_stored, db);
-    if (dw_stored.defined()) dw = w.transposed ? dw_stored.t() : dw_stored;
-    if (!bf16) return detail::once_differentiable(kLinearOp, {dx, dw, db}, {x, weight, grads[0]});
+    auto [dx, dw, db] = op.call(grads[0], x, weight, asked[0], asked[1], asked[2]);
+    tensor_list result = {asked[0] ? dx : torch::Tensor(), asked[1] ? dw : torch::Tensor(),
+                          asked[2] ? db : torch::Tensor()};
+    if (x.scalar_type() != torch::kBFloat16)
+      return detail::once_differentiable(kLinearOp, std::move(result), {x, weight, grads[0]});
     return detail::once_differentiable(
-        kLinearOp, {dx, dw, db}, {x, weight, grads[0]},
+        kLinearOp, std::move(result), {x, weight, grads[0]},
         "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
         "use float64 inputs, which take the differentiable composite path");
   }
@@ -221,6 +299,20 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
 
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", &linear_op);
+  m.def("_linear_forward(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "_linear_backward(Tensor grad_y, Tensor x, Tensor weight, bool dx, bool dweight, bool dbias) "
+      "-> (Tensor dx, Tensor dweight, Tensor dbias)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl(kLinearForwardOp, &linear_forward_cpu);
+  m.impl(kLinearBackwardOp, &linear_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
+  m.impl(kLinearForwardOp, &linear_forward_meta);
+  m.impl(kLinearBackwardOp, &linear_backward_meta);
 }
 
 }  // namespace attnkit

@@ -3,21 +3,25 @@
 // the composite reference (other dtypes), and the kernels' autograd.
 #include "kernels/softmax_attention.h"
 
-#include "kernels/dropout.h"
-#include "kernels/softmax_attention_bf16.h"
-
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "base/checks.h"
+#include "kernels/dropout.h"
+#include "kernels/softmax_attention_bf16.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/head_features.h"
+#include "ops/kernel_op.h"
 #include "ops/varlen.h"
 #include "reference/reference.h"
 
@@ -129,8 +133,236 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   return p;
 }
 
-/// Exact attention by the tiled kernel. Two forms: without and with a bias
-/// (an argument of apply, so that autograd can give it a gradient).
+/// The bfloat16 kernel's parameters (it takes key lengths, scale and causal
+/// alone; the checks keep everything else away from it).
+kernels::SoftmaxAttentionBf16Params bf16_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                                const SoftmaxConstants& c, const torch::Tensor& out,
+                                                const torch::Tensor& lse) {
+  kernels::SoftmaxAttentionBf16Params p;
+  detail::bind_qkv(p, q, k, v, out);
+  p.lse = lse.data_ptr<float>();
+  p.scale = static_cast<float>(c.scale);
+  p.causal = c.causal;
+  p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;
+  return p;
+}
+
+/// Why bfloat16 inputs cannot take the AMX kernel; empty when they can.
+std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
+                                 const SoftmaxAttentionFuncOptions& options) {
+  if (options.bias().defined()) return "a bias";
+  if (options.alibi_slopes().defined()) return "ALiBi slopes";
+  if (options.rotary_dim() > 0) return "rotary positions";
+  if (options.window() > 0) return "a window";
+  if (options.dropout_p() > 0) return "attention dropout";
+  if (k.size(1) != q.size(1)) return "grouped-query heads";
+  if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
+  // The level is below amx when the CPU lacks AMX, when Linux did not grant
+  // the tile state, or when ATTNKIT_MAX_ISA caps it (kernels/common/isa.h).
+  if (!kernels::softmax_attention_bf16_available()) return "no AMX";
+  return {};
+}
+
+// ---------------------------------------------------------------------------
+// The kernels as ops of their own
+//
+// attnkit::_softmax_attention_forward and attnkit::_softmax_attention_backward
+// run the tiled kernels (float32, or bfloat16 on AMX tiles): a CPU kernel
+// each, and a Meta kernel that only makes the outputs. The autograd Function
+// below reaches the kernels through these two ops and the dispatcher, never
+// directly, so that a tracer (torch.compile's fake tensors, torch.export)
+// meets ops whose outputs it can shape instead of code that reads data
+// pointers: a compiled graph holds one call of each, forward and backward.
+// Their arguments are softmax_attention's after its defaults are applied
+// (the scale, the seed, float32 slopes). Python can call them too
+// (torch.ops.attnkit._softmax_attention_forward), so their CPU kernels check
+// everything again that the kernels rely on: a few microseconds.
+// ---------------------------------------------------------------------------
+
+constexpr const char* kSoftmaxForwardOp = "_softmax_attention_forward";
+constexpr const char* kSoftmaxBackwardOp = "_softmax_attention_backward";
+constexpr const char* kSoftmaxForwardSchema =
+    "_softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, "
+    "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
+    "float dropout_p, int dropout_seed) -> (Tensor out, Tensor lse)";
+constexpr const char* kSoftmaxBackwardSchema =
+    "_softmax_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor? bias, Tensor? key_lengths, Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, "
+    "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad) "
+    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)";
+
+using detail::OptionalTensor;
+using SoftmaxForwardResult = std::tuple<torch::Tensor, torch::Tensor>;
+using SoftmaxBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
+using SoftmaxForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                     const OptionalTensor&, const OptionalTensor&,
+                                                     const OptionalTensor&, double, bool, int64_t, double, int64_t,
+                                                     double, int64_t);
+using SoftmaxBackwardSignature = SoftmaxBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                       const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                       const OptionalTensor&, const OptionalTensor&,
+                                                       const OptionalTensor&, double, bool, int64_t, double, int64_t,
+                                                       double, int64_t, bool);
+
+SoftmaxConstants softmax_constants(const OptionalTensor& key_lengths, const OptionalTensor& alibi_slopes, double scale,
+                                   bool causal, int64_t rotary_dim, double rotary_base, int64_t window,
+                                   double dropout_p, int64_t dropout_seed) {
+  return {key_lengths.value_or(torch::Tensor()),
+          scale,
+          causal,
+          alibi_slopes.value_or(torch::Tensor()),
+          rotary_dim,
+          rotary_base,
+          window,
+          dropout_p,
+          dropout_seed};
+}
+
+/// The checks of softmax_attention on a kernel op's arguments, and what the
+/// kernels assume besides: float32 (bias and slopes too), or bfloat16 with
+/// nothing the AMX kernel does not take; contiguous key lengths.
+void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
+  const auto options = SoftmaxAttentionFuncOptions()
+                           .scale(c.scale)
+                           .causal(c.causal)
+                           .key_lengths(c.key_lengths)
+                           .bias(bias)
+                           .alibi_slopes(c.alibi_slopes)
+                           .rotary_dim(c.rotary_dim)
+                           .rotary_base(c.rotary_base)
+                           .window(c.window)
+                           .dropout_p(c.dropout_p);
+  check_arguments(q, k, v, options);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, op,
+              ": the kernels take float32 or bfloat16, got ", detail::dtype_name(q.scalar_type()));
+  if (q.scalar_type() == torch::kBFloat16) {
+    const std::string why = bf16_fallback_reason(q, k, options);
+    TORCH_CHECK(why.empty(), op, ": bfloat16 inputs run on the AMX kernel, which cannot take ", why,
+                " (softmax_attention converts them to float32 then)");
+  }
+  TORCH_CHECK(
+      !c.alibi_slopes.defined() || (c.alibi_slopes.scalar_type() == torch::kFloat && c.alibi_slopes.is_contiguous()),
+      op, ": argument 'alibi_slopes' must be contiguous float32");
+  TORCH_CHECK(!c.key_lengths.defined() || c.key_lengths.is_contiguous(), op,
+              ": argument 'key_lengths' must be contiguous");
+}
+
+/// out (N, H, L, M) in q's dtype and the rows' log-sum-exp lse (N, H, L) in
+/// float32, on q's device (meta tensors in the Meta kernel).
+SoftmaxForwardResult softmax_forward_outputs(const torch::Tensor& q, const torch::Tensor& v) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+  return {torch::empty({N, H, L, M}, q.options()), torch::empty({N, H, L}, q.options().dtype(torch::kFloat))};
+}
+
+SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const OptionalTensor& bias, const OptionalTensor& key_lengths,
+                                         const OptionalTensor& alibi_slopes, double scale, bool causal,
+                                         int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
+                                         int64_t dropout_seed) {
+  const auto c = softmax_constants(key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p,
+                                   dropout_seed);
+  const auto b = bias.value_or(torch::Tensor());
+  check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c);
+  auto [out, lse] = softmax_forward_outputs(q, v);
+  if (q.scalar_type() == torch::kBFloat16)
+    kernels::softmax_attention_forward_bf16(bf16_params(q, k, v, c, out, lse));
+  else
+    kernels::softmax_attention_forward(make_params(q, k, v, b, c.key_lengths, c, out, lse));
+  return {out, lse};
+}
+
+SoftmaxForwardResult softmax_forward_meta(const torch::Tensor& q, const torch::Tensor& /*k*/, const torch::Tensor& v,
+                                          const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
+                                          bool, int64_t, double, int64_t, double, int64_t) {
+  return softmax_forward_outputs(q, v);
+}
+
+/// dq, dk, dv contiguous in the shapes of q, k, v, and dbias in the bias's
+/// shape when asked for (bias_grad), else an empty (0) tensor.
+SoftmaxBackwardResult softmax_backward_meta(const torch::Tensor& /*grad_out*/, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor&,
+                                            const torch::Tensor&, const OptionalTensor& bias, const OptionalTensor&,
+                                            const OptionalTensor&, double, bool, int64_t, double, int64_t, double,
+                                            int64_t, bool bias_grad) {
+  auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
+  return {like(q), like(k), like(v),
+          bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options())};
+}
+
+SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                           const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                           const torch::Tensor& lse, const OptionalTensor& bias_given,
+                                           const OptionalTensor& key_lengths, const OptionalTensor& alibi_slopes,
+                                           double scale, bool causal, int64_t rotary_dim, double rotary_base,
+                                           int64_t window, double dropout_p, int64_t dropout_seed, bool bias_grad) {
+  const auto c = softmax_constants(key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p,
+                                   dropout_seed);
+  const auto bias = bias_given.value_or(torch::Tensor());
+  check_softmax_kernel_arguments(kSoftmaxBackwardOp, q, k, v, bias, c);
+  const auto [N, H, L, M] = std::array<int64_t, 4>{q.size(0), q.size(1), q.size(2), v.size(3)};
+  for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor*>{"grad_out", &grad_out}, {"out", &out}}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->sizes() == torch::IntArrayRef({N, H, L, M}),
+                kSoftmaxBackwardOp, ": argument '", name, "' must be ", detail::dtype_name(q.scalar_type()),
+                " of shape (", N, ", ", H, ", ", L, ", ", M, "), got ", detail::dtype_name(t->scalar_type()), " ",
+                detail::shape_str(*t));
+  }
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.sizes() == torch::IntArrayRef({N, H, L}) && lse.is_contiguous(),
+              kSoftmaxBackwardOp, ": argument 'lse' must be contiguous float32 of shape (", N, ", ", H, ", ", L,
+              "), got ", detail::dtype_name(lse.scalar_type()), " ", detail::shape_str(lse));
+  TORCH_CHECK(!bias_grad || bias.defined(), kSoftmaxBackwardOp, ": bias_grad=True needs a bias");
+  if (q.scalar_type() == torch::kBFloat16) {
+    kernels::SoftmaxAttentionBf16BackwardParams p;
+    static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = bf16_params(q, k, v, c, out, lse);
+    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grad_out);
+    kernels::softmax_attention_backward_bf16(p);
+    return {dq, dk, dv, torch::empty({0}, q.options())};
+  }
+  kernels::SoftmaxAttentionBackwardParams p;
+  static_cast<kernels::SoftmaxAttentionParams&>(p) = make_params(q, k, v, bias, c.key_lengths, c, out, lse);
+  // Grouped-query heads: the kernel writes each query head's share of dk
+  // and dv (kernels/softmax_attention.h), summed over each group below.
+  auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grad_out, /*per_query_head=*/p.kv_group > 1);
+  // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
+  // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
+  torch::Tensor dbias = torch::empty({0}, q.options());
+  if (bias_grad) {
+    std::vector<int64_t> shape(4 - bias.dim(), 1);
+    for (int64_t d = 0; d < bias.dim(); ++d) shape.push_back(bias.size(d));
+    dbias = torch::empty(shape, bias.options());
+    p.dbias = dbias.data_ptr<float>();
+    std::copy(shape.begin(), shape.end(), p.dbias_shape);
+  }
+  kernels::softmax_attention_backward(p);
+  if (p.kv_group > 1) {
+    dk = detail::sum_over_groups(dk, p.kv_group);
+    dv = detail::sum_over_groups(dv, p.kv_group);
+  }
+  return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias};
+}
+
+/// The two ops through the dispatcher (their handles found once).
+SoftmaxForwardResult call_softmax_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                          const torch::Tensor& bias, const SoftmaxConstants& c) {
+  static const auto op = detail::kernel_op<SoftmaxForwardSignature>("attnkit::_softmax_attention_forward");
+  return op.call(q, k, v, detail::as_optional(bias), detail::as_optional(c.key_lengths),
+                 detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
+                 c.dropout_p, c.dropout_seed);
+}
+
+SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                            const torch::Tensor& lse, const torch::Tensor& bias,
+                                            const SoftmaxConstants& c, bool bias_grad) {
+  static const auto op = detail::kernel_op<SoftmaxBackwardSignature>("attnkit::_softmax_attention_backward");
+  return op.call(grad_out, q, k, v, out, lse, detail::as_optional(bias), detail::as_optional(c.key_lengths),
+                 detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
+                 c.dropout_p, c.dropout_seed, bias_grad);
+}
+
+/// Exact attention by the tiled kernels, through the two ops above. Two
+/// forms: without and with a bias (an argument of apply, so that autograd
+/// can give it a gradient).
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
@@ -151,41 +383,23 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto &bias = saved[5], &key_lengths = saved[6];
     const SoftmaxConstants c = saved_constants(ctx, key_lengths, saved[7]);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    kernels::SoftmaxAttentionBackwardParams p;
-    static_cast<kernels::SoftmaxAttentionParams&>(p) =
-        make_params(q, k, v, bias, key_lengths, c, out, lse);
-    // Grouped-query heads: the kernel writes each query head's share of dk
-    // and dv (kernels/softmax_attention.h), summed over each group below.
-    auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0], /*per_query_head=*/p.kv_group > 1);
-    // dbias in the bias's own shape, left-padded to 4 dimensions: the kernel
-    // sums over the dimensions it broadcasts, so nothing of size N H L S is made.
-    torch::Tensor dbias;
     const bool bias_grad = has_bias && ctx->needs_input_grad(3);
-    if (bias_grad) {
-      std::vector<int64_t> shape(4 - bias.dim(), 1);
-      for (int64_t d = 0; d < bias.dim(); ++d) shape.push_back(bias.size(d));
-      dbias = torch::empty(shape, bias.options());
-      p.dbias = dbias.data_ptr<float>();
-      std::copy(shape.begin(), shape.end(), p.dbias_shape);
-    }
-    kernels::softmax_attention_backward(p);
-    if (p.kv_group > 1) {
-      dk = detail::sum_over_groups(dk, p.kv_group);
-      dv = detail::sum_over_groups(dv, p.kv_group);
-    }
+    auto [dq, dk, dv, dbias] = call_softmax_backward(grads[0], q, k, v, out, lse, bias, c, bias_grad);
     tensor_list result = {dq, dk, dv};
-    if (has_bias) result.push_back(bias_grad ? dbias.view(bias.sizes()) : torch::Tensor());
+    if (has_bias) result.push_back(bias_grad ? dbias : torch::Tensor());
     result.push_back(torch::Tensor());  // the constants
-    return detail::once_differentiable(kSoftmaxOp, std::move(result), {q, k, v, bias, grads[0]});
+    if (q.scalar_type() != torch::kBFloat16)
+      return detail::once_differentiable(kSoftmaxOp, std::move(result), {q, k, v, bias, grads[0]});
+    return detail::once_differentiable(
+        kSoftmaxOp, std::move(result), {q, k, v, grads[0]},
+        "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
+        "use float64 inputs, which take the differentiable composite path");
   }
 
  private:
   static torch::Tensor run(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
-    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
-    auto out = torch::empty({N, H, L, M}, q.options());
-    auto lse = torch::empty({N, H, L}, q.options());
-    kernels::softmax_attention_forward(make_params(q, k, v, bias, c.key_lengths, c, out, lse));
+    auto [out, lse] = call_softmax_forward(q, k, v, bias, c);
     ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes});
     save_constants(ctx, c);
     ctx->saved_data["has_bias"] = bias.defined();
@@ -256,75 +470,18 @@ class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunc
   }
 };
 
-/// Exact attention on bfloat16 q, k, v by the AMX kernel (no bias).
-class SoftmaxAttentionBf16Function : public torch::autograd::Function<SoftmaxAttentionBf16Function> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const SoftmaxConstants& c) {
-    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
-    auto out = torch::empty({N, H, L, M}, q.options());
-    auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
-    auto p = params(q, k, v, c, out, lse);
-    kernels::softmax_attention_forward_bf16(p);
-    ctx->save_for_backward({q, k, v, out, lse, c.key_lengths});
-    ctx->saved_data["scale"] = c.scale;
-    ctx->saved_data["causal"] = c.causal;
-    return out;
-  }
-
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    SoftmaxConstants c{};  // the AMX kernel takes key lengths, scale and causal alone
-    c.key_lengths = saved[5];
-    c.scale = ctx->saved_data["scale"].toDouble();
-    c.causal = ctx->saved_data["causal"].toBool();
-    kernels::SoftmaxAttentionBf16BackwardParams p;
-    static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = params(q, k, v, c, out, lse);
-    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grads[0]);
-    kernels::softmax_attention_backward_bf16(p);
-    return detail::once_differentiable(
-        kSoftmaxOp, {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]},
-        "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
-        "use float64 inputs, which take the differentiable composite path");
-  }
-
- private:
-  static kernels::SoftmaxAttentionBf16Params params(const torch::Tensor& q, const torch::Tensor& k,
-                                                    const torch::Tensor& v, const SoftmaxConstants& c,
-                                                    const torch::Tensor& out,
-                                                    const torch::Tensor& lse) {
-    kernels::SoftmaxAttentionBf16Params p;
-    detail::bind_qkv(p, q, k, v, out);
-    p.lse = lse.data_ptr<float>();
-    p.scale = static_cast<float>(c.scale);
-    p.causal = c.causal;
-    p.key_lengths = c.key_lengths.defined() ? c.key_lengths.data_ptr<int64_t>() : nullptr;
-    return p;
-  }
-};
-
-/// Why bfloat16 inputs cannot take the AMX kernel; empty when they can.
-std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
-                                 const SoftmaxAttentionFuncOptions& options) {
-  if (options.bias().defined()) return "a bias";
-  if (options.alibi_slopes().defined()) return "ALiBi slopes";
-  if (options.rotary_dim() > 0) return "rotary positions";
-  if (options.window() > 0) return "a window";
-  if (options.dropout_p() > 0) return "attention dropout";
-  if (k.size(1) != q.size(1)) return "grouped-query heads";
-  if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
-  // The level is below amx when the CPU lacks AMX, when Linux did not grant
-  // the tile state, or when ATTNKIT_MAX_ISA caps it (kernels/common/isa.h).
-  if (!kernels::softmax_attention_bf16_available()) return "no AMX";
-  return {};
-}
-
 /// The options with dropout's seed set: as given, or drawn from torch's
 /// default CPU generator when dropout is on and none was given (only then,
 /// so that calls without dropout leave the generator's stream alone).
-SoftmaxAttentionFuncOptions with_dropout_seed(SoftmaxAttentionFuncOptions options) {
+/// A tracer (torch.compile, torch.export) would draw the seed once, while
+/// tracing, and bake it into the graph: every call would drop the same
+/// entries. There the seed must be an input.
+SoftmaxAttentionFuncOptions with_dropout_seed(const char* op, const torch::Tensor& q,
+                                              SoftmaxAttentionFuncOptions options) {
   if (options.dropout_p() > 0 && !options.dropout_seed()) {
+    TORCH_CHECK(detail::has_data(q), op,
+                ": attention dropout under torch.compile or torch.export needs an explicit dropout_seed "
+                "(a seed drawn while tracing would be the same in every call of the compiled graph)");
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
     options.dropout_seed(static_cast<int64_t>(generator.get<at::CPUGeneratorImpl>()->random64()));
@@ -353,12 +510,17 @@ torch::Tensor alibi_slopes(int64_t heads) {
   TORCH_CHECK(heads >= 1, "alibi_slopes: heads must be >= 1, got ", heads);
   // The largest power of two p <= heads takes 2^(-8 h / p), h = 1..p; the
   // remaining heads - p take every other slope of 2p heads: 2^(-4 (2h - 1) / p).
+  // In float64, rounded once to float32; made by tensor ops rather than from
+  // host data, so that a tracer (torch.compile, torch.export) can follow it.
   int64_t p = 1;
   while (2 * p <= heads) p *= 2;
-  std::vector<float> slopes;
-  for (int64_t h = 1; h <= p; ++h) slopes.push_back(static_cast<float>(std::exp2(-8.0 * h / p)));
-  for (int64_t h = 1; h <= heads - p; ++h) slopes.push_back(static_cast<float>(std::exp2(-4.0 * (2 * h - 1) / p)));
-  return torch::tensor(slopes, torch::kFloat);
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+  auto exponents = torch::arange(1, p + 1, f64).mul(-8.0).div(static_cast<double>(p));
+  if (heads > p) {
+    const auto h = torch::arange(1, heads - p + 1, f64);
+    exponents = torch::cat({exponents, h.mul(2.0).sub(1.0).mul(-4.0).div(static_cast<double>(p))});
+  }
+  return torch::exp2(exponents).to(torch::kFloat);
 }
 
 Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
@@ -382,7 +544,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   // Validated (by the dispatch) before dropout's seed is drawn: a refused
   // call leaves torch's generator as it was.
   const bool kernel = softmax_attention_dispatch(q, k, v, given).uses_kernel();
-  const SoftmaxAttentionFuncOptions options = with_dropout_seed(given);
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(kSoftmaxOp, q, given);
   if (!kernel) return reference::softmax_attention(q, k, v, options);
   auto key_lengths = options.key_lengths();
   if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
@@ -392,7 +554,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
                            options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
   if (q.scalar_type() == torch::kBFloat16) {
-    if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionBf16Function::apply(q, k, v, c);
+    if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionFunction::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.
     auto converted = options;
     converted.scale(c.scale);
@@ -419,7 +581,7 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
   detail::check_rotary(op, "rotary_dim", given.rotary_dim(), "rotary_base", given.rotary_base(), q.size(2));
   TORCH_CHECK(given.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", given.window());
   detail::check_dropout(op, given.dropout_p());
-  const SoftmaxAttentionFuncOptions options = with_dropout_seed(given);
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(op, q, given);
   if (q.scalar_type() == torch::kBFloat16) {  // the float32 kernel, the result rounded once
     return varlen_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
                             cu_seqlens_k, options)
@@ -437,6 +599,21 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
                            options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
   return VarlenSoftmaxFunction::apply(q, k, v, VarlenConstants{c, std::move(cu_q), std::move(cu_k)});
+}
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def(kSoftmaxForwardSchema);
+  m.def(kSoftmaxBackwardSchema);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl(kSoftmaxForwardOp, &softmax_forward_cpu);
+  m.impl(kSoftmaxBackwardOp, &softmax_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
+  m.impl(kSoftmaxForwardOp, &softmax_forward_meta);
+  m.impl(kSoftmaxBackwardOp, &softmax_backward_meta);
 }
 
 }  // namespace attnkit

@@ -144,6 +144,18 @@ TEST(SoftmaxAttentionAlibi, ThePapersSlopes) {
   ASSERT_EQ(got.size(0), 6);
   for (int64_t h = 0; h < 6; ++h) EXPECT_FLOAT_EQ(got[h].item<float>(), six[h]) << h;
   EXPECT_FLOAT_EQ(attnkit::alibi_slopes(1)[0].item<float>(), 1.f / 256);
+  // Every head count up to 128: bitwise the formula in double, rounded once.
+  for (int64_t heads = 1; heads <= 128; ++heads) {
+    int64_t p = 1;
+    while (2 * p <= heads) p *= 2;
+    const auto slopes = attnkit::alibi_slopes(heads);
+    ASSERT_EQ(slopes.scalar_type(), torch::kFloat);
+    ASSERT_EQ(slopes.size(0), heads);
+    for (int64_t h = 1; h <= heads; ++h) {
+      const double exponent = h <= p ? -8.0 * h / p : -4.0 * (2 * (h - p) - 1) / p;
+      EXPECT_EQ(slopes[h - 1].item<float>(), static_cast<float>(std::exp2(exponent))) << heads << " heads, head " << h;
+    }
+  }
 }
 
 TEST(SoftmaxAttentionAlibi, DispatchAndRefusals) {

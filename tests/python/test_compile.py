@@ -1,0 +1,237 @@
+"""torch.compile and torch.export over attnkit's ops (torch 2 only; on torch
+1.13 every test is skipped with the reason, which pytest's -rs prints).
+
+What is compiled is a user's own module calling attnkit functions, the way
+torch's own attention functions are called: it must compile with
+fullgraph=True (no graph break), forward and backward, and match eager
+within float32 rounding (the compiled graph calls the same kernels; what
+inductor fuses around them, the projections and reshapes, may round
+differently); torch.export must export it and the exported program must
+survive a save/load round trip. The ops that take part have their kernels as
+ops of their own with Meta kernels (src/ops/kernel_op.h): today
+softmax_attention, the scaled_dot_product_attention over it, and linear.
+"""
+import io
+import unittest
+
+import torch
+
+import attnkit
+from conftest import rel_err
+
+TORCH_2 = int(torch.__version__.split(".")[0]) >= 2
+SKIP = f"torch {torch.__version__} has no torch.compile / torch.export / torch.library.opcheck (torch 2)"
+
+# Relative to the largest entry (conftest.rel_err): float32 rounding of a few
+# reordered sums, far below any real difference (a wrong mask or scale gives
+# errors of order 1e-1).
+TOLERANCE = 1e-5
+
+
+class UserAttention(torch.nn.Module):
+    """Self-attention written with attnkit's functions: the input projection
+    torch's own, the output projection attnkit.linear, causal attention with
+    rotary positions and padded keys and torch 2's SDPA signature with a
+    boolean mask, summed."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x, key_lengths, mask):
+        N, L, D = x.shape
+        q, k, v = self.qkv(x).view(N, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = attnkit.softmax_attention(q, k, v, causal=True, key_lengths=key_lengths, rotary_dim=4)
+        b = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attnkit.linear((a + b).transpose(1, 2).reshape(N, L, D), self.out.weight, self.out.bias)
+
+
+def user_inputs(N=2, L=13, D=32):
+    x = torch.randn(N, L, D, requires_grad=True)
+    key_lengths = torch.tensor([L, L - 5])
+    mask = torch.rand(L, L) > 0.3
+    mask.fill_diagonal_(True)  # every row sees a key
+    return x, key_lengths, mask
+
+
+def values_and_grads(module, fn, inputs):
+    """fn(*inputs)'s output, and the gradients of a fixed random projection
+    of it towards the input and every parameter."""
+    module.zero_grad()
+    x = inputs[0].detach().requires_grad_(True)
+    out = fn(x, *inputs[1:])
+    torch.manual_seed(1)
+    (out * torch.randn_like(out)).sum().backward()
+    return [out.detach(), x.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+@unittest.skipUnless(TORCH_2, SKIP)
+class CompileTest(unittest.TestCase):
+    def setUp(self):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+
+    def check_equal(self, actual, expected):
+        self.assertEqual(len(actual), len(expected))
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            self.assertLess(rel_err(a, e), TOLERANCE, f"tensor {i} (0: output, 1: input grad, then parameters)")
+
+    def test_user_module_compiles_without_graph_break(self):
+        module = UserAttention()
+        inputs = user_inputs()
+        explanation = torch._dynamo.explain(module)(*inputs)
+        self.assertEqual(explanation.graph_break_count, 0, explanation.break_reasons)
+        self.assertEqual(explanation.graph_count, 1)
+
+    def test_compiled_equals_eager_inductor(self):
+        # torch.compile's default backend (inductor, which generates C++ for
+        # the code around the attnkit ops), forward and backward.
+        module = UserAttention()
+        inputs = user_inputs()
+        expected = values_and_grads(module, module, inputs)
+        compiled = torch.compile(module, fullgraph=True)
+        self.check_equal(values_and_grads(module, compiled, inputs), expected)
+
+    def test_compiled_equals_eager_gqa_bias_and_awkward_shapes(self):
+        # L != S, grouped-query heads, a broadcast float bias with a gradient,
+        # a length-1 query; AOTAutograd's eager backend (the same graphs,
+        # no code generation).
+        def fn(q, k, v, bias):
+            return attnkit.softmax_attention(q, k, v, bias=bias, alibi_slopes=attnkit.alibi_slopes(4))
+
+        for L, S in [(1, 7), (9, 33), (17, 5)]:
+            q = torch.randn(2, 4, L, 8, requires_grad=True)
+            k = torch.randn(2, 2, S, 8, requires_grad=True)
+            v = torch.randn(2, 2, S, 6, requires_grad=True)
+            bias = torch.randn(1, 4, 1, S, requires_grad=True)
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            results = []
+            for f in (fn, compiled):
+                out = f(q, k, v, bias)
+                torch.manual_seed(2)
+                grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v, bias))
+                results.append([out.detach(), *grads])
+            self.check_equal(results[1], results[0])
+
+    def test_a_new_shape_compiles_anew(self):
+        # The checks read sizes as integers, which specialises the graph on
+        # them (docs/API.md): a second length is a second graph, still right.
+        def fn(q):
+            return attnkit.softmax_attention(q, q, q, causal=True)
+
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        for L in (8, 9, 10):
+            q = torch.randn(1, 2, L, 8)
+            self.assertLess(rel_err(compiled(q), fn(q)), TOLERANCE, f"L = {L}")
+
+    def test_dropout_needs_a_seed_under_compile(self):
+        q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+
+        def unseeded(q, k, v):
+            return attnkit.softmax_attention(q, k, v, dropout_p=0.5)
+
+        with self.assertRaisesRegex(Exception, "needs an explicit dropout_seed"):
+            torch.compile(unseeded, fullgraph=True, backend="aot_eager")(q, k, v)
+
+        def seeded(q, k, v):
+            return attnkit.softmax_attention(q, k, v, dropout_p=0.5, dropout_seed=7)
+
+        compiled = torch.compile(seeded, fullgraph=True, backend="aot_eager")
+        self.assertTrue(torch.equal(compiled(q, k, v), seeded(q, k, v)))
+
+    def test_validation_errors_are_the_eager_ones(self):
+        q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8)
+        message = "has head count 3, which must divide q's head count 4"
+        with self.assertRaisesRegex(RuntimeError, message):
+            attnkit.softmax_attention(q, k, v)
+        with self.assertRaisesRegex(Exception, message):
+            torch.compile(lambda q, k, v: attnkit.softmax_attention(q, k, v), fullgraph=True,
+                          backend="aot_eager")(q, k, v)
+
+    def test_export_round_trip(self):
+        module = UserAttention()
+        x, key_lengths, mask = user_inputs()
+        x = x.detach()
+        with torch.no_grad():
+            expected = module(x, key_lengths, mask)
+        program = torch.export.export(module, (x, key_lengths, mask))
+
+        def targets(p):
+            return {str(node.target) for node in p.graph.nodes if node.op == "call_function"}
+
+        # torch.export's graph keeps the ops a user called; decomposed (as a
+        # compiler would, e.g. for inference) the kernel ops remain.
+        self.assertTrue({"attnkit.softmax_attention.default", "attnkit.scaled_dot_product_attention.default",
+                         "attnkit.linear.default"} <= targets(program), targets(program))
+        decomposed = program.run_decompositions()
+        self.assertTrue({"attnkit._softmax_attention_forward.default", "attnkit._linear_forward.default"}
+                        <= targets(decomposed), targets(decomposed))
+        self.assertFalse({t for t in targets(decomposed) if t.startswith("attnkit.") and ".default" in t
+                          and not t.startswith("attnkit._")})
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        buffer.seek(0)
+        loaded = torch.export.load(buffer)
+        for p in (program, decomposed, loaded):
+            with torch.no_grad():
+                self.assertLess(rel_err(p.module()(x, key_lengths, mask), expected), TOLERANCE)
+
+
+@unittest.skipUnless(TORCH_2, SKIP)
+class KernelOpsTest(unittest.TestCase):
+    """The kernel ops themselves: their Meta kernels give what the CPU kernels
+    give (shapes, strides, dtypes; torch.library.opcheck runs both), and
+    they refuse what the kernels cannot take."""
+
+    @staticmethod
+    def forward_args(L=9, S=11, Hkv=2, bias=False, lengths=False):
+        q = torch.randn(2, 4, L, 8)
+        k, v = torch.randn(2, Hkv, S, 8), torch.randn(2, Hkv, S, 6)
+        return (q, k, v, torch.randn(4, 1, S) if bias else None, torch.tensor([S, 3]) if lengths else None,
+                None, 0.35, True, 0, 10000.0, 0, 0.0, 0)
+
+    def test_opcheck(self):
+        for shape in [dict(), dict(L=1, S=1), dict(Hkv=4, bias=True), dict(lengths=True)]:
+            args = self.forward_args(**shape)
+            torch.library.opcheck(torch.ops.attnkit._softmax_attention_forward, args,
+                                  test_utils=("test_schema", "test_faketensor"))
+            out, lse = torch.ops.attnkit._softmax_attention_forward(*args)
+            q, k, v, bias = args[:4]
+            backward_args = (torch.randn_like(out), q, k, v, out, lse) + args[3:] + (bias is not None,)
+            torch.library.opcheck(torch.ops.attnkit._softmax_attention_backward, backward_args,
+                                  test_utils=("test_schema", "test_faketensor"))
+            dq, dk, dv, dbias = torch.ops.attnkit._softmax_attention_backward(*backward_args)
+            self.assertEqual((dq.shape, dk.shape, dv.shape), (q.shape, k.shape, v.shape))
+            self.assertEqual(dbias.shape, bias.shape if bias is not None else (0,))
+
+    def test_opcheck_linear(self):
+        for x_shape, transposed, bias in [((5, 7), False, True), ((2, 3, 7), True, False), ((1, 7), False, False)]:
+            x = torch.randn(*x_shape)
+            weight = torch.randn(7, 4).t() if transposed else torch.randn(4, 7)  # (out, in) = (4, 7)
+            b = torch.randn(4) if bias else None
+            torch.library.opcheck(torch.ops.attnkit._linear_forward, (x, weight, b),
+                                  test_utils=("test_schema", "test_faketensor"))
+            y = torch.ops.attnkit._linear_forward(x, weight, b)
+            for asked in [(True, True, bias), (False, True, False), (True, False, False)]:
+                torch.library.opcheck(torch.ops.attnkit._linear_backward, (torch.randn_like(y), x, weight, *asked),
+                                      test_utils=("test_schema", "test_faketensor"))
+            dx, dw, db = torch.ops.attnkit._linear_backward(torch.randn_like(y), x, weight, True, True, True)
+            self.assertEqual((dx.shape, dw.shape, db.shape), (x.shape, weight.shape, (4,)))
+            self.assertEqual(dw.stride(), weight.stride())  # the weight's stored layout
+
+    def test_kernel_ops_check_their_arguments(self):
+        q, k, v, *rest = self.forward_args()
+        with self.assertRaisesRegex(RuntimeError, "argument 'v' has key count S"):
+            torch.ops.attnkit._softmax_attention_forward(q, k, v[:, :, 1:], *rest)
+        with self.assertRaisesRegex(RuntimeError, "_softmax_attention_forward: the kernels take float32 or bfloat16"):
+            torch.ops.attnkit._softmax_attention_forward(q.double(), k.double(), v.double(), *rest)
+        out, lse = torch.ops.attnkit._softmax_attention_forward(q, k, v, *rest)
+        with self.assertRaisesRegex(RuntimeError, "argument 'lse' must be contiguous float32"):
+            torch.ops.attnkit._softmax_attention_backward(torch.randn_like(out), q, k, v, out, lse[:, :, 1:],
+                                                          *rest, False)
+
+
+if __name__ == "__main__":
+    unittest.main()
