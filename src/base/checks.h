@@ -119,12 +119,15 @@ inline void check_qkv(const char* op, const torch::Tensor& q, const torch::Tenso
               ", M = ", v.size(3));
 }
 
-/// Whether t's values can be read here: false for meta tensors and for the
-/// stand-ins a tracer passes (torch.compile's and torch.export's fake
-/// tensors, like any tensor subclass, carry the Python dispatch key). A check
+/// Whether t's values can be read here: false for meta tensors, for tensors
+/// without storage, and for the stand-ins a tracer passes (torch.compile's
+/// and torch.export's fake tensors, like any tensor subclass, carry the
+/// Python dispatch key). A check
 /// of values is skipped on such tensors; the kernel op that reads them checks
 /// again when it runs on real ones (ops/softmax_attention.cpp).
-inline bool has_data(const torch::Tensor& t) { return !t.is_meta() && !t.key_set().has(c10::DispatchKey::Python); }
+inline bool has_data(const torch::Tensor& t) {
+  return t.has_storage() && !t.is_meta() && !t.key_set().has(c10::DispatchKey::Python);
+}
 
 /// 0 <= lengths[n] <= limit, for lengths that check_lengths accepted; no
 /// check where the values are not there to read (has_data).

@@ -2,14 +2,22 @@
 // backend that <op>_dispatch names: float32 through the kernels of
 // src/kernels/linear_attention (as autograd Functions, so C++ and Python
 // callers get the kernels' backward), other dtypes through the composite.
-#include "kernels/gated_linear_attention.h"
 #include "kernels/linear_attention.h"
 
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
 #include "base/checks.h"
+#include "kernels/gated_linear_attention.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"
 #include "ops/head_features.h"
+#include "ops/kernel_op.h"
 #include "ops/varlen.h"
 #include "reference/reference.h"
 
@@ -65,80 +73,286 @@ LinearAttentionFuncOptions options_from(const AutogradContext* ctx) {
       .rotary_base(d.at("rotary_base").toDouble());
 }
 
-class LinearAttentionFunction : public torch::autograd::Function<LinearAttentionFunction> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionFuncOptions& o) {
-    auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-    auto den = o.normalize() ? torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())
-                             : torch::Tensor();
-    kernels::linear_attention_forward(linear_params(q, k, v, out, den, o));
-    ctx->save_for_backward({q, k, v, out, den});
-    save_options(ctx, o);
-    return out;
-  }
+// ---------------------------------------------------------------------------
+// The kernels as ops of their own (ops/kernel_op.h), with CPU and Meta
+// kernels, called by the autograd Functions below through the dispatcher:
+// attnkit::_linear_attention_forward / _backward, their packed forms
+// _varlen_linear_attention_forward / _backward (the offsets are tensor
+// arguments, read in the CPU kernels) and _gated_linear_attention_forward /
+// _backward. Their CPU kernels check their arguments as the ops do (Python can
+// call them directly); den is an empty (0) tensor without normalize.
+// ---------------------------------------------------------------------------
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
-    auto p = linear_params(q, k, v, out, den, options_from(ctx));
-    const torch::Tensor& dout = grads[0];
-    // Grouped-query heads: dk and dv in k's and v's head count, each summed
-    // by the kernel over its group in head order (kernels/linear_attention.h).
-    const auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, dout);
-    kernels::linear_attention_backward(p);
-    return detail::once_differentiable("linear_attention", {dq, dk, dv, torch::Tensor()},
-                                       {q, k, v, dout});
-  }
-};
+using LinearOutputs = std::tuple<torch::Tensor, torch::Tensor>;  // out, den
+using QkvGradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using LinearAttentionForwardSignature = LinearOutputs(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                      c10::string_view, bool, bool, double, int64_t, double);
+using LinearAttentionBackwardSignature = QkvGradients(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                      const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                      c10::string_view, bool, bool, double, int64_t, double);
+using VarlenLinearForwardSignature = LinearOutputs(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                   const torch::Tensor&, const torch::Tensor&, c10::string_view, bool,
+                                                   bool, double, int64_t, double);
+using VarlenLinearBackwardSignature = QkvGradients(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                   const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                   const torch::Tensor&, const torch::Tensor&, c10::string_view, bool,
+                                                   bool, double, int64_t, double);
+using GatedForwardSignature = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                            const torch::Tensor&, bool);
+using GatedGradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
+using GatedBackwardSignature = GatedGradients(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                              const torch::Tensor&, const torch::Tensor&, bool, bool, bool);
+
+LinearAttentionFuncOptions linear_options(c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                          int64_t rotary_dim, double rotary_base) {
+  return LinearAttentionFuncOptions()
+      .feature_map(feature_map_from_string(std::string(feature_map)))
+      .normalize(normalize)
+      .causal(causal)
+      .eps(eps)
+      .rotary_dim(rotary_dim)
+      .rotary_base(rotary_base);
+}
+
+/// The options' checks of linear_attention and varlen_linear_attention
+/// (q's last dimension is E in both layouts).
+void check_linear_options(const char* op, const torch::Tensor& q, const LinearAttentionFuncOptions& o) {
+  detail::check_finite_in(op, "eps", o.eps(), q.scalar_type());
+  TORCH_CHECK(o.eps() >= 0, op, ": option 'eps' must be >= 0, got ", o.eps());
+  detail::check_rotary(op, "rotary_dim", o.rotary_dim(), "rotary_base", o.rotary_base(), q.size(q.dim() - 1));
+}
+
+void check_float32_kernel(const char* op, const torch::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, op, ": the kernel takes float32, got ",
+              detail::dtype_name(q.scalar_type()));
+}
+
+/// linear_attention's checks on a kernel op's (N, H, L, E) arguments, and float32.
+void check_linear_kernel_arguments(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const LinearAttentionFuncOptions& o) {
+  detail::check_qkv(op, q, k, v, /*grouped_heads=*/true);
+  check_linear_options(op, q, o);
+  check_float32_kernel(op, q);
+}
+
+/// A kernel's float32 tensor argument of a known shape (grad_out, out).
+void check_float32_shape(const char* op, const char* name, const torch::Tensor& t, torch::IntArrayRef shape) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.sizes() == shape, op, ": argument '", name,
+              "' must be float32 of shape ", shape, ", got ", detail::dtype_name(t.scalar_type()), " ",
+              detail::shape_str(t));
+}
+
+/// grad_out and out of a kernel's backward: float32 in the forward's output shape.
+void check_outputs(const char* op, const torch::Tensor& grad_out, const torch::Tensor& out, torch::IntArrayRef shape) {
+  check_float32_shape(op, "grad_out", grad_out, shape);
+  check_float32_shape(op, "out", out, shape);
+}
+
+/// den of a kernel's backward: (rows) contiguous float32 with normalize,
+/// else anything (unread).
+void check_den(const char* op, const torch::Tensor& den, bool normalize, int64_t rows) {
+  if (!normalize) return;
+  TORCH_CHECK(den.scalar_type() == torch::kFloat && den.numel() == rows && den.is_contiguous(), op,
+              ": argument 'den' must be contiguous float32 with ", rows, " entries (normalize), got ",
+              detail::dtype_name(den.scalar_type()), " ", detail::shape_str(den));
+}
+
+/// The den a kernel reads and writes: `den` itself with normalize, else none.
+torch::Tensor used_den(const torch::Tensor& den, bool normalize) { return normalize ? den : torch::Tensor(); }
+
+LinearOutputs linear_outputs(const torch::Tensor& q, const torch::Tensor& v, bool normalize) {
+  return {torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options()),
+          normalize ? torch::empty({q.size(0), q.size(1), q.size(2)}, q.options()) : torch::empty({0}, q.options())};
+}
+
+LinearOutputs linear_attention_forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                           c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                           int64_t rotary_dim, double rotary_base) {
+  constexpr const char* op = "_linear_attention_forward";
+  const auto o = linear_options(feature_map, normalize, causal, eps, rotary_dim, rotary_base);
+  check_linear_kernel_arguments(op, q, k, v, o);
+  auto [out, den] = linear_outputs(q, v, normalize);
+  auto kernel_den = used_den(den, normalize);
+  kernels::linear_attention_forward(linear_params(q, k, v, out, kernel_den, o));
+  return {out, den};
+}
+
+LinearOutputs linear_attention_forward_meta(const torch::Tensor& q, const torch::Tensor&, const torch::Tensor& v,
+                                            c10::string_view, bool normalize, bool, double, int64_t, double) {
+  return linear_outputs(q, v, normalize);
+}
+
+/// dq, dk, dv contiguous in the shapes of q, k, v (grouped-query heads: the
+/// kernel sums each key/value head's gradient over its group).
+QkvGradients qkv_gradients(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
+  return {like(q), like(k), like(v)};
+}
+
+QkvGradients linear_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const torch::Tensor&, const torch::Tensor&,
+                                            c10::string_view, bool, bool, double, int64_t, double) {
+  return qkv_gradients(q, k, v);
+}
+
+QkvGradients linear_attention_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                           const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                                           const torch::Tensor& den, c10::string_view feature_map, bool normalize,
+                                           bool causal, double eps, int64_t rotary_dim, double rotary_base) {
+  constexpr const char* op = "_linear_attention_backward";
+  const auto o = linear_options(feature_map, normalize, causal, eps, rotary_dim, rotary_base);
+  check_linear_kernel_arguments(op, q, k, v, o);
+  check_outputs(op, grad_out, out, {q.size(0), q.size(1), q.size(2), v.size(3)});
+  check_den(op, den, normalize, q.size(0) * q.size(1) * q.size(2));
+  auto out_ = out;
+  auto kernel_den = used_den(den, normalize);
+  auto p = linear_params(q, k, v, out_, kernel_den, o);
+  // Grouped-query heads: dk and dv in k's and v's head count, each summed
+  // by the kernel over its group in head order (kernels/linear_attention.h).
+  auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grad_out);
+  kernels::linear_attention_backward(p);
+  return {dq, dk, dv};
+}
 
 /// Linear attention over a packed batch (varlen_linear_attention): one kernel
 /// call per sequence over views of the packed tensors, so each sequence is
 /// bitwise the op on it alone. den (when normalize) holds H Tq floats,
 /// sequence b's (H, Lb) block at H cu_q[b].
-class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFunction> {
+LinearOutputs varlen_linear_outputs(const torch::Tensor& q, const torch::Tensor& v, bool normalize) {
+  return {torch::empty({q.size(0), q.size(1), v.size(2)}, q.options()),
+          normalize ? torch::empty({q.size(1) * q.size(0)}, q.options()) : torch::empty({0}, q.options())};
+}
+
+/// The offsets of a packed kernel op's arguments, checked with the rest.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> check_varlen_linear_kernel_arguments(
+    const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k, const LinearAttentionFuncOptions& o) {
+  auto offsets = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
+  check_linear_options(op, q, o);
+  check_float32_kernel(op, q);
+  return offsets;
+}
+
+LinearOutputs varlen_linear_forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                        c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                        int64_t rotary_dim, double rotary_base) {
+  const auto o = linear_options(feature_map, normalize, causal, eps, rotary_dim, rotary_base);
+  const auto [cu_q, cu_k] =
+      check_varlen_linear_kernel_arguments("_varlen_linear_attention_forward", q, k, v, cu_seqlens_q, cu_seqlens_k, o);
+  TORCH_INTERNAL_ASSERT(!cu_q.empty(), "a CPU kernel read no offsets");
+  auto [out, den] = varlen_linear_outputs(q, v, normalize);
+  const auto kernel_den = used_den(den, normalize);
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const detail::PackedSequence s(cu_q, cu_k, b);
+    auto out_b = s.of(out), den_b = s.row_stats(kernel_den, q.size(1));
+    kernels::linear_attention_forward(linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o));
+  }
+  return {out, den};
+}
+
+LinearOutputs varlen_linear_forward_meta(const torch::Tensor& q, const torch::Tensor&, const torch::Tensor& v,
+                                         const torch::Tensor&, const torch::Tensor&, c10::string_view, bool normalize,
+                                         bool, double, int64_t, double) {
+  return varlen_linear_outputs(q, v, normalize);
+}
+
+QkvGradients varlen_linear_backward_meta(const torch::Tensor&, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, const torch::Tensor&, const torch::Tensor&,
+                                         const torch::Tensor&, const torch::Tensor&, c10::string_view, bool, bool,
+                                         double, int64_t, double) {
+  return qkv_gradients(q, k, v);
+}
+
+QkvGradients varlen_linear_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& den,
+                                        const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                        c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                        int64_t rotary_dim, double rotary_base) {
+  constexpr const char* op = "_varlen_linear_attention_backward";
+  const auto o = linear_options(feature_map, normalize, causal, eps, rotary_dim, rotary_base);
+  const auto [cu_q, cu_k] = check_varlen_linear_kernel_arguments(op, q, k, v, cu_seqlens_q, cu_seqlens_k, o);
+  TORCH_INTERNAL_ASSERT(!cu_q.empty(), "a CPU kernel read no offsets");
+  check_outputs(op, grad_out, out, {q.size(0), q.size(1), v.size(2)});
+  check_den(op, den, normalize, q.size(0) * q.size(1));
+  const auto kernel_den = used_den(den, normalize);
+  // Grouped-query heads: dk and dv in k's and v's head count, each summed
+  // by the kernel over its group in head order (kernels/linear_attention.h).
+  auto [dq, dk, dv] = qkv_gradients(q, k, v);
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const detail::PackedSequence s(cu_q, cu_k, b);
+    auto out_b = s.of(out), den_b = s.row_stats(kernel_den, q.size(1));
+    auto p = linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o);
+    detail::bind(p.dout, p.dout_stride, s.of(grad_out));
+    detail::bind(p.dq, p.dq_stride, s.of(dq));
+    detail::bind(p.dk, p.dk_stride, s.keys(dk));
+    detail::bind(p.dv, p.dv_stride, s.keys(dv));
+    kernels::linear_attention_backward(p);
+  }
+  return {dq, dk, dv};
+}
+
+/// The kernel op's arguments (c10::string_view from the options' feature map).
+struct LinearOpArguments {
+  std::string feature_map;
+  bool normalize, causal;
+  double eps;
+  int64_t rotary_dim;
+  double rotary_base;
+};
+
+LinearOpArguments op_arguments(const LinearAttentionFuncOptions& o) {
+  return {to_string(o.feature_map()), o.normalize(), o.causal(), o.eps(), o.rotary_dim(), o.rotary_base()};
+}
+
+class LinearAttentionFunction : public torch::autograd::Function<LinearAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const LinearAttentionFuncOptions& o,
-                               const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k) {
-    auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-    auto den = o.normalize() ? torch::empty({q.size(1) * q.size(0)}, q.options()) : torch::Tensor();
-    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
-      const detail::PackedSequence s(cu_q, cu_k, b);
-      auto out_b = s.of(out), den_b = s.row_stats(den, q.size(1));
-      kernels::linear_attention_forward(linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o));
-    }
+                               const torch::Tensor& v, const LinearAttentionFuncOptions& o) {
+    static const auto op = detail::kernel_op<LinearAttentionForwardSignature>("attnkit::_linear_attention_forward");
+    const auto a = op_arguments(o);
+    auto [out, den] = op.call(q, k, v, a.feature_map, a.normalize, a.causal, a.eps, a.rotary_dim, a.rotary_base);
     ctx->save_for_backward({q, k, v, out, den});
     save_options(ctx, o);
-    ctx->saved_data["cu_q"] = cu_q;
-    ctx->saved_data["cu_k"] = cu_k;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
+    static const auto op = detail::kernel_op<LinearAttentionBackwardSignature>("attnkit::_linear_attention_backward");
+    const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
-    const auto o = options_from(ctx);
-    const auto cu_q = ctx->saved_data["cu_q"].toIntVector(), cu_k = ctx->saved_data["cu_k"].toIntVector();
-    const torch::Tensor& dout = grads[0];
-    // Grouped-query heads: dk and dv in k's and v's head count, each summed
-    // by the kernel over its group in head order (kernels/linear_attention.h).
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
-    auto dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
-    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
-      const detail::PackedSequence s(cu_q, cu_k, b);
-      auto out_b = s.of(out), den_b = s.row_stats(den, q.size(1));
-      auto p = linear_params(s.of(q), s.keys(k), s.keys(v), out_b, den_b, o);
-      detail::bind(p.dout, p.dout_stride, s.of(dout));
-      detail::bind(p.dq, p.dq_stride, s.of(dq));
-      detail::bind(p.dk, p.dk_stride, s.keys(dk));
-      detail::bind(p.dv, p.dv_stride, s.keys(dv));
-      kernels::linear_attention_backward(p);
-    }
+    const auto a = op_arguments(options_from(ctx));
+    auto [dq, dk, dv] =
+        op.call(grads[0], q, k, v, out, den, a.feature_map, a.normalize, a.causal, a.eps, a.rotary_dim, a.rotary_base);
+    return detail::once_differentiable("linear_attention", {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
+  }
+};
+
+class VarlenLinearFunction : public torch::autograd::Function<VarlenLinearFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& cu_seqlens_q,
+                               const torch::Tensor& cu_seqlens_k, const LinearAttentionFuncOptions& o) {
+    static const auto op = detail::kernel_op<VarlenLinearForwardSignature>("attnkit::_varlen_linear_attention_forward");
+    const auto a = op_arguments(o);
+    auto [out, den] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, a.feature_map, a.normalize, a.causal, a.eps,
+                              a.rotary_dim, a.rotary_base);
+    ctx->save_for_backward({q, k, v, out, den, cu_seqlens_q, cu_seqlens_k});
+    save_options(ctx, o);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op =
+        detail::kernel_op<VarlenLinearBackwardSignature>("attnkit::_varlen_linear_attention_backward");
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &den = saved[4];
+    const auto a = op_arguments(options_from(ctx));
+    auto [dq, dk, dv] = op.call(grads[0], q, k, v, out, den, saved[5], saved[6], a.feature_map, a.normalize, a.causal,
+                                a.eps, a.rotary_dim, a.rotary_base);
     return detail::once_differentiable("varlen_linear_attention",
                                        {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()},
-                                       {q, k, v, dout});
+                                       {q, k, v, grads[0]});
   }
 };
 
@@ -159,41 +373,103 @@ kernels::GatedLinearAttentionBackwardParams gated_params(const torch::Tensor& f,
   return p;
 }
 
-class GatedLinearAttentionFunction
-    : public torch::autograd::Function<GatedLinearAttentionFunction> {
+/// gated_linear_attention's checks of f, q, alpha and beta.
+void check_gated(const char* op, const torch::Tensor& f, const torch::Tensor& q, const torch::Tensor& alpha,
+                 const torch::Tensor& beta) {
+  detail::check_float_tensor(op, "f", f, 4);
+  detail::check_float_tensor(op, "q", q, 4);
+  detail::check_float_tensor(op, "alpha", alpha, 3);
+  detail::check_float_tensor(op, "beta", beta, 3);
+  detail::check_same_dtype(op, "q", q, "f", f);
+  detail::check_same_dtype(op, "alpha", alpha, "f", f);
+  detail::check_same_dtype(op, "beta", beta, "f", f);
+  TORCH_CHECK(q.sizes() == f.sizes(), op, ": argument 'q' must have the shape of 'f' ", detail::shape_str(f), ", got ",
+              detail::shape_str(q));
+  // (N, H, L) from the sizes alone: f.select(3, 0) would itself raise when E = 0.
+  const auto nhl = f.sizes().slice(0, 3);
+  const std::string nhl_str =
+      "(" + std::to_string(nhl[0]) + ", " + std::to_string(nhl[1]) + ", " + std::to_string(nhl[2]) + ")";
+  TORCH_CHECK(alpha.sizes() == nhl, op, ": argument 'alpha' must have shape (N, H, L) = ", nhl_str, ", got ",
+              detail::shape_str(alpha));
+  TORCH_CHECK(beta.sizes() == nhl, op, ": argument 'beta' must have shape (N, H, L) = ", nhl_str, ", got ",
+              detail::shape_str(beta));
+}
+
+torch::Tensor gated_output(const torch::Tensor& f) { return torch::empty(f.sizes(), f.options()); }
+
+torch::Tensor gated_forward_cpu(const torch::Tensor& f, const torch::Tensor& q, const torch::Tensor& alpha,
+                                const torch::Tensor& beta, bool causal) {
+  constexpr const char* op = "_gated_linear_attention_forward";
+  check_gated(op, f, q, alpha, beta);
+  check_float32_kernel(op, f);
+  auto out = gated_output(f);
+  auto p = gated_params(f, q, alpha, beta, causal);
+  detail::bind(p.out, p.out_stride, out);
+  kernels::gated_linear_attention_forward(p);
+  return out;
+}
+
+torch::Tensor gated_forward_meta(const torch::Tensor& f, const torch::Tensor&, const torch::Tensor&,
+                                 const torch::Tensor&, bool) {
+  return gated_output(f);
+}
+
+/// df and dq in f's shape; dalpha and dbeta in alpha's when asked for (their
+/// gradients cost an extra O(chunk^2) per chunk), else empty (0) tensors.
+GatedGradients gated_gradients(const torch::Tensor& f, const torch::Tensor& alpha, bool alpha_grad, bool beta_grad) {
+  auto none = [&] { return torch::empty({0}, f.options()); };
+  return {torch::empty(f.sizes(), f.options()), torch::empty(f.sizes(), f.options()),
+          alpha_grad ? torch::empty(alpha.sizes(), alpha.options()) : none(),
+          beta_grad ? torch::empty(alpha.sizes(), alpha.options()) : none()};
+}
+
+GatedGradients gated_backward_meta(const torch::Tensor&, const torch::Tensor& f, const torch::Tensor&,
+                                   const torch::Tensor& alpha, const torch::Tensor&, bool, bool alpha_grad,
+                                   bool beta_grad) {
+  return gated_gradients(f, alpha, alpha_grad, beta_grad);
+}
+
+GatedGradients gated_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& f, const torch::Tensor& q,
+                                  const torch::Tensor& alpha, const torch::Tensor& beta, bool causal, bool alpha_grad,
+                                  bool beta_grad) {
+  constexpr const char* op = "_gated_linear_attention_backward";
+  check_gated(op, f, q, alpha, beta);
+  check_float32_kernel(op, f);
+  check_float32_shape(op, "grad_out", grad_out, f.sizes());
+  auto p = gated_params(f, q, alpha, beta, causal);
+  auto grads = gated_gradients(f, alpha, alpha_grad, beta_grad);
+  auto& [df, dq, dalpha, dbeta] = grads;
+  detail::bind(p.dout, p.dout_stride, grad_out);
+  detail::bind(p.df, p.df_stride, df);
+  detail::bind(p.dq, p.dq_stride, dq);
+  p.dalpha = alpha_grad ? dalpha.data_ptr<float>() : nullptr;
+  p.dbeta = beta_grad ? dbeta.data_ptr<float>() : nullptr;
+  kernels::gated_linear_attention_backward(p);
+  return grads;
+}
+
+class GatedLinearAttentionFunction : public torch::autograd::Function<GatedLinearAttentionFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& f, const torch::Tensor& q,
                                const torch::Tensor& alpha, const torch::Tensor& beta, bool causal) {
-    auto out = torch::empty(f.sizes(), f.options());
-    auto p = gated_params(f, q, alpha, beta, causal);
-    detail::bind(p.out, p.out_stride, out);
-    kernels::gated_linear_attention_forward(p);
+    static const auto op = detail::kernel_op<GatedForwardSignature>("attnkit::_gated_linear_attention_forward");
+    auto out = op.call(f, q, alpha, beta, causal);
     ctx->save_for_backward({f, q, alpha, beta});
     ctx->saved_data["causal"] = causal;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
-    auto p = gated_params(f, q, alpha, beta, ctx->saved_data["causal"].toBool());
-    const torch::Tensor& dout = grads[0];
-    auto df = torch::empty(f.sizes(), f.options());
-    auto dq = torch::empty(q.sizes(), q.options());
-    // The gates' gradients cost an extra O(chunk^2) per chunk: only when asked.
-    auto dalpha =
-        ctx->needs_input_grad(2) ? torch::empty(alpha.sizes(), alpha.options()) : torch::Tensor();
-    auto dbeta =
-        ctx->needs_input_grad(3) ? torch::empty(beta.sizes(), beta.options()) : torch::Tensor();
-    detail::bind(p.dout, p.dout_stride, dout);
-    detail::bind(p.df, p.df_stride, df);
-    detail::bind(p.dq, p.dq_stride, dq);
-    p.dalpha = dalpha.defined() ? dalpha.data_ptr<float>() : nullptr;
-    p.dbeta = dbeta.defined() ? dbeta.data_ptr<float>() : nullptr;
-    kernels::gated_linear_attention_backward(p);
-    return detail::once_differentiable("gated_linear_attention",
-                                       {df, dq, dalpha, dbeta, torch::Tensor()},
-                                       {f, q, alpha, beta, dout});
+    static const auto op = detail::kernel_op<GatedBackwardSignature>("attnkit::_gated_linear_attention_backward");
+    const auto saved = ctx->get_saved_variables();
+    const auto &f = saved[0], &q = saved[1], &alpha = saved[2], &beta = saved[3];
+    const bool alpha_grad = ctx->needs_input_grad(2), beta_grad = ctx->needs_input_grad(3);
+    auto [df, dq, dalpha, dbeta] =
+        op.call(grads[0], f, q, alpha, beta, ctx->saved_data["causal"].toBool(), alpha_grad, beta_grad);
+    return detail::once_differentiable(
+        "gated_linear_attention",
+        {df, dq, alpha_grad ? dalpha : torch::Tensor(), beta_grad ? dbeta : torch::Tensor(), torch::Tensor()},
+        {f, q, alpha, beta, grads[0]});
   }
 };
 
@@ -212,9 +488,7 @@ torch::Tensor linear_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const LinearAttentionFuncOptions& options) {
   constexpr const char* op = "linear_attention";
   detail::check_qkv(op, q, k, v, /*grouped_heads=*/true);
-  detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
-  TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(3));
+  check_linear_options(op, q, options);
   // bfloat16 keeps 8 bits: the normalised form's gradient subtracts nearly
   // equal terms (S v and z out), which in bfloat16 arithmetic lost up to 7%
   // (measured, tests/ops/regressions_test.cpp). So bf16 inputs take the
@@ -233,19 +507,20 @@ torch::Tensor varlen_linear_attention(const torch::Tensor& q, const torch::Tenso
                                       const LinearAttentionFuncOptions& options) {
   constexpr const char* op = "varlen_linear_attention";
   auto [cu_q, cu_k] = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
-  detail::check_finite_in(op, "eps", options.eps(), q.scalar_type());
-  TORCH_CHECK(options.eps() >= 0, op, ": option 'eps' must be >= 0, got ", options.eps());
-  detail::check_rotary(op, "rotary_dim", options.rotary_dim(), "rotary_base", options.rotary_base(), q.size(2));
+  check_linear_options(op, q, options);
   if (q.scalar_type() == torch::kBFloat16)  // the float32 kernel, as linear_attention does
     return varlen_linear_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
                                    cu_seqlens_k, options)
         .to(torch::kBFloat16);
   if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
+    TORCH_CHECK(!cu_q.empty(), op, ": ", detail::dtype_name(q.scalar_type()),
+                " inputs take the composite, which reads the offsets to cut the batch and so cannot be traced "
+                "(torch.compile, torch.export); float32 and bfloat16 can");
     return detail::each_sequence(q, k, v, cu_q, cu_k, [&](const auto& qb, const auto& kb, const auto& vb) {
       return linear_attention(qb, kb, vb, options);
     });
   }
-  return VarlenLinearFunction::apply(q, k, v, options, cu_q, cu_k);
+  return VarlenLinearFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options);
 }
 
 Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k,
@@ -258,24 +533,7 @@ Dispatch linear_attention_dispatch(const torch::Tensor& q, const torch::Tensor& 
 torch::Tensor gated_linear_attention(const torch::Tensor& f, const torch::Tensor& q,
                                      const torch::Tensor& alpha, const torch::Tensor& beta,
                                      const GatedLinearAttentionFuncOptions& options) {
-  constexpr const char* op = "gated_linear_attention";
-  detail::check_float_tensor(op, "f", f, 4);
-  detail::check_float_tensor(op, "q", q, 4);
-  detail::check_float_tensor(op, "alpha", alpha, 3);
-  detail::check_float_tensor(op, "beta", beta, 3);
-  detail::check_same_dtype(op, "q", q, "f", f);
-  detail::check_same_dtype(op, "alpha", alpha, "f", f);
-  detail::check_same_dtype(op, "beta", beta, "f", f);
-  TORCH_CHECK(q.sizes() == f.sizes(), op, ": argument 'q' must have the shape of 'f' ",
-              detail::shape_str(f), ", got ", detail::shape_str(q));
-  // (N, H, L) from the sizes alone: f.select(3, 0) would itself raise when E = 0.
-  const auto nhl = f.sizes().slice(0, 3);
-  const std::string nhl_str = "(" + std::to_string(nhl[0]) + ", " + std::to_string(nhl[1]) +
-                              ", " + std::to_string(nhl[2]) + ")";
-  TORCH_CHECK(alpha.sizes() == nhl, op, ": argument 'alpha' must have shape (N, H, L) = ",
-              nhl_str, ", got ", detail::shape_str(alpha));
-  TORCH_CHECK(beta.sizes() == nhl, op, ": argument 'beta' must have shape (N, H, L) = ", nhl_str,
-              ", got ", detail::shape_str(beta));
+  check_gated("gated_linear_attention", f, q, alpha, beta);
   if (!gated_linear_attention_dispatch(f, q, alpha, beta, options).uses_kernel())
     return reference::gated_linear_attention(f, q, alpha, beta, options);
   return GatedLinearAttentionFunction::apply(f, q, alpha, beta, options.causal());
@@ -286,6 +544,46 @@ Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Te
                                          const GatedLinearAttentionFuncOptions&) {
   return detail::float32_kernel_or_composite(
       {{"f", &f}, {"q", &q}, {"alpha", &alpha}, {"beta", &beta}});
+}
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def(
+      "_linear_attention_forward(Tensor q, Tensor k, Tensor v, str feature_map, bool normalize, bool causal, "
+      "float eps, int rotary_dim, float rotary_base) -> (Tensor out, Tensor den)");
+  m.def(
+      "_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+      "str feature_map, bool normalize, bool causal, float eps, int rotary_dim, float rotary_base) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "_varlen_linear_attention_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "str feature_map, bool normalize, bool causal, float eps, int rotary_dim, float rotary_base) "
+      "-> (Tensor out, Tensor den)");
+  m.def(
+      "_varlen_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, str feature_map, bool normalize, bool causal, float eps, "
+      "int rotary_dim, float rotary_base) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("_gated_linear_attention_forward(Tensor f, Tensor q, Tensor alpha, Tensor beta, bool causal) -> Tensor");
+  m.def(
+      "_gated_linear_attention_backward(Tensor grad_out, Tensor f, Tensor q, Tensor alpha, Tensor beta, "
+      "bool causal, bool alpha_grad, bool beta_grad) -> (Tensor df, Tensor dq, Tensor dalpha, Tensor dbeta)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("_linear_attention_forward", &linear_attention_forward_cpu);
+  m.impl("_linear_attention_backward", &linear_attention_backward_cpu);
+  m.impl("_varlen_linear_attention_forward", &varlen_linear_forward_cpu);
+  m.impl("_varlen_linear_attention_backward", &varlen_linear_backward_cpu);
+  m.impl("_gated_linear_attention_forward", &gated_forward_cpu);
+  m.impl("_gated_linear_attention_backward", &gated_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
+  m.impl("_linear_attention_forward", &linear_attention_forward_meta);
+  m.impl("_linear_attention_backward", &linear_attention_backward_meta);
+  m.impl("_varlen_linear_attention_forward", &varlen_linear_forward_meta);
+  m.impl("_varlen_linear_attention_backward", &varlen_linear_backward_meta);
+  m.impl("_gated_linear_attention_forward", &gated_forward_meta);
+  m.impl("_gated_linear_attention_backward", &gated_backward_meta);
 }
 
 }  // namespace attnkit

@@ -1,13 +1,14 @@
 // Op boundary of rotary positions: validation, the dispatch between the
 // kernel (float32; bfloat16 through float32) and the composite reference
 // (float64), and the kernel's autograd (the inverse rotation).
-#include "kernels/rotary.h"
-
 #include <torch/autograd.h>
+#include <torch/library.h>
 
 #include "base/checks.h"
+#include "kernels/rotary.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
+#include "ops/kernel_op.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -19,16 +20,46 @@ constexpr const char* kRotaryOp = "rotary_embedding";
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-/// y = x rotated (or rotated back) by the kernel; y contiguous.
-torch::Tensor rotate(const torch::Tensor& x, const RotaryEmbeddingFuncOptions& o, bool inverse) {
-  auto y = torch::empty(x.sizes(), x.options().memory_format(torch::MemoryFormat::Contiguous));
+// The kernel as an op of its own (ops/kernel_op.h), for both directions:
+// attnkit::_rotary_embedding(x, dim, base, offset, inverse), with CPU and
+// Meta kernels; the autograd Function calls it through the dispatcher. Its
+// CPU kernel checks its arguments as rotary_embedding does (Python can call
+// it directly).
+
+constexpr const char* kRotaryKernelOp = "_rotary_embedding";
+using RotarySignature = torch::Tensor(const torch::Tensor&, int64_t, double, int64_t, bool);
+
+void check_rotary_arguments(const char* op, const torch::Tensor& x, int64_t dim, double base) {
+  detail::check_float_tensor(op, "x", x, 4);
+  detail::check_rotary(op, "dim", dim, "base", base, x.size(3));
+  TORCH_CHECK(dim > 0, op, ": option 'dim' must be >= 2, got 0 (nothing to rotate)");
+}
+
+/// y: x's shape and dtype, contiguous.
+torch::Tensor rotary_output(const torch::Tensor& x) {
+  return torch::empty(x.sizes(), x.options().memory_format(torch::MemoryFormat::Contiguous));
+}
+
+/// y = x rotated (or rotated back, `inverse`) by the kernel.
+torch::Tensor rotary_cpu(const torch::Tensor& x, int64_t dim, double base, int64_t offset, bool inverse) {
+  check_rotary_arguments(kRotaryKernelOp, x, dim, base);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, kRotaryKernelOp, ": the kernel takes float32, got ",
+              detail::dtype_name(x.scalar_type()));
+  auto y = rotary_output(x);
   kernels::RotaryParams p;
   detail::bind(p.x, p.x_stride, x);
   p.y = y.data_ptr<float>();
   p.N = x.size(0), p.H = x.size(1), p.T = x.size(2), p.E = x.size(3);
-  p.dim = o.dim(), p.base = o.base(), p.offset = o.offset(), p.inverse = inverse;
+  p.dim = dim, p.base = base, p.offset = offset, p.inverse = inverse;
   kernels::rotary_embedding(p);
   return y;
+}
+
+torch::Tensor rotary_meta(const torch::Tensor& x, int64_t, double, int64_t, bool) { return rotary_output(x); }
+
+torch::Tensor call_rotary(const torch::Tensor& x, int64_t dim, double base, int64_t offset, bool inverse) {
+  static const auto op = detail::kernel_op<RotarySignature>("attnkit::_rotary_embedding");
+  return op.call(x, dim, base, offset, inverse);
 }
 
 class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
@@ -38,17 +69,15 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["base"] = base;
     ctx->saved_data["offset"] = offset;
-    return rotate(x, RotaryEmbeddingFuncOptions(dim).base(base).offset(offset), /*inverse=*/false);
+    return call_rotary(x, dim, base, offset, /*inverse=*/false);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    const auto o = RotaryEmbeddingFuncOptions(ctx->saved_data["dim"].toInt())
-                       .base(ctx->saved_data["base"].toDouble())
-                       .offset(ctx->saved_data["offset"].toInt());
     // Linear in x: the gradient is the transpose of the rotation, computed by
     // the same kernel, so a gradient of the gradient would be this op again.
     // The kernel records no graph, hence once_differentiable.
-    const auto dx = rotate(grads[0], o, /*inverse=*/true);
+    const auto dx = call_rotary(grads[0], ctx->saved_data["dim"].toInt(), ctx->saved_data["base"].toDouble(),
+                                ctx->saved_data["offset"].toInt(), /*inverse=*/true);
     return detail::once_differentiable(kRotaryOp, {dx, torch::Tensor(), torch::Tensor(), torch::Tensor()},
                                        {grads[0]});
   }
@@ -57,9 +86,7 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 }  // namespace
 
 torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFuncOptions& options) {
-  detail::check_float_tensor(kRotaryOp, "x", x, 4);
-  detail::check_rotary(kRotaryOp, "dim", options.dim(), "base", options.base(), x.size(3));
-  TORCH_CHECK(options.dim() > 0, kRotaryOp, ": option 'dim' must be >= 2, got 0 (nothing to rotate)");
+  check_rotary_arguments(kRotaryOp, x, options.dim(), options.base());
   // Dispatch: float32 takes the kernel, bfloat16 the kernel through float32
   // (its angles need float32 anyway), float64 the composite reference.
   if (x.scalar_type() == torch::kDouble) return reference::rotary_embedding(x, options);
@@ -67,5 +94,13 @@ torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFunc
     return rotary_embedding(x.to(torch::kFloat), options).to(torch::kBFloat16);
   return RotaryFunction::apply(x, options.dim(), options.base(), options.offset());
 }
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def("_rotary_embedding(Tensor x, int dim, float base, int offset, bool inverse) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) { m.impl(kRotaryKernelOp, &rotary_cpu); }
+
+TORCH_LIBRARY_IMPL(attnkit, Meta, m) { m.impl(kRotaryKernelOp, &rotary_meta); }
 
 }  // namespace attnkit

@@ -407,66 +407,189 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
   }
 };
 
-/// A packed batch (varlen_attention): the constants and the offsets.
-struct VarlenConstants {
-  SoftmaxConstants c;
-  std::vector<int64_t> cu_q, cu_k;  // (B + 1) each, checked
-};
+// ---------------------------------------------------------------------------
+// Packed batches (varlen_attention): their kernels as ops of their own too,
+// attnkit::_varlen_attention_forward and _varlen_attention_backward. The
+// offsets are tensor arguments, read in the CPU kernels (a tracer has none to
+// read: the Meta kernels need only the packed lengths).
+// ---------------------------------------------------------------------------
+
+constexpr const char* kVarlenOp = "varlen_attention";
+constexpr const char* kVarlenForwardOp = "_varlen_attention_forward";
+constexpr const char* kVarlenBackwardOp = "_varlen_attention_backward";
+using VarlenForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                    const torch::Tensor&, const torch::Tensor&, const OptionalTensor&,
+                                                    double, bool, int64_t, double, int64_t, double, int64_t);
+using VarlenBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using VarlenBackwardSignature = VarlenBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                     const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                                     const torch::Tensor&, const torch::Tensor&, const OptionalTensor&,
+                                                     double, bool, int64_t, double, int64_t, double, int64_t);
+
+/// varlen_attention's checks: the packed tensors and offsets (whose values
+/// are read where they can be: detail::check_packed), and the options a packed
+/// batch takes. Returns the offsets (empty when not read).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> check_varlen_arguments(
+    const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k, const SoftmaxAttentionFuncOptions& o) {
+  auto offsets = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
+  TORCH_CHECK(!o.key_lengths().defined(), op,
+              ": option 'key_lengths' is not taken: 'cu_seqlens_k' gives each sequence its keys");
+  TORCH_CHECK(!o.bias().defined(), op,
+              ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
+              "and call softmax_attention");
+  detail::check_scale(op, o.scale(), q.scalar_type());
+  detail::check_alibi_slopes(op, o.alibi_slopes(), q.size(1));
+  detail::check_rotary(op, "rotary_dim", o.rotary_dim(), "rotary_base", o.rotary_base(), q.size(2));
+  TORCH_CHECK(o.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", o.window());
+  detail::check_dropout(op, o.dropout_p());
+  return offsets;
+}
+
+/// The offsets of a kernel op's arguments, checked (with the rest) as
+/// varlen_attention checks them, and what the kernel assumes besides.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> check_varlen_kernel_arguments(
+    const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k, const SoftmaxConstants& c) {
+  auto offsets = check_varlen_arguments(op, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                        SoftmaxAttentionFuncOptions()
+                                            .scale(c.scale)
+                                            .alibi_slopes(c.alibi_slopes)
+                                            .rotary_dim(c.rotary_dim)
+                                            .rotary_base(c.rotary_base)
+                                            .window(c.window)
+                                            .dropout_p(c.dropout_p));
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, op, ": the kernel takes float32, got ",
+              detail::dtype_name(q.scalar_type()));
+  TORCH_CHECK(
+      !c.alibi_slopes.defined() || (c.alibi_slopes.scalar_type() == torch::kFloat && c.alibi_slopes.is_contiguous()),
+      op, ": argument 'alibi_slopes' must be contiguous float32");
+  return offsets;
+}
+
+/// out (Tq, H, M) and lse (H Tq) floats, sequence b's (H, Lb) block at
+/// H cu_q[b]: the kernel's contiguous (1, H, Lb) layout.
+SoftmaxForwardResult varlen_forward_outputs(const torch::Tensor& q, const torch::Tensor& v) {
+  return {torch::empty({q.size(0), q.size(1), v.size(2)}, q.options()),
+          torch::empty({q.size(1) * q.size(0)}, q.options().dtype(torch::kFloat))};
+}
 
 /// Exact attention over a packed batch: one kernel call per sequence over
 /// views of the packed tensors (no copy), so that each sequence's tiles, key
 /// splits and thread schedule are those of the sequence alone and its values
-/// and gradients are bitwise the op's on it. lse holds H Tq floats, sequence
-/// b's (H, Lb) block at H cu_q[b]: the kernel's contiguous (1, H, Lb) layout.
+/// and gradients are bitwise the op's on it.
+SoftmaxForwardResult varlen_forward_cpu(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                        const OptionalTensor& alibi_slopes, double scale, bool causal,
+                                        int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
+                                        int64_t dropout_seed) {
+  const auto c =
+      softmax_constants({}, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed);
+  const auto [cu_q, cu_k] = check_varlen_kernel_arguments(kVarlenForwardOp, q, k, v, cu_seqlens_q, cu_seqlens_k, c);
+  TORCH_INTERNAL_ASSERT(!cu_q.empty(), "a CPU kernel read no offsets");
+  // q, k, v are read and out is written in place, in the packed layout.
+  auto [out, lse] = varlen_forward_outputs(q, v);
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const detail::PackedSequence s(cu_q, cu_k, b);
+    kernels::softmax_attention_forward(make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, c, s.of(out),
+                                                   s.row_stats(lse, q.size(1)), static_cast<int64_t>(b)));
+  }
+  return {out, lse};
+}
+
+SoftmaxForwardResult varlen_forward_meta(const torch::Tensor& q, const torch::Tensor&, const torch::Tensor& v,
+                                         const torch::Tensor&, const torch::Tensor&, const OptionalTensor&, double,
+                                         bool, int64_t, double, int64_t, double, int64_t) {
+  return varlen_forward_outputs(q, v);
+}
+
+/// dq contiguous in q's shape; dk and dv in k's and v's shapes: contiguous,
+/// or with grouped-query heads the (Tk, Hkv, X) view of a contiguous
+/// (Hkv, Tk, X) sum (how the group sum below leaves them).
+VarlenBackwardResult varlen_gradients_meta(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const bool grouped = detail::kv_group(q, k) > 1;
+  auto like = [&](const torch::Tensor& x) {
+    return grouped ? torch::empty({x.size(1), x.size(0), x.size(2)}, x.options()).permute({1, 0, 2})
+                   : torch::empty_like(x, torch::MemoryFormat::Contiguous);
+  };
+  return {torch::empty_like(q, torch::MemoryFormat::Contiguous), like(k), like(v)};
+}
+
+VarlenBackwardResult varlen_backward_meta(const torch::Tensor&, const torch::Tensor& q, const torch::Tensor& k,
+                                          const torch::Tensor& v, const torch::Tensor&, const torch::Tensor&,
+                                          const torch::Tensor&, const torch::Tensor&, const OptionalTensor&, double,
+                                          bool, int64_t, double, int64_t, double, int64_t) {
+  return varlen_gradients_meta(q, k, v);
+}
+
+VarlenBackwardResult varlen_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
+                                         const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                         const OptionalTensor& alibi_slopes, double scale, bool causal,
+                                         int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
+                                         int64_t dropout_seed) {
+  const auto c =
+      softmax_constants({}, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed);
+  const auto [cu_q, cu_k] = check_varlen_kernel_arguments(kVarlenBackwardOp, q, k, v, cu_seqlens_q, cu_seqlens_k, c);
+  TORCH_INTERNAL_ASSERT(!cu_q.empty(), "a CPU kernel read no offsets");
+  const int64_t T = q.size(0), H = q.size(1), M = v.size(2);
+  for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor*>{"grad_out", &grad_out}, {"out", &out}}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->sizes() == torch::IntArrayRef({T, H, M}), kVarlenBackwardOp,
+                ": argument '", name, "' must be float32 of shape (", T, ", ", H, ", ", M, "), got ",
+                detail::dtype_name(t->scalar_type()), " ", detail::shape_str(*t));
+  }
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.sizes() == torch::IntArrayRef({H * T}) && lse.is_contiguous(),
+              kVarlenBackwardOp, ": argument 'lse' must be contiguous float32 of shape (", H * T, "), got ",
+              detail::dtype_name(lse.scalar_type()), " ", detail::shape_str(lse));
+  // Grouped-query heads: the kernel writes each query head's share of dk
+  // and dv (kernels/softmax_attention.h), summed over each group below.
+  // Everything is read and written in place, in the packed layout (the
+  // kernel copies each head whose rows are not adjacent).
+  const int64_t group = detail::kv_group(q, k);  // dimension 1: heads, packed too
+  auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+  auto dk = torch::empty({k.size(0), group > 1 ? H : k.size(1), k.size(2)}, k.options());
+  auto dv = torch::empty({v.size(0), group > 1 ? H : v.size(1), v.size(2)}, v.options());
+  for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+    const detail::PackedSequence s(cu_q, cu_k, b);
+    kernels::SoftmaxAttentionBackwardParams p;
+    static_cast<kernels::SoftmaxAttentionParams&>(p) =
+        make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, c, s.of(out), s.row_stats(lse, H), static_cast<int64_t>(b));
+    detail::bind(p.dout, p.dout_stride, s.of(grad_out));
+    detail::bind(p.dq, p.dq_stride, s.of(dq));
+    detail::bind(p.dk, p.dk_stride, s.keys(dk));
+    detail::bind(p.dv, p.dv_stride, s.keys(dv));
+    kernels::softmax_attention_backward(p);
+  }
+  if (group > 1) {  // as the op on one sequence sums them: bitwise the same
+    dk = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dk, 0, dk.size(0)), group));
+    dv = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dv, 0, dv.size(0)), group));
+  }
+  return {dq, dk, dv};
+}
+
+/// Exact attention over a packed batch by the kernel ops above.
 class VarlenSoftmaxFunction : public torch::autograd::Function<VarlenSoftmaxFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const VarlenConstants& vc) {
-    // q, k, v are read and out is written in place, in the packed layout.
-    auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-    auto lse = torch::empty({q.size(1) * q.size(0)}, q.options());
-    for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
-      const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
-      kernels::softmax_attention_forward(make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out),
-                                                     s.row_stats(lse, q.size(1)), static_cast<int64_t>(b)));
-    }
-    ctx->save_for_backward({q, k, v, out, lse, vc.c.alibi_slopes});
-    save_constants(ctx, vc.c);
-    ctx->saved_data["cu_q"] = vc.cu_q;
-    ctx->saved_data["cu_k"] = vc.cu_k;
+                               const torch::Tensor& v, const torch::Tensor& cu_seqlens_q,
+                               const torch::Tensor& cu_seqlens_k, const SoftmaxConstants& c) {
+    static const auto op = detail::kernel_op<VarlenForwardSignature>("attnkit::_varlen_attention_forward");
+    auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, detail::as_optional(c.alibi_slopes), c.scale,
+                              c.causal, c.rotary_dim, c.rotary_base, c.window, c.dropout_p, c.dropout_seed);
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, c.alibi_slopes});
+    save_constants(ctx, c);
     return out;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    static const auto op = detail::kernel_op<VarlenBackwardSignature>("attnkit::_varlen_attention_backward");
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const VarlenConstants vc{saved_constants(ctx, torch::Tensor(), saved[5]),
-                             ctx->saved_data["cu_q"].toIntVector(), ctx->saved_data["cu_k"].toIntVector()};
-    // Grouped-query heads: the kernel writes each query head's share of dk
-    // and dv (kernels/softmax_attention.h), summed over each group below.
-    // Everything is read and written in place, in the packed layout (the
-    // kernel copies each head whose rows are not adjacent).
-    const int64_t H = q.size(1), group = detail::kv_group(q, k);  // dimension 1: heads, packed too
-    auto dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
-    auto dk = torch::empty({k.size(0), group > 1 ? H : k.size(1), k.size(2)}, k.options());
-    auto dv = torch::empty({v.size(0), group > 1 ? H : v.size(1), v.size(2)}, v.options());
-    for (std::size_t b = 0; b + 1 < vc.cu_q.size(); ++b) {
-      const detail::PackedSequence s(vc.cu_q, vc.cu_k, b);
-      kernels::SoftmaxAttentionBackwardParams p;
-      static_cast<kernels::SoftmaxAttentionParams&>(p) =
-          make_params(s.of(q), s.keys(k), s.keys(v), {}, {}, vc.c, s.of(out), s.row_stats(lse, H),
-                      static_cast<int64_t>(b));
-      detail::bind(p.dout, p.dout_stride, s.of(grads[0]));
-      detail::bind(p.dq, p.dq_stride, s.of(dq));
-      detail::bind(p.dk, p.dk_stride, s.keys(dk));
-      detail::bind(p.dv, p.dv_stride, s.keys(dv));
-      kernels::softmax_attention_backward(p);
-    }
-    if (group > 1) {  // as the op on one sequence sums them: bitwise the same
-      dk = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dk, 0, dk.size(0)), group));
-      dv = detail::packed_rows(detail::sum_over_groups(detail::sequence_view(dv, 0, dv.size(0)), group));
-    }
-    return detail::once_differentiable("varlen_attention", {dq, dk, dv, torch::Tensor()}, {q, k, v, grads[0]});
+    const SoftmaxConstants c = saved_constants(ctx, torch::Tensor(), saved[7]);
+    auto [dq, dk, dv] = op.call(grads[0], q, k, v, out, lse, saved[5], saved[6], detail::as_optional(c.alibi_slopes),
+                                c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window, c.dropout_p, c.dropout_seed);
+    return detail::once_differentiable(kVarlenOp, {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()},
+                                       {q, k, v, grads[0]});
   }
 };
 
@@ -480,8 +603,9 @@ SoftmaxAttentionFuncOptions with_dropout_seed(const char* op, const torch::Tenso
                                               SoftmaxAttentionFuncOptions options) {
   if (options.dropout_p() > 0 && !options.dropout_seed()) {
     TORCH_CHECK(detail::has_data(q), op,
-                ": attention dropout under torch.compile or torch.export needs an explicit dropout_seed "
-                "(a seed drawn while tracing would be the same in every call of the compiled graph)");
+                ": attention dropout under torch.compile or torch.export (on tensors without data, or of a "
+                "tensor subclass) needs an explicit dropout_seed (a seed drawn while tracing would be the same "
+                "in every call of the compiled graph)");
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
     options.dropout_seed(static_cast<int64_t>(generator.get<at::CPUGeneratorImpl>()->random64()));
@@ -569,25 +693,17 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
 torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
                                const SoftmaxAttentionFuncOptions& given) {
-  constexpr const char* op = "varlen_attention";
-  auto [cu_q, cu_k] = detail::check_packed(op, q, k, v, cu_seqlens_q, cu_seqlens_k);
-  TORCH_CHECK(!given.key_lengths().defined(), op,
-              ": option 'key_lengths' is not taken: 'cu_seqlens_k' gives each sequence its keys");
-  TORCH_CHECK(!given.bias().defined(), op,
-              ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
-              "and call softmax_attention");
-  detail::check_scale(op, given.scale(), q.scalar_type());
-  detail::check_alibi_slopes(op, given.alibi_slopes(), q.size(1));
-  detail::check_rotary(op, "rotary_dim", given.rotary_dim(), "rotary_base", given.rotary_base(), q.size(2));
-  TORCH_CHECK(given.window() >= 0, op, ": option 'window' must be >= 0 (0: no window), got ", given.window());
-  detail::check_dropout(op, given.dropout_p());
-  const SoftmaxAttentionFuncOptions options = with_dropout_seed(op, q, given);
+  auto [cu_q, cu_k] = check_varlen_arguments(kVarlenOp, q, k, v, cu_seqlens_q, cu_seqlens_k, given);
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(kVarlenOp, q, given);
   if (q.scalar_type() == torch::kBFloat16) {  // the float32 kernel, the result rounded once
     return varlen_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), cu_seqlens_q,
                             cu_seqlens_k, options)
         .to(torch::kBFloat16);
   }
   if (q.scalar_type() != torch::kFloat) {  // the composite, sequence by sequence
+    TORCH_CHECK(!cu_q.empty(), kVarlenOp, ": ", detail::dtype_name(q.scalar_type()),
+                " inputs take the composite, which reads the offsets to cut the batch and so cannot be traced "
+                "(torch.compile, torch.export); float32 and bfloat16 can");
     int64_t batch = 0;  // each_sequence calls in sequence order: sequence b draws batch b's mask
     return detail::each_sequence(q, k, v, cu_q, cu_k, [&](const auto& qb, const auto& kb, const auto& vb) {
       return reference::softmax_attention(qb, kb, vb, options, nullptr, batch++);
@@ -598,22 +714,35 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const SoftmaxConstants c{torch::Tensor(), detail::scale_or_default(options.scale(), q.size(2)),
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
                            options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
-  return VarlenSoftmaxFunction::apply(q, k, v, VarlenConstants{c, std::move(cu_q), std::move(cu_k)});
+  return VarlenSoftmaxFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, c);
 }
 
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def(kSoftmaxForwardSchema);
   m.def(kSoftmaxBackwardSchema);
+  m.def(
+      "_varlen_attention_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
+      "float dropout_p, int dropout_seed) -> (Tensor out, Tensor lse)");
+  m.def(
+      "_varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, float scale, bool causal, "
+      "int rotary_dim, float rotary_base, int window, float dropout_p, int dropout_seed) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl(kSoftmaxForwardOp, &softmax_forward_cpu);
   m.impl(kSoftmaxBackwardOp, &softmax_backward_cpu);
+  m.impl(kVarlenForwardOp, &varlen_forward_cpu);
+  m.impl(kVarlenBackwardOp, &varlen_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
   m.impl(kSoftmaxForwardOp, &softmax_forward_meta);
   m.impl(kSoftmaxBackwardOp, &softmax_backward_meta);
+  m.impl(kVarlenForwardOp, &varlen_forward_meta);
+  m.impl(kVarlenBackwardOp, &varlen_backward_meta);
 }
 
 }  // namespace attnkit

@@ -15,7 +15,9 @@
 namespace attnkit::detail {
 
 /// Offsets of a packed batch: int64 (B + 1) on the CPU, starting at 0,
-/// non-decreasing, ending at `total` (the packed length). Returned as a vector.
+/// non-decreasing, ending at `total` (the packed length). Returned as a vector;
+/// empty where the values cannot be read (has_data: a tracer's fake tensor),
+/// which only the structure's checks meet.
 inline std::vector<int64_t> check_offsets(const char* op, const char* name, const torch::Tensor& cu,
                                           int64_t total) {
   TORCH_CHECK(cu.defined(), op, ": argument '", name, "' is undefined");
@@ -26,6 +28,7 @@ inline std::vector<int64_t> check_offsets(const char* op, const char* name, cons
               cu.scalar_type());
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": argument '", name,
               "' must have shape (B + 1) with B >= 0 sequences, got ", shape_str(cu));
+  if (!has_data(cu)) return {};  // a tracer's stand-in: the kernel op reads the values
   const auto c = cu.contiguous();
   std::vector<int64_t> offsets(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   TORCH_CHECK(offsets.front() == 0, op, ": argument '", name, "' must start at 0, got ", offsets.front());
@@ -39,7 +42,8 @@ inline std::vector<int64_t> check_offsets(const char* op, const char* name, cons
 }
 
 /// Packed q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, M) with Hkv dividing H,
-/// and their offsets (one sequence count for both). Returns {cu_q, cu_k}.
+/// and their offsets (one sequence count for both). Returns {cu_q, cu_k}
+/// (both empty where they cannot be read: check_offsets).
 inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_packed(
     const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k) {
@@ -59,8 +63,10 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_packed(
               q.size(2), ", M = ", v.size(2));
   auto cu_q = check_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0));
   auto cu_k = check_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0));
-  TORCH_CHECK(cu_q.size() == cu_k.size(), op, ": 'cu_seqlens_q' and 'cu_seqlens_k' must describe as many "
-              "sequences, got ", cu_q.size() - 1, " and ", cu_k.size() - 1);
+  TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), op,
+              ": 'cu_seqlens_q' and 'cu_seqlens_k' must describe "
+              "as many sequences, got ",
+              cu_seqlens_q.size(0) - 1, " and ", cu_seqlens_k.size(0) - 1);
   return {std::move(cu_q), std::move(cu_k)};
 }
 

@@ -9,7 +9,9 @@ inductor fuses around them, the projections and reshapes, may round
 differently); torch.export must export it and the exported program must
 survive a save/load round trip. The ops that take part have their kernels as
 ops of their own with Meta kernels (src/ops/kernel_op.h): today
-softmax_attention, the scaled_dot_product_attention over it, and linear.
+softmax_attention, the scaled_dot_product_attention over it, varlen_attention,
+linear_attention, varlen_linear_attention, gated_linear_attention,
+agglomerative_attention, linear and rotary_embedding.
 """
 import io
 import unittest
@@ -114,6 +116,80 @@ class CompileTest(unittest.TestCase):
                 grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v, bias))
                 results.append([out.detach(), *grads])
             self.check_equal(results[1], results[0])
+
+    def test_varlen_attention_compiles(self):
+        # A packed batch of three sequences (one empty), grouped-query heads,
+        # causal with ALiBi; the offsets are inputs of the graph.
+        def fn(q, k, v, cu_q, cu_k):
+            return attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, alibi_slopes=attnkit.alibi_slopes(4))
+
+        cu_q, cu_k = torch.tensor([0, 5, 5, 12]), torch.tensor([0, 7, 9, 17])
+        q = torch.randn(12, 4, 8, requires_grad=True)
+        k = torch.randn(17, 2, 8, requires_grad=True)
+        v = torch.randn(17, 2, 6, requires_grad=True)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        results = []
+        for f in (fn, compiled):
+            out = f(q, k, v, cu_q, cu_k)
+            torch.manual_seed(4)
+            results.append([out.detach(), *torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v))])
+        self.check_equal(results[1], results[0])
+        # Other offsets, the same shapes: the graph reads them, not a copy made while tracing.
+        other = torch.tensor([0, 2, 10, 12]), torch.tensor([0, 1, 16, 17])
+        self.assertLess(rel_err(compiled(q, k, v, *other), fn(q, k, v, *other)), TOLERANCE)
+        # float64 takes the composite, which cuts the batch by the offsets' values: refused.
+        with self.assertRaisesRegex(Exception, "cannot be traced"):
+            compiled(q.double(), k.double(), v.double(), cu_q, cu_k)
+
+    def compiled_matches_eager(self, fn, inputs, leaves, seed=5):
+        """fn compiled (aot_eager, fullgraph) against fn: values and the
+        gradients of a random projection towards `leaves` (indices)."""
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        results = []
+        for f in (fn, compiled):
+            out = f(*inputs)
+            torch.manual_seed(seed)
+            grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), [inputs[i] for i in leaves])
+            results.append([out.detach(), *grads])
+        self.check_equal(results[1], results[0])
+
+    def test_linear_attention_family_compiles(self):
+        q = torch.randn(2, 4, 9, 8, requires_grad=True)
+        k = torch.randn(2, 2, 9, 8, requires_grad=True)
+        v = torch.randn(2, 2, 9, 6, requires_grad=True)
+        for options in [dict(), dict(feature_map="elu", normalize=True, causal=True, rotary_dim=4)]:
+            self.compiled_matches_eager(lambda q, k, v: attnkit.linear_attention(q, k, v, **options), (q, k, v),
+                                        (0, 1, 2))
+        cu_q, cu_k = torch.tensor([0, 4, 4, 9]), torch.tensor([0, 2, 7, 9])
+        packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]  # (T, H, E)
+        self.compiled_matches_eager(
+            lambda q, k, v: attnkit.varlen_linear_attention(q, k, v, cu_q, cu_k, feature_map="elu", normalize=True),
+            packed, (0, 1, 2))
+        f, g = torch.randn(2, 3, 11, 5, requires_grad=True), torch.randn(2, 3, 11, 5, requires_grad=True)
+        alpha, beta = torch.rand(2, 3, 11, requires_grad=True), torch.rand(2, 3, 11, requires_grad=True)
+        self.compiled_matches_eager(lambda f, g, a, b: attnkit.gated_linear_attention(f, g, a, b, causal=True),
+                                    (f, g, alpha, beta), (0, 1, 2, 3))
+
+    def test_agglomerative_attention_compiles(self):
+        for causal in (False, True):
+            cq = torch.softmax(torch.randn(2, 3, 9), 1).requires_grad_()
+            cr = torch.softmax(torch.randn(2, 3, 9), 1).requires_grad_()
+            v = torch.randn(2, 9, 3, 4).transpose(1, 2).requires_grad_()  # classes interleaved, as x P is
+            self.compiled_matches_eager(lambda cq, cr, v: attnkit.agglomerative_attention(cq, cr, v, causal=causal),
+                                        (cq, cr, v), (0, 1, 2))
+
+    def test_rotary_embedding_compiles(self):
+        def fn(x):
+            return attnkit.rotary_embedding(x, 6, base=500.0, offset=3) * 2
+
+        x = torch.randn(2, 3, 7, 10, requires_grad=True)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        results = []
+        for f in (fn, compiled):
+            out = f(x)
+            torch.manual_seed(3)
+            results.append([out.detach(), *torch.autograd.grad((out * torch.randn_like(out)).sum(), (x,))])
+        self.check_equal(results[1], results[0])
 
     def test_a_new_shape_compiles_anew(self):
         # The checks read sizes as integers, which specialises the graph on
@@ -220,6 +296,64 @@ class KernelOpsTest(unittest.TestCase):
             dx, dw, db = torch.ops.attnkit._linear_backward(torch.randn_like(y), x, weight, True, True, True)
             self.assertEqual((dx.shape, dw.shape, db.shape), (x.shape, weight.shape, (4,)))
             self.assertEqual(dw.stride(), weight.stride())  # the weight's stored layout
+
+    def test_opcheck_rotary(self):
+        for shape, inverse in [((2, 3, 7, 10), False), ((1, 1, 1, 4), True)]:
+            torch.library.opcheck(torch.ops.attnkit._rotary_embedding, (torch.randn(*shape), 4, 10000.0, 2, inverse),
+                                  test_utils=("test_schema", "test_faketensor"))
+        strided = torch.randn(2, 7, 3, 10).transpose(1, 2)  # a view: y comes back contiguous
+        torch.library.opcheck(torch.ops.attnkit._rotary_embedding, (strided, 10, 10000.0, 0, False),
+                              test_utils=("test_schema", "test_faketensor"))
+
+    def test_opcheck_varlen(self):
+        cu_q, cu_k = torch.tensor([0, 3, 3, 9]), torch.tensor([0, 4, 6, 11])
+        for Hkv in (4, 2):
+            q, k, v = torch.randn(9, 4, 8), torch.randn(11, Hkv, 8), torch.randn(11, Hkv, 5)
+            args = (q, k, v, cu_q, cu_k, None, 0.35, True, 0, 10000.0, 0, 0.0, 0)
+            torch.library.opcheck(torch.ops.attnkit._varlen_attention_forward, args,
+                                  test_utils=("test_schema", "test_faketensor"))
+            out, lse = torch.ops.attnkit._varlen_attention_forward(*args)
+            backward_args = (torch.randn_like(out), q, k, v, out, lse) + args[3:]
+            torch.library.opcheck(torch.ops.attnkit._varlen_attention_backward, backward_args,
+                                  test_utils=("test_schema", "test_faketensor"))
+        with self.assertRaisesRegex(RuntimeError, "_varlen_attention_forward: argument 'cu_seqlens_k' must end at"):
+            torch.ops.attnkit._varlen_attention_forward(q, k, v, cu_q, torch.tensor([0, 4, 6, 10]), *args[5:])
+
+    def test_opcheck_linear_attention_family(self):
+        utils = ("test_schema", "test_faketensor")
+        q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 5)
+        for normalize in (False, True):
+            options = ("elu", normalize, True, 1e-6, 0, 10000.0)
+            torch.library.opcheck(torch.ops.attnkit._linear_attention_forward, (q, k, v) + options, test_utils=utils)
+            out, den = torch.ops.attnkit._linear_attention_forward(q, k, v, *options)
+            self.assertEqual(den.shape, (2, 4, 7) if normalize else (0,))
+            torch.library.opcheck(torch.ops.attnkit._linear_attention_backward,
+                                  (torch.randn_like(out), q, k, v, out, den) + options, test_utils=utils)
+            cu_q, cu_k = torch.tensor([0, 3, 7]), torch.tensor([0, 5, 7])
+            packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+            args = (*packed, cu_q, cu_k) + options
+            torch.library.opcheck(torch.ops.attnkit._varlen_linear_attention_forward, args, test_utils=utils)
+            out, den = torch.ops.attnkit._varlen_linear_attention_forward(*args)
+            torch.library.opcheck(torch.ops.attnkit._varlen_linear_attention_backward,
+                                  (torch.randn_like(out), *packed, out, den, cu_q, cu_k) + options, test_utils=utils)
+        f, g, alpha, beta = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4), torch.rand(2, 3, 6), torch.rand(2, 3, 6)
+        torch.library.opcheck(torch.ops.attnkit._gated_linear_attention_forward, (f, g, alpha, beta, True),
+                              test_utils=utils)
+        for asked in [(True, True), (False, False)]:
+            torch.library.opcheck(torch.ops.attnkit._gated_linear_attention_backward,
+                                  (torch.randn_like(f), f, g, alpha, beta, True, *asked), test_utils=utils)
+
+    def test_opcheck_agglomerative(self):
+        utils = ("test_schema", "test_faketensor")
+        cq, cr = torch.rand(2, 3, 7), torch.rand(2, 3, 5)
+        for v in (torch.randn(2, 3, 5, 4), torch.randn(2, 5, 3, 4).transpose(1, 2)):
+            for causal, save in [(False, True), (True, True), (True, False)]:
+                torch.library.opcheck(torch.ops.attnkit._agglomerative_forward, (cq, cr, v, causal, 1e-6, save),
+                                      test_utils=utils)
+            for causal in (False, True):
+                out, avg, den = torch.ops.attnkit._agglomerative_forward(cq, cr, v, causal, 1e-6, True)
+                torch.library.opcheck(torch.ops.attnkit._agglomerative_backward,
+                                      (torch.randn_like(out), cq, cr, v, avg, den, causal, 1e-6), test_utils=utils)
 
     def test_kernel_ops_check_their_arguments(self):
         q, k, v, *rest = self.forward_args()
