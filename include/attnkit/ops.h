@@ -360,7 +360,9 @@ Dispatch sparse_attention_dispatch(const torch::Tensor& q, const torch::Tensor& 
                                    const SparseAttentionFuncOptions& options = {});
 
 /// Throws a clear error if `edges` is not a valid list for L queries, S keys
-/// and H heads (the op calls this; builders' outputs always pass).
+/// and H heads (the op calls this; builders' outputs always pass). The
+/// values of offsets and columns are checked only when the tensors hold data
+/// (a tracer's fake tensors have shapes alone; the kernel checks them then).
 void check_edge_list(const EdgeList& edges, int64_t L, int64_t S, int64_t H,
                      const char* op = "sparse_attention");
 

@@ -30,7 +30,16 @@ from typing import List, Optional
 
 import torch
 
+from . import _compile
+
 __all__ = ["BridgedModule"]
+
+
+@torch.jit.unused  # TorchScript compiles forward's other branch only
+def _is_compiling() -> bool:
+    """True while torch.compile or torch.export traces (torch 2; never on torch 1.13)."""
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
 
 
 class _Node(torch.nn.Module):
@@ -55,6 +64,7 @@ class BridgedModule(torch.nn.Module):
     def __init__(self, kind, settings):
         super().__init__()
         self._bridge = torch.classes.attnkit.Module(kind, json.dumps(settings))
+        self._handle = _compile.register(self)  # how a compiled graph names this module
         self._adopt()
 
     # --- the C++ module's tensors as Parameters and buffers -------------------------------
@@ -137,9 +147,17 @@ class BridgedModule(torch.nn.Module):
         """The C++ module's forward on its positional inputs (None for absent
         ones): the op torch.jit.trace records and torch.jit.script compiles."""
         if not torch.jit.is_scripting():
+            if _is_compiling():
+                return self._traced_forward([input0, input1, input2, input3], causal, offset)
             self._sync()
         return torch.ops.attnkit.module_forward(self._bridge, input0, input1, input2, input3, causal, offset,
                                                 self.training)
+
+    @torch.jit.unused
+    def _traced_forward(self, inputs: List[Optional[torch.Tensor]], causal: bool, offset: int) -> List[torch.Tensor]:
+        """Under torch.compile or torch.export: the forward as an op that takes
+        the parameters as inputs (attnkit/_compile.py says how and why)."""
+        return _compile.bridged_forward(self, inputs, causal, offset)
 
     def _call(self, method, *inputs, **args):
         """Runs `method` (other than forward) of the C++ module on positional
@@ -174,6 +192,7 @@ class BridgedModule(torch.nn.Module):
         # move the user's random stream.
         with torch.random.fork_rng(devices=[]):
             self._bridge = torch.classes.attnkit.Module(kind, settings)
+        self._handle = _compile.register(self)  # a copy is a module of its own
         self._adopt(values)
 
     def extra_repr(self):

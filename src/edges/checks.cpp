@@ -1,6 +1,7 @@
 // Edge-list validation (include/attnkit/ops.h: check_edge_list): the CSR
 // invariants every consumer of an EdgeList relies on, each violation one clear
-// error naming the caller.
+// error naming the caller. Shapes and dtypes always; the offsets' and
+// columns' values when the tensors hold data (not a tracer's fake tensors).
 #include <attnkit/ops.h>
 
 #include "base/checks.h"
@@ -28,6 +29,10 @@ void check_edge_list(const EdgeList& edges, int64_t L, int64_t S, int64_t H, con
   if (off.dim() == 2)
     TORCH_CHECK(off.size(0) == H, op, ": per-head edge list 'offsets' must have H = ", H,
                 " rows, got shape ", detail::shape_str(off));
+  // The values are checked where they are there to read: a tracer's fake
+  // tensors (torch.compile) have shapes only, and the kernel op that reads
+  // them checks them again (ops/sparse_attention.cpp).
+  if (!detail::has_data(off) || !detail::has_data(col)) return;
   const int64_t nnz = col.numel();
   auto o2 = off.contiguous().view({-1, L + 1});
   auto o = o2.accessor<int64_t, 2>();

@@ -25,7 +25,9 @@ void check_tokens(const char* name, const torch::Tensor& tokens, int64_t dims, i
               ": argument '", name, "' must be int64 token ids of ", dims, " dimensions, got ",
               tokens.defined() ? detail::shape_str(tokens) + " " + std::string(c10::toString(tokens.scalar_type()))
                                : std::string("an undefined tensor"));
-  if (tokens.numel() == 0) return;
+  // The ids' range where they can be read: a tracer's fake tensors have none
+  // (the compiled graph runs this check on the real ids, python/attnkit/_compile.py).
+  if (tokens.numel() == 0 || !detail::has_data(tokens)) return;
   const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
   TORCH_CHECK(lo >= 0 && hi < vocab, kModel, ": argument '", name, "' holds ids in [", lo, ", ", hi,
               "], outside the vocabulary [0, ", vocab, ")");

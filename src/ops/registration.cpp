@@ -2,7 +2,9 @@
 // arguments Python callers use; each wrapper only unpacks them into the C++
 // options struct and calls the C++ op, so both languages share one
 // implementation and one set of checks. The ops are composite (their autograd
-// comes from the functions they call), hence CompositeImplicitAutograd.
+// comes from the functions they call), hence CompositeImplicitAutograd; the
+// two tensor factories, attention_dropout_mask and edge_pattern, have CPU and
+// Meta kernels instead (at the end of this file).
 #include <attnkit/ops.h>
 #include <torch/library.h>
 
@@ -162,8 +164,7 @@ TORCH_LIBRARY(attnkit, m) {
          ", int? dropout_seed=None) -> Tensor")
             .c_str(),
         &varlen_attention_op);
-  m.def("attention_dropout_mask(int N, int H, int L, int S, float dropout_p, int seed) -> Tensor",
-        &attention_dropout_mask);
+  m.def("attention_dropout_mask(int N, int H, int L, int S, float dropout_p, int seed) -> Tensor");
   m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
   m.def(("rotary_embedding(Tensor x, int dim, *, float base=" +
          schema_float(RotaryEmbeddingFuncOptions(2).base()) + ", int offset=0) -> Tensor")
@@ -206,8 +207,18 @@ TORCH_LIBRARY(attnkit, m) {
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, *, "
         "float? scale=None, Tensor? alibi_slopes=None) -> Tensor",
         &sparse_attention_op);
-  m.def("edge_pattern(str name, int n, int param=0) -> (Tensor offsets, Tensor columns)",
-        &edge_pattern_op);
+  m.def("edge_pattern(str name, int n, int param=0) -> (Tensor offsets, Tensor columns)");
+}
+
+// A factory has no tensor argument to dispatch on: its kernel is registered
+// as CompositeExplicitAutograd, which the dispatcher also runs when no
+// argument names a backend. A tracer shapes their outputs with the fake
+// implementations python/attnkit/_compile.py registers (torch's fake tensors
+// treat a one-tensor factory as a constructor taking a device, which these
+// are not, so a Meta kernel would not be reached).
+TORCH_LIBRARY_IMPL(attnkit, CompositeExplicitAutograd, m) {
+  m.impl("attention_dropout_mask", &attention_dropout_mask);
+  m.impl("edge_pattern", &edge_pattern_op);
 }
 
 }  // namespace attnkit

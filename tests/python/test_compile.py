@@ -11,7 +11,10 @@ survive a save/load round trip. The ops that take part have their kernels as
 ops of their own with Meta kernels (src/ops/kernel_op.h): today
 softmax_attention, the scaled_dot_product_attention over it, varlen_attention,
 linear_attention, varlen_linear_attention, gated_linear_attention,
-agglomerative_attention, linear and rotary_embedding.
+agglomerative_attention, clustered_attention (its clustering too),
+sparse_attention, linear and rotary_embedding; the two tensor factories,
+attention_dropout_mask and edge_pattern, have fake implementations.
+test_compile_modules.py compiles attnkit.nn modules and models.Transformer.
 """
 import io
 import unittest
@@ -177,6 +180,61 @@ class CompileTest(unittest.TestCase):
             v = torch.randn(2, 9, 3, 4).transpose(1, 2).requires_grad_()  # classes interleaved, as x P is
             self.compiled_matches_eager(lambda cq, cr, v: attnkit.agglomerative_attention(cq, cr, v, causal=causal),
                                         (cq, cr, v), (0, 1, 2))
+
+    def test_clustered_attention_compiles(self):
+        # Plain and improved clustered attention, padded keys and queries,
+        # grouped-query heads: the clustering is an op of the graph too
+        # (attnkit::_cluster_queries), so new inputs are clustered anew.
+        q = torch.randn(2, 4, 21, 8, requires_grad=True)
+        k = torch.randn(2, 2, 17, 8, requires_grad=True)
+        v = torch.randn(2, 2, 17, 6, requires_grad=True)
+        key_lengths, query_lengths = torch.tensor([17, 9]), torch.tensor([21, 14])
+        for topk in (0, 5):
+            def fn(q, k, v):
+                return attnkit.clustered_attention(q, k, v, clusters=4, bits=31, topk=topk, seed=3,
+                                                   key_lengths=key_lengths, query_lengths=query_lengths)
+
+            self.compiled_matches_eager(fn, (q, k, v), (0, 1, 2))
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            other = torch.randn_like(q)
+            self.assertTrue(torch.equal(compiled(other, k, v), fn(other, k, v)), f"topk = {topk}")
+
+    def test_sparse_attention_compiles(self):
+        # One list for all heads and one per head, ALiBi, grouped-query heads;
+        # the edge list is an input of the graph: another list of the same
+        # sizes gives that list's result.
+        offsets, columns = attnkit.edge_pattern("local", 13, 3)
+        q = torch.randn(2, 4, 13, 8, requires_grad=True)
+        k = torch.randn(2, 2, 13, 8, requires_grad=True)
+        v = torch.randn(2, 2, 13, 6, requires_grad=True)
+
+        def fn(q, k, v, offsets, columns):
+            return attnkit.sparse_attention(q, k, v, offsets, columns, alibi_slopes=attnkit.alibi_slopes(4))
+
+        self.compiled_matches_eager(lambda q, k, v: fn(q, k, v, offsets, columns), (q, k, v), (0, 1, 2))
+        per_head = offsets.expand(4, -1).contiguous()
+        self.compiled_matches_eager(lambda q, k, v: fn(q, k, v, per_head, columns), (q, k, v), (0, 1, 2))
+        # The same offsets, other columns (row i reads its first keys): the
+        # graph reads the list it is given, not one copied while tracing.
+        counts = (offsets[1:] - offsets[:-1]).tolist()
+        other = torch.cat([torch.arange(c) for c in counts])
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        self.assertLess(rel_err(compiled(q, k, v, offsets, other), fn(q, k, v, offsets, other)), TOLERANCE)
+
+    def test_tensor_factories_compile(self):
+        # attention_dropout_mask and edge_pattern take no tensor: their fake
+        # implementations (attnkit/_compile.py) shape them while tracing; the
+        # compiled graph computes them.
+        def fn(x):
+            keep = attnkit.attention_dropout_mask(1, 2, 5, 7, 0.25, 11)
+            offsets, columns = attnkit.edge_pattern("local", 7, 2)
+            return x * keep + offsets.sum() + columns.sum()
+
+        x = torch.randn(1, 2, 5, 7)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        self.assertTrue(torch.equal(compiled(x), fn(x)))
+        explanation = torch._dynamo.explain(fn)(x)
+        self.assertEqual(explanation.graph_break_count, 0, explanation.break_reasons)
 
     def test_rotary_embedding_compiles(self):
         def fn(x):
@@ -355,6 +413,35 @@ class KernelOpsTest(unittest.TestCase):
                 torch.library.opcheck(torch.ops.attnkit._agglomerative_backward,
                                       (torch.randn_like(out), cq, cr, v, avg, den, causal, 1e-6), test_utils=utils)
 
+    def test_opcheck_clustered(self):
+        utils = ("test_schema", "test_faketensor")
+        q, k, v = torch.randn(2, 4, 11, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 5)
+        for query_lengths in (None, torch.tensor([11, 6])):
+            torch.library.opcheck(torch.ops.attnkit._cluster_queries, (q, query_lengths, 3, 31, 10, 5, True),
+                                  test_utils=utils)
+        labels = torch.ops.attnkit._cluster_queries(q, torch.tensor([11, 6]), 3, 31, 10, 5, True)
+        for key_lengths, topk in [(None, 0), (torch.tensor([9, 4]), 3), (None, 9)]:
+            args = (q, k, v, labels, key_lengths, 3, topk, 0.35)
+            torch.library.opcheck(torch.ops.attnkit._clustered_attention_forward, args, test_utils=utils)
+            out, *saved = torch.ops.attnkit._clustered_attention_forward(*args)
+            torch.library.opcheck(torch.ops.attnkit._clustered_attention_backward,
+                                  (torch.randn_like(out), q, k, v, labels, key_lengths, *saved, 3, topk, 0.35),
+                                  test_utils=utils)
+
+    def test_opcheck_sparse(self):
+        utils = ("test_schema", "test_faketensor")
+        offsets, columns = torch.ops.attnkit.edge_pattern("local", 7, 2)
+        q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 5)
+        for lists, slopes in [(offsets.unsqueeze(0), None), (offsets.expand(4, -1).contiguous(), torch.rand(4))]:
+            args = (q, k, v, lists, columns, 0.35, slopes)
+            torch.library.opcheck(torch.ops.attnkit._sparse_attention_forward, args, test_utils=utils)
+            out, lse = torch.ops.attnkit._sparse_attention_forward(*args)
+            torch.library.opcheck(torch.ops.attnkit._sparse_attention_backward,
+                                  (torch.randn_like(out), q, k, v, out, lse, lists, columns, 0.35, slopes),
+                                  test_utils=utils)
+        torch.library.opcheck(torch.ops.attnkit.edge_pattern, ("bp-tree", 9, 0), test_utils=utils)
+        torch.library.opcheck(torch.ops.attnkit.attention_dropout_mask, (2, 3, 4, 5, 0.3, 7), test_utils=utils)
+
     def test_kernel_ops_check_their_arguments(self):
         q, k, v, *rest = self.forward_args()
         with self.assertRaisesRegex(RuntimeError, "argument 'v' has key count S"):
@@ -365,6 +452,42 @@ class KernelOpsTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "argument 'lse' must be contiguous float32"):
             torch.ops.attnkit._softmax_attention_backward(torch.randn_like(out), q, k, v, out, lse[:, :, 1:],
                                                           *rest, False)
+
+    def test_every_kernel_op_refuses_bad_arguments(self):
+        # Each kernel op is callable from Python on its own: it checks what
+        # its kernel reads (shapes, dtypes, index values) with a clear error
+        # rather than reading out of bounds.
+        ops = torch.ops.attnkit
+        x, w = torch.randn(5, 7), torch.randn(4, 6)
+        with self.assertRaisesRegex(RuntimeError, "so x must end in in = 6"):
+            ops._linear_forward(x, w, None)
+        q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+        with self.assertRaisesRegex(RuntimeError, "_linear_attention_forward"):
+            ops._linear_attention_forward(q, k, v[:, :, 1:], "elu", True, False, 1e-6, 0, 10000.0)
+        f, g, alpha = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.rand(1, 2, 5)
+        with self.assertRaisesRegex(RuntimeError, "_gated_linear_attention_forward"):
+            ops._gated_linear_attention_forward(f, g, alpha, alpha[:, :, 1:], True)
+        cq, cr = torch.rand(1, 2, 5), torch.rand(1, 2, 5)
+        with self.assertRaisesRegex(RuntimeError, "_agglomerative_forward"):
+            ops._agglomerative_forward(cq, cr, v, False, -1.0, True)
+        with self.assertRaisesRegex(RuntimeError, "_rotary_embedding"):
+            ops._rotary_embedding(q, 3, 10000.0, 0, False)
+        with self.assertRaisesRegex(RuntimeError, "_cluster_queries: option 'clusters'"):
+            ops._cluster_queries(q, None, 9, 31, 10, 0, True)
+        labels = ops._cluster_queries(q, None, 2, 31, 10, 0, True)
+        with self.assertRaisesRegex(RuntimeError, "argument 'labels' has an entry 2 outside"):
+            ops._clustered_attention_forward(q, k, v, torch.full_like(labels, 2), None, 2, 0, 0.5)
+        out, *saved = ops._clustered_attention_forward(q, k, v, labels, None, 2, 2, 0.5)
+        saved[2] = torch.full_like(saved[2], 5)  # top keys beyond S
+        with self.assertRaisesRegex(RuntimeError, "argument 'top' has an entry 5 outside"):
+            ops._clustered_attention_backward(torch.randn_like(out), q, k, v, labels, None, *saved, 2, 2, 0.5)
+        offsets, columns = ops.edge_pattern("local", 5, 1)
+        with self.assertRaisesRegex(RuntimeError, "_sparse_attention_forward: edge list 'columns' entry"):
+            ops._sparse_attention_forward(q, k, v, offsets.unsqueeze(0), columns + 5, 0.5, None)
+        with self.assertRaisesRegex(RuntimeError, "argument 'offsets' must have shape"):
+            ops._sparse_attention_forward(q, k, v, offsets, columns, 0.5, None)
+        with self.assertRaisesRegex(RuntimeError, "attention_dropout_mask: sizes must be >= 0"):
+            ops.attention_dropout_mask(1, -1, 2, 2, 0.5, 0)
 
 
 if __name__ == "__main__":

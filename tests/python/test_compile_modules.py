@@ -1,0 +1,128 @@
+"""torch.compile and torch.export of attnkit.nn modules and attnkit.models.Transformer
+(torch 2 only; on torch 1.13 every test is skipped with the reason).
+
+The models are test_export.py's: a Transformer and a model of attnkit.nn
+layers for every mechanism of the registry, the zoo's modules, exact
+attention's weights and an encoder-decoder. Each compiles with
+fullgraph=True (torch._dynamo.explain: one graph, no break); its parameters
+are inputs of the graph (python/attnkit/_compile.py), and the compiled
+model's outputs and gradients (towards every parameter and the floating
+inputs) equal eager's within float32 rounding: the compiled graph runs the
+very C++ modules eager runs, and the backward recomputes their forward with
+autograd.
+"""
+import pytest
+import torch
+
+from attnkit.models import Transformer
+from conftest import rel_err
+from test_export import _CASES, _as_list
+
+TORCH_2 = int(torch.__version__.split(".")[0]) >= 2
+pytestmark = pytest.mark.skipif(not TORCH_2, reason=f"torch {torch.__version__} has no torch.compile / "
+                                "torch.export (torch 2)")
+
+# conftest.rel_err, relative to the largest entry: the compiled graph calls
+# the same C++ code; only AOTAutograd's bookkeeping differs.
+TOLERANCE = 1e-5
+
+
+def _build(name, train=False):
+    build, inputs = _CASES[name]
+    torch.manual_seed(7)
+    model = build()
+    model.train(train)
+    return model, inputs
+
+
+def _outputs_and_grads(model, fn, inputs, seed=3):
+    """fn(*inputs)'s floating outputs and the gradients of a fixed random
+    projection of them towards every parameter and floating input."""
+    inputs = [x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    torch.manual_seed(seed)  # the same dropout draws for eager and compiled
+    outputs = [o for o in _as_list(fn(*inputs)) if o.is_floating_point()]
+    leaves = list(model.parameters()) + [x for x in inputs if x.requires_grad]
+    generator = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=generator)).sum() for o in outputs)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    # A parameter the forward does not use ("none" has q and k projections)
+    # gets None eagerly and zeros compiled (docs/API.md): compared as zeros.
+    return [o.detach() for o in outputs] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+
+def _check_equal(actual, expected, what):
+    assert len(actual) == len(expected), what
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a.shape == e.shape, (what, i)
+        assert rel_err(a, e) < TOLERANCE, (what, i, rel_err(a, e))
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_compiled_equals_eager_without_graph_break(name):
+    model, inputs = _build(name)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(*inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    expected = _outputs_and_grads(model, model, inputs)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _check_equal(_outputs_and_grads(model, compiled, inputs), expected, name)
+
+
+def test_parameters_are_graph_inputs():
+    # A step of an optimiser changes the parameters in place: the compiled
+    # model computes with the new values, without recompiling.
+    model, inputs = _build("transformer-full")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    before = compiled(*inputs).detach()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    after = compiled(*inputs)
+    assert rel_err(after, model(*inputs)) < TOLERANCE
+    assert rel_err(after, before) > 1e-2
+
+
+def test_training_with_dropout_inductor():
+    # Training mode, dropout in the blocks and on the attention weights,
+    # inductor (the default backend): the backward's recomputed forward draws
+    # the forward's dropout, so the gradients are eager's.
+    torch.manual_seed(7)
+    model = Transformer(11, layers=2, width=16, heads=2, ffn=32, dropout=0.2, attention_dropout=0.2)
+    model.train()
+    tokens = _CASES["transformer-full"][1]
+    expected = _outputs_and_grads(model, model, tokens)
+    compiled = torch.compile(model, fullgraph=True)
+    _check_equal(_outputs_and_grads(model, compiled, tokens), expected, "training")
+    # Another seed, other draws: dropout is really on.
+    assert rel_err(_outputs_and_grads(model, compiled, tokens, seed=4)[0], expected[0]) > 1e-2
+
+
+def test_a_frozen_parameter_gets_no_gradient():
+    model, inputs = _build("layers-full")
+    model.inp.weight.requires_grad_(False)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(*inputs).sum().backward()
+    assert model.inp.weight.grad is None
+    assert model.inp.bias.grad is not None and model.attention.q_proj.weight.grad is not None
+
+
+def test_other_parameters_are_refused():
+    model, inputs = _build("layers-full")
+    params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(Exception, match="computes with its own parameters"):
+        torch.compile(lambda *x: torch.func.functional_call(model, params, x), fullgraph=True,
+                      backend="aot_eager")(*inputs)
+
+
+@pytest.mark.parametrize("name", ["transformer-full", "transformer-clustered", "zoo", "encoder-decoder"])
+def test_export(name):
+    model, inputs = _build(name)
+    with torch.no_grad():
+        expected = _as_list(model(*inputs))
+    program = torch.export.export(model, tuple(inputs))
+    # The parameters are the program's inputs.
+    assert {n for n, _ in model.named_parameters()} <= set(program.state_dict)
+    with torch.no_grad():
+        actual = _as_list(program.module()(*inputs))
+    _check_equal(actual, expected, name)
