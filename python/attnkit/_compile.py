@@ -12,9 +12,11 @@ tracer (``torch.compiler.is_compiling()``) the module calls
   torch.export see them as the graph's inputs and give them gradients,
 * the forward's inputs and flags.
 
-Its implementation is the eager one: the C++ module computes with its own
-tensors, which must be the ones passed (they are the Parameters the Python
-module registers; another tensor is refused with a clear error). Its fake
+Its implementation is the eager one: the C++ module computes with the
+parameters passed, which are its own Parameters in a compiled module (other
+tensors of the same shapes, from torch.func.functional_call or a loaded
+exported program, are bound to the Parameters for the call: so two threads
+must not call one module that way at once). Its fake
 implementation shapes the outputs by running the C++ module on fake inputs
 in a fake-tensor mode of its own (its parameters taken as metadata, nothing
 computed): the same C++ code decides the shapes, so they cannot drift from
@@ -68,15 +70,28 @@ def _module(handle: str):
     return module
 
 
-def _own_parameters(module, given: List[Tensor]) -> List[Tensor]:
-    """The module's Parameters, checked to be the tensors the graph passed."""
+@contextlib.contextmanager
+def _bound(module, given: List[Tensor]):
+    """The module's Parameters computing with the tensors the graph passed:
+    its own (nothing to do), or others of the same shapes and dtypes
+    (torch.func.functional_call, the state of an exported program after
+    torch.export.load), bound to the Parameters' data for the block and given
+    back afterwards. Yields the Parameters."""
     own = list(module.parameters())
-    if len(own) != len(given) or any(
-            a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.dtype != b.dtype for a, b in zip(own, given)):
-        raise RuntimeError(f"attnkit: {type(module).__name__} under torch.compile computes with its own parameters; "
-                           "the graph passed other tensors (torch.func.functional_call with new parameters is not "
-                           "supported for attnkit modules)")
-    return own
+    if len(own) != len(given) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(own, given)):
+        raise RuntimeError(f"attnkit: {type(module).__name__} under a tracer was passed parameters that are not "
+                           "its own shapes and dtypes (expected "
+                           f"{[(tuple(p.shape), p.dtype) for p in own]}, got "
+                           f"{[(tuple(p.shape), p.dtype) for p in given]})")
+    pairs = [(p, g) for p, g in zip(own, given) if p.data_ptr() != g.data_ptr()]
+    saved = [p.data for p, _ in pairs]
+    try:
+        for p, g in pairs:
+            p.data = g.detach()
+        yield own
+    finally:
+        for (p, _), data in zip(pairs, saved):
+            p.data = data
 
 
 def _eager(module, inputs, causal: bool, offset: int, training: bool) -> List[Tensor]:
@@ -131,10 +146,10 @@ if available:
         forward again as it ran: the CPU generator's state, and in training
         mode the buffers' values (_state_count), both from before the call."""
         module = _module(handle)
-        _own_parameters(module, parameters)
         state = [torch.get_rng_state()] + ([b.detach().clone() for b in module._bridge.buffers()] if training else [])
         inputs = (input0, input1, input2, input3)
-        outputs = _eager(module, inputs, causal, offset, training)
+        with _bound(module, parameters):
+            outputs = _eager(module, inputs, causal, offset, training)
         return _unaliased(outputs, [*parameters, *inputs]) + state
 
     # The autograd dispatch keys: those between the autocast keys (above)
@@ -195,13 +210,13 @@ if available:
         """The gradients of the parameters, then of each input (an empty tensor
         for an input that is absent or not floating)."""
         module = _module(handle)
-        own = _own_parameters(module, parameters)
         inputs = [x.detach().requires_grad_() if _differentiable(x) else x
                   for x in (input0, input1, input2, input3)]
-        # The forward once more, as it ran: from its random stream and, in
-        # training, the buffers it may update (clustered attention's call
-        # counter) as they were; afterwards both are as they are now.
-        with _untouched(module), _autograd_dispatch(), torch.enable_grad():
+        # The forward once more, as it ran: with the same parameters, from its
+        # random stream and, in training, the buffers it may update (clustered
+        # attention's call counter) as they were; afterwards the buffers and
+        # the stream are as they are now.
+        with _bound(module, parameters) as own, _untouched(module), _autograd_dispatch(), torch.enable_grad():
             torch.set_rng_state(state[0])
             with torch.no_grad():
                 for b, value in zip(module._bridge.buffers(), state[1:]):

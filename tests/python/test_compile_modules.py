@@ -11,6 +11,8 @@ inputs) equal eager's within float32 rounding: the compiled graph runs the
 very C++ modules eager runs, and the backward recomputes their forward with
 autograd.
 """
+import io
+
 import pytest
 import torch
 
@@ -107,11 +109,24 @@ def test_a_frozen_parameter_gets_no_gradient():
     assert model.inp.bias.grad is not None and model.attention.q_proj.weight.grad is not None
 
 
-def test_other_parameters_are_refused():
+def test_functional_call_computes_with_the_parameters_given():
+    # torch.func.functional_call under torch.compile: the module computes
+    # with the tensors given (bound to its Parameters for the call), and its
+    # own are untouched afterwards.
     model, inputs = _build("layers-full")
-    params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    with pytest.raises(Exception, match="computes with its own parameters"):
-        torch.compile(lambda *x: torch.func.functional_call(model, params, x), fullgraph=True,
+    torch.manual_seed(8)
+    other = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    own = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = torch.compile(lambda *x: torch.func.functional_call(model, other, x), fullgraph=True,
+                             backend="aot_eager")
+    actual = compiled(*inputs)
+    twin, _ = _build("layers-full")
+    twin.load_state_dict(other, strict=False)  # the parameters; the buffers are the same
+    assert rel_err(actual, twin(*inputs)) < TOLERANCE
+    assert all(torch.equal(p, own[n]) for n, p in model.named_parameters())
+    wrong = {**other, "inp.weight": torch.randn(3, 3)}
+    with pytest.raises(Exception, match="not its own shapes and dtypes"):
+        torch.compile(lambda *x: torch.func.functional_call(model, wrong, x), fullgraph=True,
                       backend="aot_eager")(*inputs)
 
 
@@ -126,3 +141,11 @@ def test_export(name):
     with torch.no_grad():
         actual = _as_list(program.module()(*inputs))
     _check_equal(actual, expected, name)
+    # Saved and loaded (in this process, where the module lives): the loaded
+    # program computes with its own copy of the state.
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    with torch.no_grad():
+        _check_equal(_as_list(loaded.module()(*inputs)), expected, name + " loaded")
