@@ -19,8 +19,9 @@ exported program, are bound to the Parameters for the call: so two threads
 must not call one module that way at once). Its fake
 implementation shapes the outputs by running the C++ module on fake inputs
 in a fake-tensor mode of its own (its parameters taken as metadata, nothing
-computed): the same C++ code decides the shapes, so they cannot drift from
-the eager ones. Its backward, ``attnkit::_bridged_backward``,
+computed; a module whose forward reads values, SAC, once for real on zeros,
+leaving no trace): the same C++ code decides the shapes, so they cannot
+drift from the eager ones. Its backward, ``attnkit::_bridged_backward``,
 runs the forward again with autograd on and differentiates it with respect
 to the parameters and the floating inputs: the same operations as eager
 autograd, so the gradients are eager's. The forward hands the backward the
@@ -28,6 +29,13 @@ CPU generator's state it started from, so a recomputed dropout draws what the
 forward drew. The cost: a compiled training step runs each bridged module's
 forward twice (whole-module activation checkpointing); inference pays
 nothing extra.
+
+Known limits: the fake implementation reads sizes as integers, so shapes are
+specialised (as for the kernel ops; torch.export's dynamic_shapes cannot make
+them symbolic); the op is declared pure to the tracer, so a graph that calls
+one module twice on the very same inputs in training (Monte Carlo dropout)
+may have the two calls merged into one by common-subexpression elimination,
+drawing dropout once.
 
 Why this rather than the alternatives the issue names: a Python composition
 of each module from ops would be a second implementation of every module and
@@ -38,6 +46,7 @@ stay hidden from the graph.
 """
 import contextlib
 import itertools
+import uuid
 import weakref
 from typing import List, Optional
 
@@ -51,13 +60,17 @@ available = hasattr(torch.library, "custom_op") and hasattr(torch, "compiler")
 
 _modules = weakref.WeakValueDictionary()
 _handles = itertools.count(1)
+# Handles name this process too: an exported program loaded in another
+# process finds no module under its handle (a clear error) rather than some
+# other module that happens to have the same number there.
+_PROCESS = uuid.uuid4().hex[:12]
 _RNG_STATE_SIZE = torch.get_rng_state().numel()
 
 
 def register(module) -> str:
     """A new handle for `module` (a BridgedModule), which the ops find it by:
     a string, which a tracer keeps as a constant (an int may become symbolic)."""
-    handle = f"attnkit.module.{next(_handles)}"
+    handle = f"attnkit.module.{_PROCESS}.{next(_handles)}"
     _modules[handle] = module
     return handle
 
@@ -65,18 +78,21 @@ def register(module) -> str:
 def _module(handle: str):
     module = _modules.get(handle)
     if module is None:
-        raise RuntimeError(f"attnkit: no live attnkit module has handle '{handle}' (a compiled graph outlived the "
-                           "module it was traced from)")
+        raise RuntimeError(f"attnkit: no live attnkit module has handle '{handle}' (a compiled graph or an exported "
+                           "program outlived the module it was traced from, or was loaded in another process: "
+                           "attnkit modules export portably with TorchScript, docs/API.md)")
     return module
 
 
 @contextlib.contextmanager
-def _bound(module, given: List[Tensor]):
+def _bound(module, given: List[Tensor], differentiable: bool = False):
     """The module's Parameters computing with the tensors the graph passed:
     its own (nothing to do), or others of the same shapes and dtypes
     (torch.func.functional_call, the state of an exported program after
     torch.export.load), bound to the Parameters' data for the block and given
-    back afterwards. Yields the Parameters."""
+    back afterwards. `differentiable`: every Parameter requires grad in the
+    block (the tensors passed may need gradients where the module's own
+    are frozen). Yields the Parameters."""
     own = list(module.parameters())
     if len(own) != len(given) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(own, given)):
         raise RuntimeError(f"attnkit: {type(module).__name__} under a tracer was passed parameters that are not "
@@ -85,13 +101,18 @@ def _bound(module, given: List[Tensor]):
                            f"{[(tuple(p.shape), p.dtype) for p in given]})")
     pairs = [(p, g) for p, g in zip(own, given) if p.data_ptr() != g.data_ptr()]
     saved = [p.data for p, _ in pairs]
+    frozen = [p for p in own if not p.requires_grad] if differentiable else []
     try:
         for p, g in pairs:
             p.data = g.detach()
+        for p in frozen:
+            p.requires_grad_(True)
         yield own
     finally:
         for (p, _), data in zip(pairs, saved):
             p.data = data
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def _eager(module, inputs, causal: bool, offset: int, training: bool) -> List[Tensor]:
@@ -216,28 +237,29 @@ if available:
         # random stream and, in training, the buffers it may update (clustered
         # attention's call counter) as they were; afterwards the buffers and
         # the stream are as they are now.
-        with _bound(module, parameters) as own, _untouched(module), _autograd_dispatch(), torch.enable_grad():
+        with _bound(module, parameters, differentiable=True) as own, _untouched(module), _autograd_dispatch(), \
+                torch.enable_grad():
             torch.set_rng_state(state[0])
             with torch.no_grad():
                 for b, value in zip(module._bridge.buffers(), state[1:]):
                     b.copy_(value)
             outputs = _eager(module, inputs, causal, offset, training)
+            # Every parameter (all require grad here) and the floating inputs.
+            needs = [t is not None and t.requires_grad for t in own + inputs]
+            wrt = [t for t, need in zip(own + inputs, needs) if need]
             pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-            wrt = [t for t in own + inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                          if pairs and wrt else [None] * len(wrt))
         result = []
-        for index, t in enumerate(own + inputs):
-            if t is not None and t.requires_grad:
-                g = next(grads)
-                # Laid out as the fake implementation says: like t.
-                if g is None or g.stride() != t.stride():
-                    g = torch.zeros_like(t) if g is None else torch.empty_like(t).copy_(g)
-                result.append(g)
-            elif index < len(own):  # a frozen parameter
-                result.append(torch.zeros_like(t))
-            else:  # an input that is absent or not floating
+        for t, need in zip(list(parameters) + inputs, needs):
+            if not need:  # an input that is absent or not floating
                 result.append(torch.empty(0))
+                continue
+            g = next(grads)
+            # Laid out as the fake implementation says: like the tensor passed.
+            if g is None or g.stride() != t.stride():
+                g = torch.zeros_like(t) if g is None else torch.empty_like(t).copy_(g)
+            result.append(g)
         return _unaliased(result, [*parameters, *inputs, *state, *grad_outputs])
 
     @_bridged_backward.register_fake

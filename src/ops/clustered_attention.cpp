@@ -67,6 +67,21 @@ void check_index_values(const char* op, const char* name, const torch::Tensor& t
                 lo, ", ", hi, ")");
 }
 
+/// The forward's top keys: each row of k' entries strictly increasing within
+/// [0, S) (the backward searches and indexes key blocks with them), where the
+/// values are there to read.
+void check_top_keys(const char* op, const torch::Tensor& top, int64_t S) {
+  if (!detail::has_data(top) || top.numel() == 0) return;
+  const int64_t width = top.size(3);
+  const int64_t* entry = top.data_ptr<int64_t>();
+  for (int64_t i = 0; i < top.numel(); ++i) {
+    TORCH_CHECK(entry[i] >= 0 && entry[i] < S, op, ": argument 'top' has an entry ", entry[i], " outside [0, ", S, ")");
+    TORCH_CHECK(i % width == 0 || entry[i] > entry[i - 1], op,
+                ": argument 'top' must be the forward's (each row strictly increasing), got ", entry[i - 1], " then ",
+                entry[i]);
+  }
+}
+
 void check_float_state(const char* op, const char* name, const torch::Tensor& t, torch::IntArrayRef shape) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.sizes() == shape, op, ": argument '", name,
               "' must be the forward's (contiguous float32 of shape ", shape, "), got ",
@@ -224,7 +239,7 @@ ClusteredGradients clustered_backward_cpu(const torch::Tensor& grad_out, const t
   check_float_state(op, "centroid_lse", centroid_lse, s.centroid_lse);
   check_float_state(op, "background", background, s.background);
   check_index_tensor(op, "top", top, s.top);
-  check_index_values(op, "top", top, 0, k.size(2));
+  check_top_keys(op, top, k.size(2));
   check_float_state(op, "mass", mass, s.mass);
   check_float_state(op, "query_lse", query_lse, s.query_lse);
   kernels::ClusteredAttentionBackwardParams p;

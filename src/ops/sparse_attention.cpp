@@ -67,9 +67,10 @@ void check_kernel_arguments(const char* op, const torch::Tensor& q, const torch:
               ": argument 'offsets' must have shape (1, L + 1) or (H, L + 1), got ", detail::shape_str(offsets));
   TORCH_CHECK(offsets.is_contiguous() && columns.is_contiguous(), op,
               ": arguments 'offsets' and 'columns' must be contiguous");
-  // One list for all heads has the 1-D form's rules (starts at 0, ends at nnz).
-  const bool per_head = offsets.size(0) == q.size(1) && offsets.size(0) != 1;
-  check_edge_list(EdgeList{per_head ? offsets : offsets.select(0, 0), columns}, q.size(2), k.size(2), q.size(1), op);
+  // The per-head form's rules for either count of lists (what the kernel
+  // needs: each list's offsets non-decreasing within [0, nnz]); a per-head
+  // list of one head (H = 1) need not start at 0, as the op allows.
+  check_edge_list(EdgeList{offsets, columns}, q.size(2), k.size(2), offsets.size(0), op);
 }
 
 kernels::SparseAttentionParams make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -481,7 +481,21 @@ class KernelOpsTest(unittest.TestCase):
         saved[2] = torch.full_like(saved[2], 5)  # top keys beyond S
         with self.assertRaisesRegex(RuntimeError, "argument 'top' has an entry 5 outside"):
             ops._clustered_attention_backward(torch.randn_like(out), q, k, v, labels, None, *saved, 2, 2, 0.5)
+        # Unsorted top keys over several key blocks (S > 256) would index
+        # outside a block: refused.
+        qs, ks, vs = torch.randn(1, 1, 4, 4), torch.randn(1, 1, 300, 4), torch.randn(1, 1, 300, 3)
+        labels = ops._cluster_queries(qs, None, 2, 31, 10, 0, True)
+        out, *saved = ops._clustered_attention_forward(qs, ks, vs, labels, None, 2, 2, 0.5)
+        saved[2] = torch.tensor([[[[290, 3], [1, 2]]]])
+        with self.assertRaisesRegex(RuntimeError, "argument 'top' must be the forward's .each row strictly increasing"):
+            ops._clustered_attention_backward(torch.randn_like(out), qs, ks, vs, labels, None, *saved, 2, 2, 0.5)
         offsets, columns = ops.edge_pattern("local", 5, 1)
+        # One head (H = 1) with a per-head list that does not start at 0: the
+        # op takes it, so does its kernel op.
+        q1, k1, v1 = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 3)
+        shifted = torch.cat([torch.tensor([0]), columns])
+        self.assertEqual(attnkit.sparse_attention(q1, k1, v1, (offsets + 1).unsqueeze(0), shifted).shape, (1, 1, 5, 3))
+        ops._sparse_attention_forward(q1, k1, v1, (offsets + 1).unsqueeze(0), shifted, 0.5, None)
         with self.assertRaisesRegex(RuntimeError, "_sparse_attention_forward: edge list 'columns' entry"):
             ops._sparse_attention_forward(q, k, v, offsets.unsqueeze(0), columns + 5, 0.5, None)
         with self.assertRaisesRegex(RuntimeError, "argument 'offsets' must have shape"):
