@@ -294,6 +294,23 @@ TEST(EdgesTest, CheckEdgeListRejectsMalformedLists) {
   // Hand-made defects.
   expect_error([&] { check_edge_list(EdgeList{t({0, 2, 3}), t({1, 0, 2})}, 2, 3, 1); },
                {"strictly increasing"});
+  // Each way the branch-free row test can find a row bad: a repeated column
+  // inside a row, a negative first column, a last column past S.
+  expect_error(
+      [&] {
+        check_edge_list(EdgeList{t({0, 4}), t({0, 1, 1, 2})}, 1, 3, 1);
+      },
+      {"strictly increasing", "row 0 has 1 then 1"});
+  expect_error(
+      [&] {
+        check_edge_list(EdgeList{t({0, 1, 3}), t({0, -1, 2})}, 2, 3, 1);
+      },
+      {"entry 1 is -1", "outside the key range"});
+  expect_error(
+      [&] {
+        check_edge_list(EdgeList{t({0, 3}), t({0, 1, 3})}, 1, 3, 1);
+      },
+      {"entry 2 is 3", "outside the key range"});
   expect_error([&] { check_edge_list(EdgeList{t({1, 2, 3}), t({0, 1, 2})}, 2, 3, 1); },
                {"start at 0"});
   expect_error([&] { check_edge_list(EdgeList{t({0, 1, 2}), t({0, 1, 2})}, 2, 3, 1); },
