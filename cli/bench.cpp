@@ -40,6 +40,10 @@ struct BenchConfig {
   bool causal = false;
   int threads = 0;
   int repeats = 3;
+  // > 1: every row is timed once per round, the rows in turn, so that a slow
+  // minute of the machine lands on all of them; a row's ms is the median of
+  // its rounds' medians.
+  int rounds = 1;
   // N*H*L*S up to which the float64 checks (err, approx_err) run.
   int64_t check_limit = int64_t{1} << 25;
   std::string json;
@@ -54,12 +58,25 @@ struct Result {
   bool causal;
   int threads;
   double ms = 0;
+  std::vector<double> round_ms;  // each round's median; ms is their median
   c10::optional<double> gflops;
   c10::optional<double> ns_per_edge;  // full, sparse-*, sac: time per attended (query, key) pair
+  // What gflops and ns_per_edge divide by the time: the FLOPs (backward
+  // counted 2.5x forward) and the attended pairs, when the mechanism counts them.
+  c10::optional<double> flops, pairs;
   int64_t peak_bytes = 0;
   c10::optional<double> err, approx_err;
   std::string note;  // non-empty: the row did not run (why)
   std::string dispatch_isa;  // the kernel's ISA level; empty for the composite and torch
+
+  /// Records one more round's median time: ms becomes the median of the
+  /// rounds', and the rates follow it.
+  void add_round(double round_median_ms) {
+    round_ms.push_back(round_median_ms);
+    ms = median(round_ms);
+    if (flops) gflops = *flops / (ms * 1e6);
+    if (pairs) ns_per_edge = ms * 1e6 / *pairs;
+  }
 };
 
 /// The plain libtorch composite a user would write for exact attention.
@@ -86,9 +103,22 @@ double relative_max_error(const torch::Tensor& a, const torch::Tensor& b) {
   return scale > 0 ? diff / scale : diff;
 }
 
-Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::MechanismSpec& spec,
-               const std::string& run, const std::string& pass, const std::string& dtype,
-               int64_t length) {
+/// One row of the table: what it runs, at which length.
+struct Row {
+  const nn::MechanismInfo* info;
+  nn::MechanismSpec spec;
+  std::string run, pass, dtype;
+  int64_t length;
+};
+
+/// Times `row` once (one round): its median over c.repeats calls after at most
+/// `max_warmup` untimed ones, and, with `check`, its errors against the
+/// float64 references.
+Result measure(const BenchConfig& c, const Row& row, int max_warmup, bool check) {
+  const nn::MechanismInfo& info = *row.info;
+  const nn::MechanismSpec& spec = row.spec;
+  const std::string &run = row.run, &pass = row.pass, &dtype = row.dtype;
+  const int64_t length = row.length;
   const int64_t L = c.queries > 0 ? c.queries : length, S = length;
   const nn::AttentionShape shape{c.batch, c.heads, L, S, c.head_dim, c.head_dim};
   // `causal` records whether what ran was causal: the flag, or a mechanism that
@@ -154,7 +184,7 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
       if (t.grad().defined()) t.mutable_grad().reset();
   };
   try {
-    r.ms = median(time_ms(body, c.repeats, clear));
+    r.ms = median(time_ms(body, c.repeats, clear, max_warmup));
   } catch (const std::bad_alloc&) {
     r.note = "out of memory";
     return r;
@@ -166,14 +196,15 @@ Result measure(const BenchConfig& c, const nn::MechanismInfo& info, const nn::Me
   r.peak_bytes = peak;
   if (info.flops)
     if (auto f = info.flops(shape, c.causal, spec)) {
-      r.gflops = (backward ? 3.5 : 1.0) * *f / (r.ms * 1e6);
+      r.flops = (backward ? 3.5 : 1.0) * *f;
       // These count 2 (E + M) flops per attended pair: exact attention's
       // (query, key) pairs, a sparse pattern's edges.
-      const bool pairs = info.name == "full" || info.edges;
-      if (pairs && *f > 0) r.ns_per_edge = r.ms * 1e6 / (*f / (2.0 * double(shape.E + shape.M)));
+      const bool counts_pairs = info.name == "full" || info.edges;
+      if (counts_pairs && *f > 0) r.pairs = *f / (2.0 * double(shape.E + shape.M));
     }
+  r.add_round(r.ms);  // this round's time, and the rates of it
 
-  if (shape.N * shape.H * shape.L * shape.S > c.check_limit) return r;
+  if (!check || shape.N * shape.H * shape.L * shape.S > c.check_limit) return r;
   // err: this row's output (and input gradients) against the mechanism's own
   // float64 definition on the same inputs.
   nn::MechanismInputs x64;
@@ -254,7 +285,8 @@ void print_legend() {
       << "            (torch's scaled_dot_product_attention), torch-composite (plain libtorch\n"
       << "            matmul-softmax-matmul)\n"
       << "dtype       the inputs' dtype (f32, bf16); %peak is against the float32 sgemm peak\n"
-      << "ms          median wall time of --repeats calls after an untimed warm-up\n"
+      << "ms          median wall time of --repeats calls after an untimed warm-up (with\n"
+      << "            --rounds, the median of the rounds' medians)\n"
       << "GFLOP/s     the mechanism's closed-form FLOPs / time (backward counted 2.5x forward)\n"
       << "%peak       GFLOP/s over the best sgemm peak measured before the row (header: the first)\n"
       << "ns/edge     full, sparse-*, sac: the row's time per attended (query, key) pair over the\n"
@@ -306,6 +338,7 @@ nlohmann::json to_json(const Result& r, double peak) {
           {"causal", r.causal},
           {"threads", r.threads},
           {"ms", r.ms},
+          {"round_ms", r.round_ms},
           {"gflops", opt_json(r.gflops)},
           {"fraction_of_peak",
            r.gflops && peak > 0 ? nlohmann::json(*r.gflops / peak) : nlohmann::json(nullptr)},
@@ -322,25 +355,65 @@ void run_bench(const BenchConfig& c) {
   std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> mechanisms;
   for (const auto& text : c.attention) mechanisms.push_back(nn::resolve_mechanism(text));
 
-  MachineRecord machine = MachineRecord::measure(c.measure_peak);
-  print_header(machine);
-  nlohmann::json doc;
-  doc["results"] = nlohmann::json::array();
-  std::vector<Result> rows;
-  for (int64_t length : c.lengths) {
+  // The table's rows, in the order they run in each round.
+  std::vector<Row> plan;
+  for (int64_t length : c.lengths)
     for (const auto& [info, spec] : mechanisms)
       for (const auto& run : c.impl)
         for (const auto& pass : c.pass)
-          for (const auto& dtype : c.dtypes) {
-            if (is_torch_run(run) && info->name != "full") continue;  // nothing to compare
-            Result r = measure(c, *info, spec, run, pass, dtype, length);
-            print_row(r, machine.sgemm_gflops);
-            if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
-            doc["machine"] = machine.to_json();
-            if (!c.json.empty()) write_json_atomically(c.json, doc);  // nothing lost on interrupt
-            rows.push_back(std::move(r));
-          }
-    if (c.measure_peak) machine.remeasure_peak();  // a busy moment lowers one measurement, not the best
+          for (const auto& dtype : c.dtypes)
+            if (!is_torch_run(run) || info->name == "full")  // else nothing to compare
+              plan.push_back({info, spec, run, pass, dtype, length});
+
+  MachineRecord machine = MachineRecord::measure(c.measure_peak);
+  print_header(machine);
+  std::vector<Result> rows;
+  nlohmann::json doc;
+  doc["rounds"] = c.rounds;
+  // Written after every row: nothing measured is lost on an interrupt.
+  const auto write_progress = [&] {
+    if (c.json.empty()) return;
+    doc["results"] = nlohmann::json::array();
+    for (const auto& r : rows)
+      if (r.note.empty()) doc["results"].push_back(to_json(r, machine.sgemm_gflops));
+    doc["machine"] = machine.to_json();
+    write_json_atomically(c.json, doc);
+  };
+  for (int round = 0; round < c.rounds; ++round) {
+    if (c.rounds > 1) std::cout << (round == 0 ? "" : "\n") << "round " << round + 1 << " of " << c.rounds << "\n";
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (round == 0) {
+        rows.push_back(measure(c, plan[i], 5, true));
+        print_row(rows.back(), machine.sgemm_gflops);
+      } else if (rows[i].note.empty()) {
+        // Rows ran since this one last did: one untimed call brings its data
+        // and code back into the caches, unless a call takes over a second
+        // (then its own start is a small part of it).
+        const Result again = measure(c, plan[i], rows[i].ms < 1000 ? 1 : 0, false);
+        print_row(again, machine.sgemm_gflops);
+        if (!again.note.empty()) {
+          rows[i].note = again.note;  // failed now (e.g. out of memory): reported, not averaged
+        } else {
+          rows[i].add_round(again.ms);
+          rows[i].peak_bytes = std::max(rows[i].peak_bytes, again.peak_bytes);
+        }
+      }
+      write_progress();
+      // A busy moment lowers one peak measurement, never the best.
+      if (c.measure_peak && (i + 1 == plan.size() || plan[i + 1].length != plan[i].length))
+        machine.remeasure_peak();
+    }
+  }
+  if (c.rounds > 1) {
+    std::cout << "\nmedians over " << c.rounds << " rounds (each a median of " << c.repeats
+              << " call(s)); fastest-slowest round in brackets\n";
+    for (const auto& r : rows) {
+      print_row(r, machine.sgemm_gflops);
+      if (r.note.empty() && r.round_ms.size() > 1) {
+        const auto [lo, hi] = std::minmax_element(r.round_ms.begin(), r.round_ms.end());
+        std::cout << "    [" << fmt(*lo, 2) << " - " << fmt(*hi, 2) << " ms]\n";
+      }
+    }
   }
   print_paths_and_ratios(rows);
   print_legend();
@@ -348,11 +421,7 @@ void run_bench(const BenchConfig& c) {
     std::cout << "best sgemm peak over the run: " << fmt(machine.sgemm_gflops, 1)
               << " GFLOP/s (rows above used the best measured before them; the JSON uses this one)\n";
   if (!c.json.empty()) {
-    for (auto& row : doc["results"])
-      if (row["gflops"].is_number() && machine.sgemm_gflops > 0)
-        row["fraction_of_peak"] = row["gflops"].get<double>() / machine.sgemm_gflops;
-    doc["machine"] = machine.to_json();
-    write_json_atomically(c.json, doc);
+    write_progress();  // every row's fraction of the run's best peak
     std::cout << "wrote " << c.json << "\n";
   }
 }
@@ -401,6 +470,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--causal", config->causal, "Causal masking");
   cmd->add_option("--threads", config->threads, "Threads (default: all cores)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--repeats", config->repeats, "Timed repeats after the warm-up (median reported)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--rounds", config->rounds,
+                  "Time the whole table this many times, the rows in turn each round; a row's ms "
+                  "is the median of its rounds' medians (the JSON lists each round's)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--check-limit", config->check_limit,
                   "Largest N*H*L*S for which err and approx_err are computed (float64 references)")

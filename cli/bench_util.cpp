@@ -83,11 +83,11 @@ nlohmann::json MachineRecord::to_json() const {
 }
 
 std::vector<double> time_ms(const std::function<void()>& body, int repeats,
-                            const std::function<void()>& between) {
+                            const std::function<void()>& between, int max_warmup) {
   // Warm-up: oneDNN JITs its kernels per shape and the OpenMP pool starts on
   // first use; both would otherwise land in the first timed calls.
   double previous = -1, spent = 0;
-  for (int call = 0; call < 5; ++call) {
+  for (int call = 0; call < max_warmup; ++call) {
     const double t0 = wall_now_ms();
     body();
     const double ms = wall_now_ms() - t0;

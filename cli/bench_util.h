@@ -50,11 +50,11 @@ struct MachineRecord {
 };
 
 /// Times `body` in milliseconds: untimed warm-up calls until two consecutive
-/// calls agree within 10% (at most 5 calls and about 3 s; at least one), then
-/// `repeats` timed calls. `between` runs after every call, untimed (e.g. to
-/// clear gradients).
+/// calls agree within 10% (at most `max_warmup` calls and about 3 s; at least
+/// one unless max_warmup is 0), then `repeats` timed calls. `between` runs
+/// after every call, untimed (e.g. to clear gradients).
 std::vector<double> time_ms(const std::function<void()>& body, int repeats,
-                            const std::function<void()>& between = [] {});
+                            const std::function<void()>& between = [] {}, int max_warmup = 5);
 
 /// The upper median (x[n / 2] of the sorted values); x must not be empty.
 double median(std::vector<double> x);

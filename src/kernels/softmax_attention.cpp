@@ -18,6 +18,7 @@
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
+#include "kernels/sparse_band.h"
 
 ATTNKIT_KERNELS_BEGIN
 
@@ -30,8 +31,11 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // constants", has the measurements). Smaller blocks pay oneDNN's per-call
 // overhead (dispatch, packing) more often; larger ones gain nothing more and
 // grow the score block (128 KiB here), which with the key and value panels
-// must stay in L2. A hand-written register-tiled AVX-512 kernel ran these
-// block shapes barely faster than sgemm: too close to justify a second path.
+// must stay in L2. A register-tiled kernel that only replaced sgemm on these
+// shapes ran barely faster; what pays is keeping the whole tile, scores,
+// softmax and P v, in L1 (by_lanes, below: 1.07-1.09x on the forward,
+// docs/PERFORMANCE.md, "Against torch 2.6's SDPA"). The backward and the
+// forward with a bias or dropout keep these sgemm tiles.
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 256;
 // A forward work item is a span of up to kForwardGroup query blocks that share
@@ -82,6 +86,14 @@ ForwardTiles forward_tiles(const SoftmaxAttentionParams& p) {
   if (p.window <= 0 || band > kMaxWindowBlockK) return {kForwardBlockQ, kForwardBlockK};
   return {bq, round_up16(band)};
 }
+// by_lanes: a block of queries is the band kernels' 32 lanes, a tile of keys
+// their 256 (the dense tiles' key width).
+#if ATTNKIT_BAND_KERNELS
+constexpr int64_t kLaneRows = band::kRows;
+static_assert(kForwardBlockK <= band::kMaxKeys, "a key tile wider than the band kernels take");
+#else
+constexpr int64_t kLaneRows = 32;
+#endif
 constexpr int64_t kBackwardBlockQ = 128;
 constexpr int64_t kBackwardBlockK = 256;
 // Dropout draws a tile row's mask in one call (kernels/common/dropout.h).
@@ -199,10 +211,28 @@ struct Accumulator {
   float *u, *m, *l;
 };
 
+/// Whether the forward computes its tiles with the band kernels
+/// (sparse_band.h): blocks of 32 query rows held in the vector lanes, the
+/// scores, softmax and P v of each 256-key tile kept in L1 (forward_by_lanes
+/// says why). They take ALiBi but no bias tensor or dropout, and a window's
+/// narrow band keeps its own tiles (forward_tiles).
+bool by_lanes(const SoftmaxAttentionParams& p) {
+#if ATTNKIT_BAND_KERNELS
+  return !p.bias && !(p.dropout_p > 0.f) && p.window == 0;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 struct ForwardScratch {
   float *q, *k, *v;  // packed copies of blocks when the strides need it
   float *s;          // scores, then probabilities: one tile (forward_tiles)
   Accumulator acc;   // for up to `rows` query rows
+  // by_lanes: the queries transposed, E x 32 per block of 32 rows, and one
+  // tile's state (u: 32 x M, m and l) before it joins acc.
+  float* qt = nullptr;
+  Accumulator tile{};
 
   /// Scratch for work items of up to `rows` query rows.
   ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer, int64_t rows)
@@ -210,7 +240,11 @@ struct ForwardScratch {
         k(slicer.take(forward_tiles(p).k * p.E)),
         v(slicer.take(forward_tiles(p).k * p.M)),
         s(slicer.take(forward_tiles(p).q * forward_tiles(p).k)),
-        acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {}
+        acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {
+    if (!by_lanes(p)) return;
+    qt = slicer.take(ceil_div(rows, kLaneRows) * kLaneRows * p.E);
+    tile = {slicer.take(kLaneRows * p.M), slicer.take(kLaneRows), slicer.take(kLaneRows)};
+  }
 };
 
 /// forward_keys for one tile: queries [i0, i0 + rows) over the keys
@@ -248,6 +282,76 @@ void forward_band_by_columns(const SoftmaxAttentionParams& p, const QkReader& qk
   sgemm(true, false, rows, M, cols, 1.f, st, rows, v.data, v.ld, 0.f, a.u, M);
 }
 
+#if ATTNKIT_BAND_KERNELS
+/// a = the state of the online softmax after it joins a tile's state t (both
+/// over `rows` rows): m = max(m_a, m_t), and u and l the sums of each side's
+/// weighted by exp(m_side - m). A NaN of either side makes l NaN.
+void join_tile(const Accumulator& a, const Accumulator& t, int64_t rows, int64_t M) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (t.m[r] == -kInf) continue;  // no visible key in the tile: u_t = 0, l_t = 0
+    const float m = std::max(t.m[r], a.m[r]);
+    const float alpha = vec::exp(a.m[r] - m), beta = vec::exp(t.m[r] - m);  // exp(-inf) == 0
+    a.l[r] = a.l[r] * alpha + t.l[r] * beta;
+    float* u = a.u + r * M;
+    vec::scale(u, M, alpha);
+    vec::axpy(u, beta, t.u + r * M, M);
+    a.m[r] = m;
+  }
+}
+
+/// forward_keys by the band kernels (by_lanes): `a` (zeroed by the caller)
+/// gets queries [i0, i0 + rows) over their visible keys of [j_begin, j_end),
+/// in blocks of 32 rows, each tile of keys meeting every block in turn. The
+/// queries are transposed once; each tile's scores (256 keys x 32 rows, 32 KiB), their
+/// softmax and the product with v stay in L1 and registers, where the dense
+/// path writes a 128 x 256 tile to L2 and reads it three times, and oneDNN
+/// packs both operands of each product. Each tile runs its own softmax (its
+/// row maxima), joined to the block's state by join_tile, as forward_split
+/// joins key chunks. False (nothing done) when q's row stride is too wide for
+/// the kernels' 32-bit gathers.
+bool forward_by_lanes(const SoftmaxAttentionParams& p, const QkReader& qk, const Rows& q, int64_t n, int64_t h,
+                      int64_t i0, int64_t rows, int64_t j_begin, int64_t j_end, const ForwardScratch& w,
+                      const Accumulator& a) {
+  if (q.ld * kLaneRows > std::numeric_limits<int32_t>::max()) return false;
+  const int64_t E = p.E, M = p.M, BK = kForwardBlockK;
+  const Visibility visible = visibility_of(p, n);
+  const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
+  const band::Scratch scratch{nullptr, nullptr, w.s, nullptr};
+  // Every block's queries transposed once, block b's at qt + b E kLaneRows.
+  for (int64_t b = 0; b < rows; b += kLaneRows)
+    band::transpose_queries({q.data + b * q.ld, q.ld}, std::min(kLaneRows, rows - b), E, w.qt + b * E);
+  // Key tiles outer: each tile of k and v is read (and packed or rotated)
+  // once for all the item's blocks, which then find it in L2.
+  const int64_t span_begin = std::max(j_begin, visible.first(i0));
+  const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
+  alignas(64) int32_t first[kLaneRows], last[kLaneRows];
+  for (int64_t j0 = span_begin; j0 < span_end; j0 += BK) {
+    const int64_t span_cols = std::min(BK, span_end - j0);
+    const Rows k = qk.keys(n, h, j0, span_cols, w.k);
+    const Rows v = rows_of(vh, j0, span_cols, M, w.v);
+    for (int64_t b = 0; b < rows; b += kLaneRows) {
+      const int64_t block_rows = std::min(kLaneRows, rows - b), i = i0 + b;
+      const int64_t key_end = std::min(j_end, visible(i + block_rows - 1));
+      if (j0 >= key_end || j0 + span_cols <= visible.first(i)) continue;  // nothing here for the block
+      const int64_t cols = std::min(span_cols, key_end - j0);
+      // Row r sees the tile's keys [first, last) (padding rows none).
+      std::fill(first, first + kLaneRows, 0);
+      std::fill(last, last + kLaneRows, 0);
+      for (int64_t r = 0; r < block_rows; ++r) {
+        first[r] = static_cast<int32_t>(std::clamp<int64_t>(visible.first(i + r) - j0, 0, cols));
+        last[r] = static_cast<int32_t>(std::clamp<int64_t>(visible(i + r) - j0, first[r], cols));
+      }
+      band::Block tile{block_rows, cols, first, last};
+      if (p.alibi_slopes) tile.slope = p.alibi_slopes[h], tile.from = i + p.S - p.L - j0;
+      band::forward_transposed(tile, w.qt + b * E, {k.data, k.ld}, {v.data, v.ld}, E, M, p.scale, scratch, w.tile.u,
+                               w.tile.m, w.tile.l);
+      join_tile({a.u + b * M, a.m + b, a.l + b}, w.tile, block_rows, M);
+    }
+  }
+  return true;
+}
+#endif
+
 /// The state `a` of queries [i0, i0 + rows) of head (n, h) over the keys
 /// [j_begin, j_end) (those of them each query sees), FlashAttention-2 style:
 /// for each key block, one query block (forward_tiles) at a time.
@@ -273,6 +377,9 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
   const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
   if (span_begin >= span_end) return;  // nothing visible: no need to read q
   const Rows q = qk.queries(n, h, i0, rows, w.q);
+#if ATTNKIT_BAND_KERNELS
+  if (by_lanes(p) && forward_by_lanes(p, qk, q, n, h, i0, rows, j_begin, j_end, w, a)) return;
+#endif
   if (band_by_columns(p) && rows <= kColumnBlockQ && span_end - span_begin <= BK &&
       span_end <= std::numeric_limits<int32_t>::max())
     return forward_band_by_columns(p, qk, q, n, h, i0, rows, span_begin, span_end - span_begin, w, a);

@@ -91,9 +91,14 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// are read once per group, not once per query head; equal to the head-by-head
 /// result to rounding, and like it bitwise the same for any thread count.
 ///
-/// Query tiles are 128 rows by 256 keys; with a window whose band of keys
-/// (W, or 2 W - 1 when not causal, plus 63) fits in 1024, 64 rows by the
-/// band's width, so that one product covers each block's band.
+/// Without a bias tensor, dropout or a window, and where the band kernels exist
+/// (avx2 and above: kernels/sparse_band.h), tiles are 32 query rows (the
+/// vector lanes) by 256 keys, each computed in L1 and registers: scores,
+/// softmax and the product with v, one tile's softmax joined to the next by
+/// the log-sum-exp rule. Otherwise query tiles are 128 rows by 256 keys
+/// through sgemm; with a window whose band of keys (W, or 2 W - 1 when not
+/// causal, plus 63) fits in 1024, 64 rows by the band's width, so that one
+/// product covers each block's band.
 ///
 /// Few queries over many keys (decoding: L = 1 over a long cache): when
 /// N H ceil(L / BQ) < 64 (BQ the query tile) and S >= 2048, each (batch, head, query block) item

@@ -541,14 +541,21 @@ void sub_alibi_keys(const Block& b, float* st) {
 
 }  // namespace
 
-void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
-             const Scratch& w, float* u, float* m, float* l) {
-  transpose_rows(q.data, q.ld, b.rows, E, w.qt);
-  score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, w.s);  // keys x 32
+void transpose_queries(Rows q, int64_t rows, int64_t E, float* qt) { transpose_rows(q.data, q.ld, rows, E, qt); }
+
+void forward_transposed(const Block& b, const float* qt, Rows k, Rows v, int64_t E, int64_t M, float scale,
+                        const Scratch& w, float* u, float* m, float* l) {
+  score_all_keys(k.data, k.ld, b.keys, qt, E, scale, w.s);  // keys x 32
   sub_alibi_keys(b, w.s);
   softmax_keys(b, w.s, m, l);
   // u = P v: output rows r, summed over the keys (P^T is w.s: key c's row).
   weigh_all<Sum::keys>(w.s, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
+}
+
+void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale, const Scratch& w, float* u,
+             float* m, float* l) {
+  transpose_queries(q, b.rows, E, w.qt);
+  forward_transposed(b, w.qt, k, v, E, M, scale, w, u, m, l);
 }
 
 void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int64_t M,

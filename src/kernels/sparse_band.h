@@ -67,6 +67,15 @@ struct Scratch {
 void forward(const Block& b, Rows q, Rows k, Rows v, int64_t E, int64_t M, float scale,
              const Scratch& w, float* u, float* m, float* l);
 
+/// The forward in two steps, for a block of queries that meets many blocks of
+/// keys (the exact kernel's rows over all of S, 256 keys at a time): its
+/// queries transposed once into qt (E x kRows, 64-byte aligned; 0 in the
+/// padding rows), then forward_transposed per block of keys, which is
+/// `forward` without the transpose (w.qt unused).
+void transpose_queries(Rows q, int64_t rows, int64_t E, float* qt);
+void forward_transposed(const Block& b, const float* qt, Rows k, Rows v, int64_t E, int64_t M, float scale,
+                        const Scratch& w, float* u, float* m, float* l);
+
 /// Backward, with P = exp(scale q k^T - alibi - lse) on the runs (0 elsewhere) and
 /// dS = P (dout v^T - d): dv_j += P^T dout and dk_j += scale dS^T q for the
 /// block's keys (rows of M and E floats, ld_v and ld_k apart), and

@@ -118,6 +118,58 @@ foreach(i RANGE 3)
 endforeach()
 file(REMOVE ${torch_causal_out})
 
+# --rounds 3: every row timed in each round, the rows in turn; a row's ms is
+# the median of its three rounds' times, which the JSON lists; errors are
+# checked (once) as without rounds.
+set(rounds_out ${OUT}.rounds.json)
+run_ok(${CLI} bench --attention full,linear --impl fast,torch --pass forward,forward_backward --lengths 24,40
+       --heads 2 --head-dim 8 --repeats 1 --rounds 3 --threads 1 --no-peak --json ${rounds_out})
+foreach(fragment "round 1 of 3" "round 3 of 3" "medians over 3 rounds")
+  string(FIND "${out}" "${fragment}" at)
+  if(at LESS 0)
+    message(FATAL_ERROR "bench --rounds 3 output lacks '${fragment}':\n${out}")
+  endif()
+endforeach()
+file(READ ${rounds_out} json)
+string(JSON rounds GET "${json}" rounds)
+if(NOT rounds EQUAL 3)
+  message(FATAL_ERROR "bench --rounds 3 JSON records rounds=${rounds}")
+endif()
+# 2 lengths x (full: fast, torch; linear: fast) x 2 passes = 12 rows.
+require_length("${json}" 12 "bench --rounds results" results)
+foreach(i RANGE 11)
+  read_fields("${json}" "results;${i}" attention run ms err)
+  require_length("${json}" 3 "round times of result ${i}" results ${i} round_ms)
+  set(times "")
+  foreach(k RANGE 2)
+    string(JSON t GET "${json}" results ${i} round_ms ${k})
+    if(NOT t GREATER 0)
+      message(FATAL_ERROR "result ${i} (${attention} ${run}): round ${k} took ${t} ms")
+    endif()
+    list(APPEND times ${t})
+  endforeach()
+  # ms is the middle one of the three (CMake compares numbers as doubles).
+  list(GET times 0 a)
+  list(GET times 1 b)
+  list(GET times 2 c)
+  set(below 0)
+  set(above 0)
+  foreach(t ${a} ${b} ${c})
+    if(t LESS ms)
+      math(EXPR below "${below} + 1")
+    elseif(t GREATER ms)
+      math(EXPR above "${above} + 1")
+    endif()
+  endforeach()
+  if(below GREATER 1 OR above GREATER 1 OR NOT (ms EQUAL a OR ms EQUAL b OR ms EQUAL c))
+    message(FATAL_ERROR "result ${i} (${attention} ${run}): ms ${ms} is not the median of ${times}")
+  endif()
+  if(NOT err LESS 1e-4)
+    message(FATAL_ERROR "result ${i} (${attention} ${run}) with rounds: err ${err}")
+  endif()
+endforeach()
+file(REMOVE ${rounds_out})
+
 # --dim, --head-dim's name before the naming pass, still works with one
 # warning line; neither is a flag of another meaning.
 run_ok(${CLI} bench --attention full --impl fast --pass forward --lengths 16 --heads 1 --dim 8 --repeats 1

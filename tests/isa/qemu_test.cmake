@@ -44,13 +44,16 @@ if(NOT EXISTS ${cli} OR NOT EXISTS ${python_path}/attnkit/__init__.py)
 endif()
 
 # Runs ARGN under qemu with the CPU model, in an environment where nothing but
-# the CPU decides the level (no cap, the installed library only). Sets `out`
+# the CPU decides the level (no cap, the installed library only, and OpenBLAS,
+# libtorch's BLAS, choosing its kernels from the emulated CPU: an
+# OPENBLAS_CORETYPE left in the caller's environment, e.g. Haswell, would run
+# AVX2 code on an emulated Nehalem and fail the test for OpenBLAS's sake). Sets `out`
 # to the stdout; fails the test, saying what happened, unless the exit is 0.
 function(run_emulated what)
   string(TIMESTAMP start "%s")
   execute_process(
     COMMAND ${CMAKE_COMMAND} -E env --unset=ATTNKIT_MAX_ISA --unset=ONEDNN_MAX_CPU_ISA
-            --unset=DNNL_MAX_CPU_ISA --unset=ATTNKIT_LIBRARY --unset=LD_LIBRARY_PATH
+            --unset=DNNL_MAX_CPU_ISA --unset=ATTNKIT_LIBRARY --unset=LD_LIBRARY_PATH --unset=OPENBLAS_CORETYPE
             PYTHONPATH=${python_path} ${QEMU} -cpu ${CPU} ${ARGN}
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   string(TIMESTAMP end "%s")

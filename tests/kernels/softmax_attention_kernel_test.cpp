@@ -493,6 +493,56 @@ TEST(SoftmaxKernel, EveryLayoutWithMasksAndBias) {
   }
 }
 
+// Without a bias tensor, dropout or a window the forward takes its tiles with
+// the band kernels where they exist (avx2 and above; softmax_attention.cpp,
+// by_lanes): blocks of 32 query rows over tiles of 256 keys, each tile's
+// softmax joined to the block's state. Rows around the block's 32 and keys
+// around the tile's 256, both alignments of the causal diagonal, key lengths
+// ending inside a tile, head dims that are not multiples of 16, every layout,
+// and peaky scores (q_gain) whose maximum moves from tile to tile.
+TEST(SoftmaxKernel, LaneBlocksOverKeyTilesMatchTheReference) {
+  const int64_t rows[] = {1, 31, 33, 96};
+  const int64_t keys[] = {255, 256, 257, 700};
+  const std::array<int64_t, 2> dims[] = {{64, 64}, {48, 80}, {20, 13}, {128, 32}};
+  const Layout layouts[] = {Layout::contiguous, Layout::seq_major, Layout::transposed, Layout::padded};
+  int index = 0;
+  for (int64_t L : rows)
+    for (int64_t S : keys) {
+      Case c;
+      c.N = 2, c.H = 2, c.L = L, c.S = S;
+      c.E = dims[index % 4][0], c.M = dims[index % 4][1];
+      c.causal = index % 2 == 0;
+      if (index % 3 == 1) c.key_lengths = {S - 1, 129};
+      c.layout = layouts[index / 2 % 4];
+      c.q_gain = index % 4 == 1 ? 8.f : 1.f;
+      expect_matches_reference(c, 300 + index);
+      ++index;
+    }
+}
+
+// A NaN score (here from a NaN in one key) makes the rows that see that key
+// NaN, out and lse, and leaves the others finite: causal rows before the key,
+// and the other batch element; in the first, a middle and the last key tile.
+TEST(SoftmaxKernel, NaNKeyMakesTheRowsThatSeeItNaN) {
+  Case c;
+  c.N = 2, c.H = 1, c.L = 600, c.S = 600, c.E = 16, c.M = 16;
+  c.causal = true;
+  for (int64_t key : {0, 300, 599}) {
+    SCOPED_TRACE("NaN key " + std::to_string(key));
+    Inputs in = make_inputs(c, 60);
+    in.k.at(0, 0, key, 5) = std::numeric_limits<float>::quiet_NaN();
+    const Outputs o = run_kernel(c, in, 2);
+    for (int64_t i = 0; i < c.L; ++i) {
+      ASSERT_EQ(std::isnan(o.lse[i]), i >= key) << "row " << i;
+      ASSERT_TRUE(std::isfinite(o.lse[c.L + i])) << "row " << i << " of batch 1";
+      for (int64_t m = 0; m < c.M; ++m) {
+        ASSERT_EQ(std::isnan(o.out.at(0, 0, i, m)), i >= key) << "row " << i << " column " << m;
+        ASSERT_TRUE(std::isfinite(o.out.at(1, 0, i, m))) << "row " << i << " column " << m;
+      }
+    }
+  }
+}
+
 // Each head (backward) and query block (forward) is computed by one thread in a
 // fixed order, so the thread count does not change a single bit. (Here the
 // forward also groups query blocks into work items differently for 1 and 2
