@@ -215,10 +215,14 @@ struct Accumulator {
 /// (sparse_band.h): blocks of 32 query rows held in the vector lanes, the
 /// scores, softmax and P v of each 256-key tile kept in L1 (forward_by_lanes
 /// says why). They take ALiBi but no bias tensor or dropout, and a window's
-/// narrow band keeps its own tiles (forward_tiles).
+/// narrow band keeps its own tiles (forward_tiles). Fewer than 16 queries
+/// (decoding) would fill under half the lanes and compute the padding lanes'
+/// scores too: they keep the sgemm tiles. The choice depends on the shape
+/// alone, never on how the rows are grouped into work items (which follows
+/// the thread count), so the result stays bitwise the same for any count.
 bool by_lanes(const SoftmaxAttentionParams& p) {
 #if ATTNKIT_BAND_KERNELS
-  return !p.bias && !(p.dropout_p > 0.f) && p.window == 0;
+  return !p.bias && !(p.dropout_p > 0.f) && p.window == 0 && p.L >= 16;
 #else
   (void)p;
   return false;

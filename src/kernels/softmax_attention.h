@@ -91,7 +91,8 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
 /// are read once per group, not once per query head; equal to the head-by-head
 /// result to rounding, and like it bitwise the same for any thread count.
 ///
-/// Without a bias tensor, dropout or a window, and where the band kernels exist
+/// Without a bias tensor, dropout or a window, with at least 16 queries
+/// (not decoding), and where the band kernels exist
 /// (avx2 and above: kernels/sparse_band.h), tiles are 32 query rows (the
 /// vector lanes) by 256 keys, each computed in L1 and registers: scores,
 /// softmax and the product with v, one tile's softmax joined to the next by
