@@ -11,6 +11,7 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -34,15 +35,29 @@ std::set<std::string> cpuinfo_flags() {
   return flags;
 }
 
+/// Whether LZCNT runs as itself. A CPU without it decodes the same bytes as
+/// BSR (the index of the highest set bit), which gives 0 for 1 where LZCNT
+/// gives 31 leading zeros: an oracle that asks the hardware, not CPUID.
+bool lzcnt_executes() {
+  uint32_t zeros = 0;
+  const uint32_t one = 1;
+  asm("lzcnt %1, %0" : "=r"(zeros) : "r"(one) : "cc");
+  return zeros == 31;
+}
+
 /// The level /proc/cpuinfo's flags allow (AMX counted as avx512_bf16: Linux's
-/// permission to use the tiles is not in the flags).
+/// permission to use the tiles is not in the flags). LZCNT is Linux's "abm",
+/// which some virtual machines leave out of the flags while their CPUID and
+/// CPU have it (seen: an "Oxide Virtual Turin-like Processor", Zen 5): there
+/// the instruction itself is asked.
 Level level_from_flags(const std::set<std::string>& f) {
   const auto all = [&f](std::initializer_list<const char*> names) {
     for (const char* n : names)
       if (!f.count(n)) return false;
     return true;
   };
-  if (!all({"avx", "avx2", "fma", "f16c", "movbe", "bmi1", "bmi2", "abm"})) return Level::baseline;
+  if (!all({"avx", "avx2", "fma", "f16c", "movbe", "bmi1", "bmi2"}) || !(f.count("abm") || lzcnt_executes()))
+    return Level::baseline;
   if (!all({"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"})) return Level::avx2;
   if (!all({"avx512_bf16"})) return Level::avx512;
   return Level::avx512_bf16;
