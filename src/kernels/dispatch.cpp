@@ -155,12 +155,15 @@ ATTNKIT_FLOAT32_KERNEL(void, linear_backward,
                         const LinearGradientsBf16& grads),
                        (p, dy, dy_row_stride, grads))
 
-// The vector helpers' exp, for the tests of its accuracy (vec.h): by hand,
-// since it sits in a namespace of its own inside each level's.
+// The vector helpers' exponentials, for the tests of their accuracy (vec.h):
+// by hand, since they sit in a namespace of their own inside each level's.
+#define ATTNKIT_VEC_DECLARATIONS                                                   \
+  ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); \
+  ATTNKIT_LEVEL_DECLARATION float softmax_exp_array(const float* x, float* y, int64_t n, float shift);
 #if defined(__x86_64__) || defined(_M_X64)
-namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
-namespace isa_avx2::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
-namespace isa_avx512::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_baseline::vec { ATTNKIT_VEC_DECLARATIONS }
+namespace isa_avx2::vec { ATTNKIT_VEC_DECLARATIONS }
+namespace isa_avx512::vec { ATTNKIT_VEC_DECLARATIONS }
 void vec_exp_array(const float* x, float* y, int64_t n) {
   switch (float32_level()) {
     case isa::Level::baseline: return isa_baseline::vec::exp_array(x, y, n);
@@ -168,9 +171,20 @@ void vec_exp_array(const float* x, float* y, int64_t n) {
     default: return isa_avx512::vec::exp_array(x, y, n);
   }
 }
+float vec_softmax_exp_array(const float* x, float* y, int64_t n, float shift) {
+  switch (float32_level()) {
+    case isa::Level::baseline: return isa_baseline::vec::softmax_exp_array(x, y, n, shift);
+    case isa::Level::avx2: return isa_avx2::vec::softmax_exp_array(x, y, n, shift);
+    default: return isa_avx512::vec::softmax_exp_array(x, y, n, shift);
+  }
+}
 #else
-namespace isa_baseline::vec { ATTNKIT_LEVEL_DECLARATION void exp_array(const float* x, float* y, int64_t n); }
+namespace isa_baseline::vec { ATTNKIT_VEC_DECLARATIONS }
 void vec_exp_array(const float* x, float* y, int64_t n) { isa_baseline::vec::exp_array(x, y, n); }
+float vec_softmax_exp_array(const float* x, float* y, int64_t n, float shift) {
+  return isa_baseline::vec::softmax_exp_array(x, y, n, shift);
+}
 #endif
+#undef ATTNKIT_VEC_DECLARATIONS
 
 }  // namespace attnkit::kernels

@@ -158,8 +158,15 @@ void weigh_nv(int nv, const float* w, int64_t count, const float* x, int64_t ldx
   }
 }
 
+/// How many output rows weigh_all takes next when `left` remain: six (24
+/// accumulators of 64 columns), but 7 or 8 left go as four and the rest, since
+/// a step of one or two rows has too few accumulators to hide the FMAs'
+/// latency (32 rows as five sixes and a two spent 2.2x as long per row on the
+/// last two as on the others: docs/PERFORMANCE.md, "Against torch 2.6's SDPA").
+constexpr int64_t weigh_step(int64_t left) { return left > 8 ? 6 : left > 6 ? 4 : left; }
+
 /// weigh over all `rows` output rows (row stride ldo) and all `width` columns
-/// of x: six rows by up to 64 columns at a time.
+/// of x: up to six rows (weigh_step) by up to 64 columns at a time.
 template <Sum kSum>
 void weigh_all(const float* w, int64_t rows, int64_t count, const float* x, int64_t ldx,
                int64_t width, float alpha, bool accumulate, float* out, int64_t ldo) {
@@ -167,12 +174,13 @@ void weigh_all(const float* w, int64_t rows, int64_t count, const float* x, int6
     const int64_t cols = std::min<int64_t>(64, width - c0);
     const int nv = static_cast<int>(ceil_div(cols, 16));
     const __mmask16 tail = vec::tail_mask(cols - 16 * (nv - 1));
-    for (int64_t i = 0; i < rows; i += 6) {
+    for (int64_t i = 0, step = 0; i < rows; i += step) {
+      step = weigh_step(rows - i);
       // Output row i's weights: lane i of each key's row, or key i's row.
       const float* wi = w + (kSum == Sum::keys ? i : i * kRows);
       float* o = out + i * ldo + c0;
       const float* xc = x + c0;
-      switch (std::min<int64_t>(6, rows - i)) {
+      switch (step) {
         case 1: weigh_nv<kSum, 1>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
         case 2: weigh_nv<kSum, 2>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
         case 3: weigh_nv<kSum, 3>(nv, wi, count, xc, ldx, tail, alpha, accumulate, o, ldo); break;
@@ -185,19 +193,33 @@ void weigh_all(const float* w, int64_t rows, int64_t count, const float* x, int6
 }
 
 /// Key c's mask over the 32 rows of a band block: the rows whose run holds c.
+/// When every row's run is all the keys (`whole`: a tile of the exact kernel
+/// that no mask cuts), that is the block's rows for every key, taken without
+/// the compares (of_key<true>).
 struct BandMask {
   __m512i first0, first1, last0, last1;
+  __mmask16 rows0, rows1;
+  bool whole = true;
 
-  BandMask(const int32_t* first, const int32_t* last)
-      : first0(_mm512_loadu_si512(first)),
-        first1(_mm512_loadu_si512(first + 16)),
-        last0(_mm512_loadu_si512(last)),
-        last1(_mm512_loadu_si512(last + 16)) {}
+  explicit BandMask(const Block& b)
+      : first0(_mm512_loadu_si512(b.first)),
+        first1(_mm512_loadu_si512(b.first + 16)),
+        last0(_mm512_loadu_si512(b.last)),
+        last1(_mm512_loadu_si512(b.last + 16)),
+        rows0(vec::tail_mask(std::min<int64_t>(b.rows, 16))),
+        rows1(b.rows > 16 ? vec::tail_mask(b.rows - 16) : __mmask16{0}) {
+    for (int64_t r = 0; r < b.rows; ++r) whole = whole && b.first[r] == 0 && b.last[r] == b.keys;
+  }
 
+  template <bool kWhole>
   void of_key(int64_t c, __mmask16& k0, __mmask16& k1) const {
-    const __m512i cc = _mm512_set1_epi32(static_cast<int>(c));
-    k0 = _mm512_cmple_epi32_mask(first0, cc) & _mm512_cmplt_epi32_mask(cc, last0);
-    k1 = _mm512_cmple_epi32_mask(first1, cc) & _mm512_cmplt_epi32_mask(cc, last1);
+    if constexpr (kWhole) {
+      k0 = rows0, k1 = rows1;
+    } else {
+      const __m512i cc = _mm512_set1_epi32(static_cast<int>(c));
+      k0 = _mm512_cmple_epi32_mask(first0, cc) & _mm512_cmplt_epi32_mask(cc, last0);
+      k1 = _mm512_cmple_epi32_mask(first1, cc) & _mm512_cmplt_epi32_mask(cc, last1);
+    }
   }
 };
 
@@ -208,17 +230,12 @@ inline __m512 finite_shift(__m512 x) {
                             _mm512_setzero_ps());
 }
 
-
-/// The forward's softmax of a block's scores st (keys x 32), down the keys
-/// with the rows in lanes: the masked maximum m, then P (0 off the runs) in
-/// place of the scores and its sums l. A row without keys keeps m = -inf
-/// and l = 0.
-void softmax_keys(const Block& b, float* st, float* m, float* l) {
-  const BandMask mask(b.first, b.last);
+template <bool kWhole>
+void softmax_keys(const Block& b, const BandMask& mask, float* st, float* m, float* l) {
   __m512 m0 = _mm512_set1_ps(-kInf), m1 = m0;
   for (int64_t c = 0; c < b.keys; ++c) {
     __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
+    mask.of_key<kWhole>(c, k0, k1);
     // max() returns its second operand when either is NaN: a NaN score
     // replaces m here, and makes its own weight (so l and the row) NaN below.
     m0 = _mm512_mask_max_ps(m0, k0, m0, _mm512_load_ps(st + c * kRows));
@@ -228,10 +245,10 @@ void softmax_keys(const Block& b, float* st, float* m, float* l) {
   __m512 l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
   for (int64_t c = 0; c < b.keys; ++c) {
     __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
+    mask.of_key<kWhole>(c, k0, k1);
     float* sc = st + c * kRows;
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::exp16(_mm512_sub_ps(_mm512_load_ps(sc), shift0)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::exp16(_mm512_sub_ps(_mm512_load_ps(sc + 16), shift1)));
+    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::softmax_exp16(_mm512_load_ps(sc), shift0));
+    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::softmax_exp16(_mm512_load_ps(sc + 16), shift1));
     _mm512_store_ps(sc, p0);
     _mm512_store_ps(sc + 16, p1);
     l0 = _mm512_add_ps(l0, p0);
@@ -243,26 +260,43 @@ void softmax_keys(const Block& b, float* st, float* m, float* l) {
   _mm512_storeu_ps(l + 16, l1);
 }
 
-/// The backward's P = exp(s - lse) in place of the scores pt and
-/// dS = P (dP - d) in place of dP (dst), both 0 off the runs; lse and d
-/// hold 32 entries (the padding rows' 0).
-void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* pt, float* dst) {
+/// The forward's softmax of a block's scores st (keys x 32), down the keys
+/// with the rows in lanes: the masked maximum m, then P (0 off the runs) in
+/// place of the scores and its sums l. A row without keys keeps m = -inf
+/// and l = 0.
+void softmax_keys(const Block& b, float* st, float* m, float* l) {
+  const BandMask mask(b);
+  if (mask.whole) return softmax_keys<true>(b, mask, st, m, l);
+  softmax_keys<false>(b, mask, st, m, l);
+}
+
+template <bool kWhole>
+void softmax_grad_keys(const Block& b, const BandMask& mask, const float* lse, const float* d, float* pt,
+                       float* dst) {
   const __m512 shift0 = finite_shift(_mm512_load_ps(lse));
   const __m512 shift1 = finite_shift(_mm512_load_ps(lse + 16));
   const __m512 d0 = _mm512_load_ps(d), d1 = _mm512_load_ps(d + 16);
-  const BandMask mask(b.first, b.last);
   for (int64_t c = 0; c < b.keys; ++c) {
     __mmask16 k0, k1;
-    mask.of_key(c, k0, k1);
+    mask.of_key<kWhole>(c, k0, k1);
     float* pc = pt + c * kRows;
     float* dc = dst + c * kRows;
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::exp16(_mm512_sub_ps(_mm512_load_ps(pc), shift0)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::exp16(_mm512_sub_ps(_mm512_load_ps(pc + 16), shift1)));
+    const __m512 p0 = _mm512_maskz_mov_ps(k0, vec::softmax_exp16(_mm512_load_ps(pc), shift0));
+    const __m512 p1 = _mm512_maskz_mov_ps(k1, vec::softmax_exp16(_mm512_load_ps(pc + 16), shift1));
     _mm512_store_ps(pc, p0);
     _mm512_store_ps(pc + 16, p1);
     _mm512_store_ps(dc, _mm512_maskz_mul_ps(k0, p0, _mm512_sub_ps(_mm512_load_ps(dc), d0)));
     _mm512_store_ps(dc + 16, _mm512_maskz_mul_ps(k1, p1, _mm512_sub_ps(_mm512_load_ps(dc + 16), d1)));
   }
+}
+
+/// The backward's P = exp(s - lse) in place of the scores pt and
+/// dS = P (dP - d) in place of dP (dst), both 0 off the runs; lse and d
+/// hold 32 entries (the padding rows' 0).
+void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* pt, float* dst) {
+  const BandMask mask(b);
+  if (mask.whole) return softmax_grad_keys<true>(b, mask, lse, d, pt, dst);
+  softmax_grad_keys<false>(b, mask, lse, d, pt, dst);
 }
 
 }  // namespace
@@ -490,7 +524,7 @@ void softmax_keys(const Block& b, float* st, float* m, float* l) {
     __m256 lj = _mm256_setzero_ps();
     zero_keys(st, j, 0, keys.lo());
     keys.for_each([&](int64_t c, __m256 mask) {
-      const __m256 p = _mm256_and_ps(mask, vec::exp8(_mm256_sub_ps(_mm256_load_ps(sj + c * kRows), shift)));
+      const __m256 p = _mm256_and_ps(mask, vec::softmax_exp8(_mm256_load_ps(sj + c * kRows), shift));
       _mm256_store_ps(sj + c * kRows, p);
       lj = _mm256_add_ps(lj, p);
     });
@@ -511,7 +545,7 @@ void softmax_grad_keys(const Block& b, const float* lse, const float* d, float* 
     zero_keys(pt, j, 0, keys.lo());
     zero_keys(dst, j, 0, keys.lo());
     keys.for_each([&](int64_t c, __m256 mask) {
-      const __m256 p = _mm256_and_ps(mask, vec::exp8(_mm256_sub_ps(_mm256_load_ps(pj + c * kRows), shift)));
+      const __m256 p = _mm256_and_ps(mask, vec::softmax_exp8(_mm256_load_ps(pj + c * kRows), shift));
       _mm256_store_ps(pj + c * kRows, p);
       _mm256_store_ps(dsj + c * kRows,
                       _mm256_and_ps(mask, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(dsj + c * kRows), dj))));

@@ -1,5 +1,7 @@
 #include "kernels/common/vec.h"
 
+#include <algorithm>
+
 ATTNKIT_KERNELS_BEGIN
 namespace vec {
 
@@ -21,6 +23,11 @@ void exp_array(const float* x, float* y, int64_t n) {
 #else
   for (int64_t i = 0; i < n; ++i) y[i] = exp(x[i]);
 #endif
+}
+
+float softmax_exp_array(const float* x, float* y, int64_t n, float shift) {
+  std::copy(x, x + n, y);
+  return exp_shift_sum(y, n, shift);
 }
 
 }  // namespace vec

@@ -15,6 +15,17 @@
 ATTNKIT_KERNELS_BEGIN
 namespace vec {
 
+// exp2_16 / exp2_8's polynomial for 2^r on [-1/2, 1/2]: 1 + r (C1 + r (C2 + ...)),
+// a fit for relative error (Lawson's iteration over 4,000 Chebyshev nodes,
+// then rounded to float; 1.9e-9 before rounding).
+constexpr float kExp2C1 = 6.9314718246e-01f;
+constexpr float kExp2C2 = 2.4022646248e-01f;
+constexpr float kExp2C3 = 5.5503286421e-02f;
+constexpr float kExp2C4 = 9.6184890717e-03f;
+constexpr float kExp2C5 = 1.3399930904e-03f;
+constexpr float kExp2C6 = 1.5345812426e-04f;
+constexpr float kLog2e = 1.44269504088896341f;
+
 #ifdef __AVX512F__
 
 /// exp of 16 floats. Cephes' expf scheme: x = n ln2 + r with n = round(x / ln2),
@@ -47,6 +58,41 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/// 2^x of 16 floats: x = n + r with n = round(x) and r = x - n, which is exact
+/// and |r| <= 1/2, 2^r by a degree-6 polynomial (fitted for relative error;
+/// 0.93 ulp at most over [-1/2, 1/2], evaluated in float32), then 2^n applied
+/// by vscalefps. No argument reduction by a split ln 2 as exp16 needs: 10
+/// operations against its 15, which is what the softmax's exponentials
+/// (softmax_exp16) are made of. Results below 2^-125 flush to 0, for exp16's
+/// reason, so 2^-inf == 0 exactly; 2^x for x >= 128 is +inf; NaN propagates.
+inline __m512 exp2_16(__m512 x) {
+  // x >= -125 or NaN; the flushed lanes skip vscalefps, which avoids the assist.
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+  // +inf would leave r = inf - inf; min returns x when x is NaN.
+  x = _mm512_min_ps(_mm512_set1_ps(128.f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2C6);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2C5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2C4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2C3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2C2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2C1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/// A softmax's weights exp(x - shift) for x <= shift (shift the row's largest
+/// score, or its log-sum-exp), as 2^((x - shift) log2(e)). The difference is
+/// taken first, so the weights near the maximum, the ones that matter, are
+/// accurate to 2 ulp; far below it the rounding of (x - shift) log2(e) costs
+/// up to |x - shift| ulp of relative error, which is never more than 2^-24 of
+/// the row's largest weight, 1 (tests/kernels: SoftmaxKernelExp). -inf gives
+/// 0 (a masked score), as does anything below exp(-86.6).
+inline __m512 softmax_exp16(__m512 x, __m512 shift) {
+  return exp2_16(_mm512_mul_ps(_mm512_sub_ps(x, shift), _mm512_set1_ps(kLog2e)));
 }
 
 /// Lanes [0, n) of a 16-lane block, for loads and stores of the tail.
@@ -85,6 +131,39 @@ inline __m256 exp8(__m256 x) {
   __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
   e = _mm256_blendv_ps(e, _mm256_add_ps(e, e), _mm256_castsi256_ps(top));
   return _mm256_and_ps(e, normal);
+}
+
+/// 2^x of 8 floats: exp2_16's scheme, constants and operations, so the
+/// results are bitwise the same. Without vscalefps, 2^n is built in the
+/// exponent bits as in exp8; x is first clamped to [-126, 128], so that the
+/// flushed lanes' products stay normal (no assist) and n = 128 is 2^127 * 2.
+inline __m256 exp2_8(__m256 x) {
+  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-125.f), _CMP_NLT_UQ);
+  // max/min return their second operand when either is NaN: keep x second.
+  x = _mm256_max_ps(_mm256_set1_ps(-126.f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(128.f), x);
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(kExp2C6);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2C5));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2C4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2C3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2C2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2C1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  // n is in [-126, 128]: a normal power of two but for 128. NaN lanes give
+  // garbage n but p is NaN.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i top = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));  // n = 128
+  const __m256i biased = _mm256_add_epi32(_mm256_add_epi32(ni, top), _mm256_set1_epi32(127));
+  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  e = _mm256_blendv_ps(e, _mm256_add_ps(e, e), _mm256_castsi256_ps(top));
+  return _mm256_and_ps(e, normal);
+}
+
+/// softmax_exp16 of 8 floats (the same operations, bitwise the same results).
+inline __m256 softmax_exp8(__m256 x, __m256 shift) {
+  return exp2_8(_mm256_mul_ps(_mm256_sub_ps(x, shift), _mm256_set1_ps(kLog2e)));
 }
 
 /// Lanes [0, n) of an 8-lane block (n <= 8), as maskload/maskstore take them.
@@ -165,20 +244,21 @@ inline float max(const float* x, int64_t n) {
 #endif
 }
 
-/// x[i] = exp(x[i] - shift) in place; returns the sum of the new values.
+/// x[i] = exp(x[i] - shift) in place, a softmax's weights (softmax_exp16:
+/// x[i] <= shift); returns the sum of the new values.
 inline float exp_shift_sum(float* x, int64_t n, float shift) {
 #ifdef __AVX512F__
   const __m512 s = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+    const __m512 e = softmax_exp16(_mm512_loadu_ps(x + i), s);
     _mm512_storeu_ps(x + i, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (i < n) {
     const __mmask16 k = tail_mask(n - i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), s));
+    const __m512 e = softmax_exp16(_mm512_maskz_loadu_ps(k, x + i), s);
     _mm512_mask_storeu_ps(x + i, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }
@@ -188,13 +268,13 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
   __m256 sum = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    const __m256 e = softmax_exp8(_mm256_loadu_ps(x + i), s);
     _mm256_storeu_ps(x + i, e);
     sum = _mm256_add_ps(sum, e);
   }
   if (i < n) {
     const __m256i k = tail_mask8(n - i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, k), s));
+    const __m256 e = softmax_exp8(_mm256_maskload_ps(x + i, k), s);
     _mm256_maskstore_ps(x + i, k, e);
     sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
   }
@@ -464,7 +544,7 @@ inline void column_exp_sum(float* x, int64_t count, int64_t ld, int64_t n, int64
       const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + c));
       const __mmask16 seen = _mm512_cmple_epi32_mask(l, j) & _mm512_cmplt_epi32_mask(j, h);
       float* xc = x + c * ld + i;
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, xc), s)));
+      const __m512 e = _mm512_maskz_mov_ps(seen, softmax_exp16(_mm512_maskz_loadu_ps(lanes, xc), s));
       _mm512_mask_storeu_ps(xc, lanes, e);
       total = _mm512_add_ps(total, e);
     }
@@ -480,7 +560,7 @@ inline void column_exp_sum(float* x, int64_t count, int64_t ld, int64_t n, int64
       const __m256i j = _mm256_set1_epi32(static_cast<int32_t>(j0 + c));
       const __m256i seen = _mm256_andnot_si256(_mm256_cmpgt_epi32(l, j), _mm256_cmpgt_epi32(h, j));
       float* xc = x + c * ld + i;
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(xc, lanes), s)), _mm256_castsi256_ps(seen));
+      const __m256 e = _mm256_and_ps(softmax_exp8(_mm256_maskload_ps(xc, lanes), s), _mm256_castsi256_ps(seen));
       _mm256_maskstore_ps(xc, lanes, e);
       total = _mm256_add_ps(total, e);
     }
@@ -543,5 +623,8 @@ namespace attnkit::kernels {
 /// use. Named apart from vec::: a second `vec` outside the level namespace
 /// would be read differently by GCC and clang.
 void vec_exp_array(const float* x, float* y, int64_t n);
+/// y[i] = exp(x[i] - shift) by the current level's vec::exp_shift_sum, the
+/// softmax's weights (softmax_exp16 / softmax_exp8); returns their sum.
+float vec_softmax_exp_array(const float* x, float* y, int64_t n, float shift);
 
 }  // namespace attnkit::kernels
