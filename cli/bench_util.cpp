@@ -1,6 +1,7 @@
 #include "bench_util.h"
 
 #include <attnkit/runtime.h>
+#include <attnkit/train/checkpoint.h>
 #include <attnkit/train/clock.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -119,15 +120,7 @@ std::string fmt(double x, int precision) {
 }
 
 void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-    out << text;
-    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot rename " + tmp + " to " + path);
+  attnkit::train::write_file_atomically(path, text);
 }
 
 void write_json_atomically(const std::string& path, const nlohmann::json& doc) {

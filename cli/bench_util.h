@@ -60,8 +60,9 @@ std::vector<double> time_ms(const std::function<void()>& body, int repeats,
 double median(std::vector<double> x);
 std::string fmt(double x, int precision);
 
-/// Writes `text` to path + ".tmp", then renames it over `path`: a reader (or
-/// an interrupted run) sees the old file or the new one, never half of one.
+/// Replaces `path` with `text` atomically and durably
+/// (train::write_file_atomically): a reader, an interrupted run or a power
+/// cut leaves the old file or the new one, never half of one.
 void write_text_atomically(const std::string& path, const std::string& text);
 void write_json_atomically(const std::string& path, const nlohmann::json& doc);
 /// The end of a run: when `path` is not empty (a --json option was given),

@@ -6,14 +6,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "base/checks.h"
+#include "base/durable_file.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/threading.h"
 
@@ -78,60 +80,14 @@ std::vector<unsigned char> serialize(const torch::Tensor& C, int64_t dim, int64_
 
 std::string errno_text() { return std::strerror(errno); }
 
-std::string directory_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-/// Creates a new, unique temporary file next to `path` (mode 0666 less the
-/// umask, like any new file); returns its descriptor and name.
-int create_temporary(const std::string& path, std::string* name) {
-  static std::atomic<unsigned> counter{0};
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    *name = path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter++);
-    const int fd = ::open(name->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0 || errno != EEXIST) return fd;
-  }
-  errno = EEXIST;
-  return -1;
-}
-
-/// Writes `bytes` to `path` so that readers see the old content or the new one:
-/// temporary file, fsync, rename, fsync of the directory (makes the rename durable).
+/// Writes `bytes` to `path` so that readers see the old content or the new,
+/// durably (base/durable_file.h).
 void write_atomically(const std::string& path, const std::vector<unsigned char>& bytes) {
-  constexpr const char* where = "DocumentMemory::save";
-  std::string tmp;
-  const int fd = create_temporary(path, &tmp);
-  TORCH_CHECK(fd >= 0, where, ": cannot create a temporary file next to '", path,
-              "': ", errno_text());
-  const auto fail = [&](const char* what) {
-    const std::string reason = errno_text();
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, where, ": cannot ", what, " '", tmp, "': ", reason);
-  };
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail("write");
-    done += static_cast<size_t>(n);
+  try {
+    base::write_file_durably(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  } catch (const std::system_error& e) {
+    TORCH_CHECK(false, "DocumentMemory::save: ", e.what());
   }
-  if (::fsync(fd) != 0) fail("fsync");
-  if (::close(fd) != 0) {
-    const std::string reason = errno_text();
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, where, ": cannot close '", tmp, "': ", reason);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string reason = errno_text();
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, where, ": cannot rename '", tmp, "' to '", path, "': ", reason);
-  }
-  const int dir = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(dir >= 0 && ::fsync(dir) == 0, where, ": wrote '", path,
-              "' but cannot fsync its directory: ", errno_text());
-  ::close(dir);
 }
 
 std::vector<unsigned char> read_file(const std::string& path) {

@@ -6,8 +6,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -17,6 +15,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "base/durable_file.h"
 #include "base/random.h"
 
 namespace fs = std::filesystem;
@@ -234,52 +233,6 @@ void normalize_files(const std::vector<std::string>& inputs, TextNormalizer& nor
   normalizer.finish();
 }
 
-// Files written under temporary names and renamed into place by commit();
-// whatever was not committed is removed on destruction.
-class AtomicFiles {
- public:
-  explicit AtomicFiles(fs::path dir) : dir_(std::move(dir)) {}
-  ~AtomicFiles() {
-    for (const auto& file : files_) {
-      std::error_code ignored;
-      if (!file.committed) fs::remove(file.temp, ignored);
-    }
-  }
-  std::ofstream& open(const std::string& name) {
-    File file;
-    file.final = dir_ / name;
-    file.temp = dir_ / ("." + name + ".tmp-" + std::to_string(::getpid()));
-    file.stream = std::make_unique<std::ofstream>(file.temp, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(*file.stream, "data char-lm: cannot write '", file.temp.string(), "'");
-    files_.push_back(std::move(file));
-    return *files_.back().stream;
-  }
-  // Closes every file, checks the writes, then renames them in the order opened.
-  void commit() {
-    for (auto& file : files_) {
-      file.stream->close();
-      TORCH_CHECK(!file.stream->fail(), "data char-lm: writing '", file.temp.string(),
-                  "' failed (disk full?)");
-    }
-    for (auto& file : files_) {
-      std::error_code error;
-      fs::rename(file.temp, file.final, error);
-      TORCH_CHECK(!error, "data char-lm: cannot rename '", file.temp.string(), "' to '",
-                  file.final.string(), "': ", error.message());
-      file.committed = true;
-    }
-  }
-
- private:
-  struct File {
-    fs::path final, temp;
-    std::unique_ptr<std::ofstream> stream;
-    bool committed = false;
-  };
-  fs::path dir_;
-  std::vector<File> files_;
-};
-
 }  // namespace
 
 CharLmReport prepare_char_lm(const std::vector<std::string>& inputs, const std::string& out_dir,
@@ -322,9 +275,11 @@ CharLmReport prepare_char_lm(const std::vector<std::string>& inputs, const std::
 
   // Pass 2: write the splits.
   fs::create_directories(dir);
-  AtomicFiles files(dir);
-  std::ofstream* streams[3];
-  for (int s = 0; s < 3; ++s) streams[s] = &files.open(kSplitFiles[s]);
+  // The splits and meta.json replace a previous preparation together, and
+  // durably (base/durable_file.h); nothing is replaced if anything fails.
+  attnkit::base::DurableFiles files;
+  std::size_t streams[3];
+  for (int s = 0; s < 3; ++s) streams[s] = files.open((dir / kSplitFiles[s]).string());
   int64_t position = 0;
   int split = 0;
   TextNormalizer writer([&](const char* data, size_t size) {
@@ -332,7 +287,7 @@ CharLmReport prepare_char_lm(const std::vector<std::string>& inputs, const std::
       while (split < 3 && position == cuts[split + 1]) ++split;
       TORCH_CHECK(split < 3, "data char-lm: the inputs grew while being read");
       const auto take = std::min<int64_t>(static_cast<int64_t>(size), cuts[split + 1] - position);
-      streams[split]->write(data, take);
+      files.write(streams[split], std::string_view(data, static_cast<size_t>(take)));
       data += take;
       size -= static_cast<size_t>(take);
       position += take;
@@ -367,7 +322,7 @@ CharLmReport prepare_char_lm(const std::vector<std::string>& inputs, const std::
   meta << "},\n  \"mapping\": {\"kept\": " << c.kept << ", \"mapped\": " << c.mapped
        << ", \"dropped\": " << c.dropped << ", \"non_ascii_dropped\": " << c.non_ascii_dropped
        << ", \"latin1_bytes\": " << c.latin1_bytes << "}\n}\n";
-  files.open("meta.json") << meta.str();
+  files.write(files.open((dir / "meta.json").string()), meta.str());
   files.commit();
   return report;
 }

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "base/durable_file.h"
 #include "train/optimizer_compat.h"
 #include "train/refusal.h"
 
@@ -135,57 +136,8 @@ CheckpointFile decode_checkpoint(const std::string& bytes, const std::string& wh
 // Files
 // ---------------------------------------------------------------------------
 
-namespace {
-
-[[noreturn]] void system_error(const std::string& call, const std::string& path, int error) {
-  throw std::runtime_error(call + "('" + path + "') failed: " + std::strerror(error));
-}
-
-void fsync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) system_error("open", dir, errno);
-  const int rc = ::fsync(fd);
-  const int error = errno;
-  ::close(fd);
-  if (rc != 0) system_error("fsync", dir, error);
-}
-
-}  // namespace
-
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string temp =
-      (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()))).string();
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) system_error("open", temp, errno);
-  auto fail = [&](const std::string& call, const std::string& name) {
-    const int error = errno;
-    ::close(fd);
-    ::unlink(temp.c_str());
-    system_error(call, name, error);
-  };
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail("write", temp);
-    }
-    done += static_cast<std::size_t>(w);
-  }
-  if (::fsync(fd) != 0) fail("fsync", temp);
-  if (::close(fd) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    system_error("close", temp, error);
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    system_error("rename to '" + path + "': rename", temp, error);
-  }
-  fsync_directory(dir.string());
+  base::write_file_durably(path, bytes);
 }
 
 void write_checkpoint_file(const std::string& path, const CheckpointFile& file) {
@@ -381,7 +333,7 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, std::size
     std::error_code ec;
     if (fs::remove(entries[i].path, ec)) deleted.push_back(entries[i].path);
   }
-  if (!deleted.empty()) fsync_directory(run_dir);
+  if (!deleted.empty()) base::fsync_directory(run_dir);
   return deleted;
 }
 

@@ -119,8 +119,9 @@ RunDirectory::RunDirectory(std::string path, std::string resumed_from, int64_t s
   if (newest != resumed_from_)
     throw std::runtime_error("the checkpoints of '" + path_ + "' changed since the run was opened (newest now: '" +
                              newest + "'); open it again (a Trainer: build it again)");
-  // write_file_atomically's temporary files of checkpoint writes a crash interrupted.
-  static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+)");
+  // write_file_atomically's temporary files of checkpoint writes a crash
+  // interrupted (".<name>.tmp-<pid>", or "-<n>" after it: base/durable_file.cpp).
+  static const std::regex stale(R"(\.checkpoint-[0-9]+\.ckpt\.tmp-[0-9]+(-[0-9]+)?)");
   for (const auto& entry : fs::directory_iterator(path_))
     if (std::regex_match(entry.path().filename().string(), stale)) fs::remove(entry.path());
 }

@@ -57,9 +57,11 @@ std::string encode_checkpoint(const CheckpointFile& file);
 CheckpointFile decode_checkpoint(const std::string& bytes, const std::string& what);
 
 /// Writes `bytes` to `path` atomically and durably: a temporary file in the
-/// same directory, write, fsync, rename onto `path`, fsync of the directory.
-/// On failure the temporary file is removed, `path` is untouched, and the
-/// error names the path, the failing call and errno's text.
+/// same directory, write, fsync, rename onto `path`, fsync of the directory
+/// (the library's one way of replacing a file: src/base/durable_file.h). On
+/// failure the temporary file is removed, `path` keeps its old content unless
+/// the rename happened, and the error (a std::system_error) names the step,
+/// the path and the system's reason.
 void write_file_atomically(const std::string& path, const std::string& bytes);
 
 /// encode_checkpoint + write_file_atomically.
