@@ -46,7 +46,8 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
     agglomerative_ = register_module(
         "self_attention",
         nn::AgglomerativeAttention(nn::AgglomerativeAttentionOptions(d, agglomerative_classes(parsed, H))
-                                       .dropout(options.dropout())));
+                                       .dropout(options.dropout())
+                                       .clip(parsed.get_double("clip", AgglomerativeAttentionFuncOptions().clip()))));
   } else {
     kind_ = Kind::multihead;
     self_ = register_module("self_attention",

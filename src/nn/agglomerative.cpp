@@ -40,6 +40,9 @@ void AgglomerativeAttentionImpl::reset() {
               ") must be a positive multiple of classes (", m, ")");
   TORCH_CHECK(options.dropout() >= 0 && options.dropout() < 1, kAgglomerativeModule,
               ": option 'dropout' must be in [0, 1), got ", options.dropout());
+  // (The op checks the clip against each call's dtype too.)
+  TORCH_CHECK(std::isfinite(options.clip()) && options.clip() > 0, kAgglomerativeModule,
+              ": option 'clip' must be finite and > 0, got ", options.clip());
   W_q = register_parameter("W_q", glorot_uniform(d, m));
   b_q = register_parameter("b_q", torch::zeros({m}));
   W_r = register_parameter("W_r", glorot_uniform(d, m));
@@ -76,7 +79,8 @@ torch::Tensor AgglomerativeAttentionImpl::forward(const torch::Tensor& x_query,
   auto cr = torch::softmax(project(x, W_r, b_r), -1);        // (N, S, m)
   auto v = project(x, P).view({N, S, m, d / m}).transpose(1, 2);  // (N, m, S, d/m), a view
   auto a = agglomerative_attention(cq.transpose(1, 2), cr.transpose(1, 2), v,
-                                   AgglomerativeAttentionFuncOptions().causal(causal));  // (N, m, L, d/m)
+                                   AgglomerativeAttentionFuncOptions().causal(causal).clip(options.clip()));
+  // a: (N, m, L, d/m)
   // The op lays its output out like v, (N, L, m, d/m) in memory: the class
   // concatenation is a view.
   auto p = a.transpose(1, 2).reshape({N, L, d});
@@ -89,6 +93,10 @@ torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, Agglome
   detail::check_dim(kAgglomerativeModule, "x_t", x_t, 1, d, "feature size (the width)");
   TORCH_CHECK(x_t.scalar_type() == P.scalar_type(), kAgglomerativeModule, ": argument 'x_t' has dtype ",
               x_t.scalar_type(), " but the parameters have dtype ", P.scalar_type());
+  // The op's bound on the clip (ops/agglomerative_attention.cpp says why).
+  const double smallest_clip = std::sqrt(detail::dtype_min_normal(x_t.scalar_type()));
+  TORCH_CHECK(options.clip() >= smallest_clip, kAgglomerativeModule, ": option 'clip' must be at least ",
+              smallest_clip, " for ", detail::dtype_name(x_t.scalar_type()), " inputs, got ", options.clip());
   const int64_t N = x_t.size(0);
   if (!state.sums.defined()) {
     state.sums = torch::zeros({N, m, d / m}, x_t.options());
@@ -106,8 +114,7 @@ torch::Tensor AgglomerativeAttentionImpl::step(const torch::Tensor& x_t, Agglome
   state.sums = state.sums + cr.unsqueeze(-1) * project(x_t, P).view({N, m, d / m});
   state.counts = state.counts + cr;
   // clamp_min passes no gradient where it is active, like the op's clip.
-  const double clip = AgglomerativeAttentionFuncOptions().clip();
-  auto a = state.sums / torch::clamp_min(state.counts, clip).unsqueeze(-1);  // (N, m, d/m)
+  auto a = state.sums / torch::clamp_min(state.counts, options.clip()).unsqueeze(-1);  // (N, m, d/m)
   auto p = (cq.unsqueeze(-1) * a).reshape({N, d});
   return project(dropout(p), Q);
 }

@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -74,12 +75,18 @@ void check_agglomerative(const char* op, const torch::Tensor& cq, const torch::T
   detail::check_dim(op, "v", v, 2, cr.size(2), "reference length S");
   detail::check_finite_in(op, "clip", clip, cq.scalar_type());
   TORCH_CHECK(clip > 0, op, ": option 'clip' must be > 0, got ", clip);
-  // Below the dtype's smallest normal number clip rounds to 0 or a subnormal,
-  // and the average of an empty prefix becomes 0 / 0 (float32 and bfloat16
-  // share that bound; float64's is far below any useful clip).
+  // Where the clip is active the output's slope towards cr is v / clip, which
+  // the backward sums over the queries: a clip near the dtype's smallest
+  // normal number (float32's 1.2e-38) made those gradients overflow to inf or
+  // NaN from ordinary inputs, and a smaller one rounds to 0 or a subnormal (an
+  // empty prefix's average 0 / 0). The square root of the smallest normal
+  // number (2^-63 for float32 and bfloat16, 2^-511 for float64) keeps 1 / clip
+  // 2^64 below the largest float (docs/MATH.md, "Agglomerative attention").
   const auto type = cq.scalar_type();
-  TORCH_CHECK(clip >= detail::dtype_min_normal(type), op, ": option 'clip' must be at least ",
-              detail::dtype_min_normal(type), " for ", detail::dtype_name(type), " inputs, got ", clip);
+  const double smallest = std::sqrt(detail::dtype_min_normal(type));
+  TORCH_CHECK(clip >= smallest, op, ": option 'clip' must be at least ", smallest, " for ",
+              detail::dtype_name(type), " inputs (the square root of the smallest normal number: below it the "
+              "gradients overflow), got ", clip);
 }
 
 void check_agglomerative_kernel(const char* op, const torch::Tensor& cq, const torch::Tensor& cr,

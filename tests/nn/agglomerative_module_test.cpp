@@ -28,12 +28,11 @@ constexpr double kDoubleTol = 1e-10;
 // wrong index, block or gradient shows up at 1e-2 or more.
 constexpr double kFloatTol = 1e-5;
 
-const double kClip = AgglomerativeAttentionFuncOptions().clip();
-
 /// A layer with random biases too (reset() zeroes them), in `dtype`.
-AgglomerativeAttention make_layer(int64_t d, int64_t m, torch::Dtype dtype, uint64_t seed) {
+AgglomerativeAttention make_layer(int64_t d, int64_t m, torch::Dtype dtype, uint64_t seed,
+                                  double clip = AgglomerativeAttentionFuncOptions().clip()) {
   torch::manual_seed(seed);
-  AgglomerativeAttention layer(AgglomerativeAttentionOptions(d, m));
+  AgglomerativeAttention layer(AgglomerativeAttentionOptions(d, m).clip(clip));
   {
     torch::NoGradGuard no_grad;
     layer->b_q.uniform_(-1, 1);
@@ -63,7 +62,8 @@ torch::Tensor spec_layer(AgglomerativeAttention& layer, const torch::Tensor& xq,
         continue;
       }
       auto den = crk.narrow(1, 0, visible).sum(1, /*keepdim=*/true);
-      den = torch::where(den < kClip, torch::full_like(den, kClip), den);
+      const double clip = layer->options.clip();
+      den = torch::where(den < clip, torch::full_like(den, clip), den);
       rows.push_back(u.narrow(1, 0, visible).sum(1) / den);
     }
     classes.push_back(cq.select(2, k).unsqueeze(-1) * torch::stack(rows, 1));  // (N, L, w)
@@ -188,6 +188,27 @@ TEST(AgglomerativeModule, StreamingEqualsTheCausalLayer) {
     auto g_streamed = torch::autograd::grad({(streamed * cotangent).sum()}, {x})[0];
     EXPECT_LT(rel_err(g_streamed, g_whole), tol);
   }
+}
+
+// The layer's clip reaches the op and the streaming step (issue 47: both used
+// the op's default whatever the spec said). A clip of 0.6 is active wherever
+// a class's weight sum is below it: the first positions of a causal pass.
+TEST(AgglomerativeModule, ClipOptionReachesForwardAndStep) {
+  const int64_t N = 2, L = 9, d = 12, m = 3;
+  auto layer = make_layer(d, m, torch::kDouble, 6, /*clip=*/0.6);
+  auto x = torch::randn({N, L, d}, f64());
+  const auto whole = layer->forward(x, {}, /*causal=*/true);
+  EXPECT_LT(rel_err(whole, spec_layer(layer, x, x, /*causal=*/true)), kDoubleTol);
+  AgglomerativeState state;
+  std::vector<torch::Tensor> steps;
+  for (int64_t t = 0; t < L; ++t) steps.push_back(layer->step(x.select(1, t), state));
+  EXPECT_LT(rel_err(torch::stack(steps, 1), whole), kDoubleTol);
+  auto default_clip = make_layer(d, m, torch::kDouble, 6);
+  EXPECT_GT(rel_err(default_clip->forward(x, {}, /*causal=*/true), whole), 1e-3) << "the clip changed nothing";
+  // As the op, the layer refuses a clip that is not positive.
+  for (const double bad : {0.0, -1.0})
+    expect_error([&] { AgglomerativeAttention(AgglomerativeAttentionOptions(d, m).clip(bad)); },
+                 {"AgglomerativeAttention", "clip"});
 }
 
 TEST(AgglomerativeModule, DropoutIsSeededAndOnlyInTraining) {

@@ -27,6 +27,10 @@ struct AgglomerativeAttentionOptions {
   TORCH_ARG(int64_t, width);
   /// Class count m (the paper uses 8).
   TORCH_ARG(int64_t, classes);
+  /// Lower bound of a class's weight sum, the op's option of the same name
+  /// (AgglomerativeAttentionFuncOptions::clip in attnkit/ops.h, its default),
+  /// in forward() and step() alike.
+  TORCH_ARG(double, clip) = 1e-3;
   /// Attention dropout: in training, each element of p is zeroed with this
   /// probability and the rest are scaled by 1 / (1 - dropout).
   TORCH_ARG(double, dropout) = 0.0;
