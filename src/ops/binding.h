@@ -58,8 +58,11 @@ std::array<torch::Tensor, 3> bind_qkv_grads(Params& p, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& v,
                                             const torch::Tensor& dout, bool per_query_head = false) {
   // per_query_head (grouped-query heads): dk and dv get q's head count, the
-  // shares of each query head that the caller sums over each group.
+  // shares of each query head that the caller sums over each group. Without
+  // query heads (H = 0, which any key/value head count divides) no query
+  // reads k or v and the kernels write nothing: their gradients are zeros.
   auto like = [&](const torch::Tensor& x) {
+    if (q.size(1) == 0) return torch::zeros_like(x, torch::MemoryFormat::Contiguous);
     if (!per_query_head) return torch::empty_like(x, torch::MemoryFormat::Contiguous);
     return torch::empty({x.size(0), q.size(1), x.size(2), x.size(3)}, x.options());
   };

@@ -42,7 +42,10 @@ inline void check_alibi_slopes(const char* op, const torch::Tensor& slopes, int6
 
 /// Query heads per key/value head (1 without grouped-query heads).
 inline int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
-  return k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+  // No query heads (or none of k's): nothing is grouped. H = 0 with Hkv > 0
+  // passes check_qkv (Hkv divides 0) and gave a group of 0 heads, which the
+  // kernels divide by (a SIGFPE in sparse attention).
+  return k.size(1) == 0 || q.size(1) == 0 ? 1 : q.size(1) / k.size(1);
 }
 
 /// The gradient of key or value heads that groups of `group` query heads
