@@ -5,7 +5,12 @@
 #include "test_util.h"
 
 #include <cfloat>
+#include <cmath>
+#include <functional>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace attnkit::testing::regressions_test {
 namespace {
@@ -67,13 +72,15 @@ TEST(Issue15Scale, ClipAndEpsMustBeFiniteInFloat32) {
 
 // A clip below the dtype's smallest normal number rounds to 0 or a subnormal
 // and made an empty prefix's average 0 / 0: all-NaN outputs in bfloat16, whose
-// bound was not checked (only float32's was, after the dispatch).
+// bound was not checked (only float32's was, after the dispatch). The bound is
+// now the square root of that number (issue 47: Issue47Clip below).
 TEST(Issue15Scale, ClipBelowTheSmallestNormalNumberIsRefusedPerDtype) {
   auto cq = torch::ones({1, 2, 3}), cr = torch::zeros({1, 2, 3});
   auto v = torch::ones({1, 2, 3, 2});
   for (auto type : {torch::kFloat, torch::kBFloat16}) {
-    const double smallest = type == torch::kFloat ? std::numeric_limits<float>::min()
-                                                  : static_cast<double>(std::numeric_limits<c10::BFloat16>::min());
+    const double smallest = std::sqrt(type == torch::kFloat
+                                          ? std::numeric_limits<float>::min()
+                                          : static_cast<double>(std::numeric_limits<c10::BFloat16>::min()));
     const char* name = type == torch::kFloat ? "float32" : "bfloat16";
     expect_error([&] {
       agglomerative_attention(cq.to(type), cr.to(type), v.to(type), AgglomerativeAttentionFuncOptions().clip(1e-45));
@@ -82,10 +89,46 @@ TEST(Issue15Scale, ClipBelowTheSmallestNormalNumberIsRefusedPerDtype) {
                                        AgglomerativeAttentionFuncOptions().clip(smallest));
     EXPECT_TRUE(all_finite(out.to(torch::kDouble))) << name;
   }
-  // float64's bound is DBL_MIN: 1e-45 is an ordinary clip there.
+  // float64's bound is sqrt(DBL_MIN) = 2^-511: 1e-45 is an ordinary clip there.
   auto out = agglomerative_attention(cq.to(torch::kDouble), cr.to(torch::kDouble), v.to(torch::kDouble),
                                      AgglomerativeAttentionFuncOptions().clip(1e-45));
   EXPECT_TRUE(all_finite(out));
+}
+
+// Issue 47's fuzz: with clip at 1e-30 or 1.5e-38 agglomerative attention gave
+// non-finite values from finite inputs (the gradient towards cr, where the
+// clip is active: cq v / clip summed over the queries, past float32's range)
+// and, in two calls, values far from float64's. Such clips are refused; at
+// the smallest accepted one (2^-63) the reproducer's output and gradients are
+// finite and match float64.
+TEST(Issue47Clip, ClipsWhoseGradientsOverflowAreRefusedAndTheSmallestAcceptedIsFinite) {
+  torch::manual_seed(0);
+  const auto cq0 = torch::rand({1, 3, 8}).permute({0, 2, 1});  // (1, 8, 3), strided
+  const auto cr0 = torch::zeros({1, 8, 17});
+  const auto v0 = torch::randn({1, 8, 17, 6});
+  for (const double clip : {1.5e-38, 1e-30, 1e-20})
+    expect_error([&] {
+      agglomerative_attention(cq0, cr0, v0, AgglomerativeAttentionFuncOptions().causal(true).clip(clip));
+    }, {"agglomerative_attention", "option 'clip'", "at least", "float32", "overflow"});
+  const double smallest = std::ldexp(1.0, -63);
+  const auto g0 = torch::randn({1, 8, 3, 6}, torch::kDouble);  // the output's gradient
+  for (const bool causal : {true, false}) {
+    auto run = [&](torch::Dtype type) {
+      auto cq = cq0.to(type).requires_grad_(), cr = cr0.to(type).requires_grad_(), v = v0.to(type).requires_grad_();
+      auto out = agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(causal).clip(smallest));
+      const auto grads = torch::autograd::grad({out}, {cq, cr, v}, {g0.to(type)});
+      return std::vector<torch::Tensor>{out, grads[0], grads[1], grads[2]};
+    };
+    const auto got = run(torch::kFloat), want = run(torch::kDouble);
+    const char* names[] = {"out", "dcq", "dcr", "dv"};
+    for (int i = 0; i < 4; ++i) {
+      SCOPED_TRACE(std::string(names[i]) + (causal ? " causal" : ""));
+      EXPECT_TRUE(all_finite(got[i].to(torch::kDouble)));
+      // float32 rounding of sums of a few terms, relative to the largest entry.
+      const double scale = want[i].abs().max().item<double>() + 1e-300;
+      EXPECT_LE((got[i].to(torch::kDouble) - want[i]).abs().max().item<double>() / scale, 1e-5);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -250,6 +293,39 @@ TEST(Issue15Dtypes, Bfloat16RunsEveryOpForwardAndBackward) {
         {q, q.flip(2), torch::randn({1, 2, 5, 3})});
   check("linear (dense)", [](auto x) { return attnkit::linear(x[0], x[1], x[2]); },
         {torch::randn({3, 4}), torch::randn({2, 4}), torch::randn({2})});
+}
+
+// Found while chasing issue 47's fuzz: no query heads (H = 0) with a key and
+// value head (any head count divides 0) killed sparse attention with SIGFPE
+// (a group of 0 heads divided by) and left dk and dv uninitialised in the
+// float32 and bfloat16 backward of every grouped-head op. Now the output is
+// empty and the key and value gradients are exact zeros, in every dtype.
+TEST(Issue47NoQueryHeads, EveryGroupedHeadOpGivesEmptyOutputAndZeroKeyGradients) {
+  for (auto type : {torch::kFloat, torch::kBFloat16, torch::kDouble}) {
+    const auto o = torch::TensorOptions().dtype(type);
+    const auto q = torch::randn({1, 0, 2, 4}, o).requires_grad_();
+    const auto k = torch::randn({1, 1, 3, 4}, o).requires_grad_(), v = torch::randn({1, 1, 3, 4}, o).requires_grad_();
+    const EdgeList edges{torch::tensor({int64_t{0}, int64_t{1}, int64_t{2}}), torch::tensor({int64_t{0}, int64_t{1}})};
+    const std::vector<std::pair<std::string, std::function<torch::Tensor()>>> ops = {
+        {"softmax_attention", [&] { return softmax_attention(q, k, v); }},
+        {"sparse_attention", [&] { return sparse_attention(q, k, v, edges); }},
+        {"linear_attention", [&] { return linear_attention(q, k, v); }},
+        {"clustered_attention",
+         [&] { return clustered_attention(q, k, v, ClusteredAttentionFuncOptions().clusters(2)); }},
+    };
+    for (const auto& [name, run] : ops) {
+      SCOPED_TRACE(name + " " + std::string(c10::toString(type)));
+      for (int repeat = 0; repeat < 3; ++repeat) {  // garbage showed in some calls only
+        const auto out = run();
+        EXPECT_EQ(out.sizes(), torch::IntArrayRef({1, 0, 2, 4}));
+        const auto grads = torch::autograd::grad({out}, {q, k, v}, {torch::ones_like(out)});
+        EXPECT_EQ(grads[1].sizes(), k.sizes());
+        EXPECT_EQ(grads[2].sizes(), v.sizes());
+        EXPECT_EQ(grads[1].abs().sum().item<double>(), 0.0);
+        EXPECT_EQ(grads[2].abs().sum().item<double>(), 0.0);
+      }
+    }
+  }
 }
 
 }  // namespace
