@@ -1,11 +1,11 @@
 # One CTest test per GoogleTest suite, not per test (ATTNKIT_TEST_PER_SUITE).
 #
 # gtest_discover_tests gives every test a process of its own. Under
-# AddressSanitizer a process of the test binary takes about 1.9 s before its
-# first test (loading libtorch, whose static registrations run through the
-# sanitizer's allocator), so the sanitized unit suite spent some 1,100 of its
-# 1,590 CPU-seconds starting processes (docs/RELIABILITY.md, section 7). A
-# process per suite pays that about 140 times instead of 600.
+# AddressSanitizer a process of the test binary is slow to start (loading
+# libtorch, whose static registrations run through the sanitizer's
+# allocator), so the sanitized unit suite spent most of its time starting
+# processes (docs/RELIABILITY.md, section 7, "A process per suite under the
+# sanitizers"). A process per suite pays that about 140 times instead of 600.
 #
 # attnkit_add_suite_tests(TARGET target LABELS labels...
 #                         [PER_ISA_SUITES suites...] [APART tests...])

@@ -33,8 +33,8 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // grow the score block (128 KiB here), which with the key and value panels
 // must stay in L2. A register-tiled kernel that only replaced sgemm on these
 // shapes ran barely faster; what pays is keeping the whole tile, scores,
-// softmax and P v, in L1 (by_lanes, below: 1.07-1.09x on the forward,
-// docs/PERFORMANCE.md, "Against torch 2.6's SDPA"). The backward and the
+// softmax and P v, in L1 (by_lanes, below; docs/PERFORMANCE.md, "Against
+// torch 2.6's SDPA", has the measurements). The backward and the
 // forward with a bias or dropout keep these sgemm tiles.
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 256;

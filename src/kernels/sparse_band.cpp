@@ -161,8 +161,7 @@ void weigh_nv(int nv, const float* w, int64_t count, const float* x, int64_t ldx
 /// How many output rows weigh_all takes next when `left` remain: six (24
 /// accumulators of 64 columns), but 7 or 8 left go as four and the rest, since
 /// a step of one or two rows has too few accumulators to hide the FMAs'
-/// latency (32 rows as five sixes and a two spent 2.2x as long per row on the
-/// last two as on the others: docs/PERFORMANCE.md, "Against torch 2.6's SDPA").
+/// latency (docs/PERFORMANCE.md, "Why the kernels' constants").
 constexpr int64_t weigh_step(int64_t left) { return left > 8 ? 6 : left > 6 ? 4 : left; }
 
 /// weigh over all `rows` output rows (row stride ldo) and all `width` columns
@@ -364,7 +363,8 @@ void score_all_keys(const float* k, int64_t ldk, int64_t cols, const float* qt, 
 /// of 8 columns. With kTail, `tail` masks the last one (maskload / maskstore
 /// lanes); without, every vector is whole: the mask would take the sixteenth
 /// register, and the spill GCC then makes puts a store and a reload into
-/// every step's chain of FMAs (measured 1.6x slower at 3 rows by 4 vectors).
+/// every step's chain of FMAs (docs/PERFORMANCE.md, "Why the kernels'
+/// constants", has the measurement).
 template <Sum kSum, int NR, int NV, bool kTail>
 void weigh(const float* w, int64_t count, const float* x, int64_t ldx, __m256i tail, float alpha,
            bool accumulate, float* out, int64_t ldo) {
