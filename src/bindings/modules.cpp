@@ -1,3 +1,6 @@
+// Long on purpose: the custom class, its schema and every module kind's
+// adapter make one contract with python/attnkit/_bridge.py (below), read as one.
+//
 // The C++ side of the Python package's modules: `torch.classes.attnkit.Module`
 // holds one attnkit::nn or attnkit::models module and exposes it through a
 // uniform interface that python/attnkit/_bridge.py turns into torch.nn.Modules.

@@ -1,3 +1,6 @@
+// Long on purpose: the forward and the backward share the edge-list walkers,
+// the work items, the dense and band block paths and their scratch, which no
+// other file uses (the band kernels themselves are in sparse_band.cpp).
 #include "kernels/sparse_attention.h"
 
 #include <algorithm>

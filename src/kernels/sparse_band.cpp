@@ -1,3 +1,6 @@
+// Long on purpose: one file holds each ISA level's building blocks and the
+// kernels made of them, so that the levels stay the same computation.
+//
 // The band kernels of sparse attention (sparse_band.h). Each level with them
 // provides the same building blocks (the queries transposed, the scores key by
 // key, the softmax down the keys, the products), first at AVX-512, then their

@@ -1,3 +1,7 @@
+// Long on purpose: softmax_attention and varlen_attention share the
+// validation, the kernels' parameters and autograd (a split waits for issue
+// 47's one-file-per-op registration).
+//
 // Op boundary of exact softmax attention: validation, the dispatch between
 // the tiled kernels (float32; bfloat16 on AMX tiles, or through float32) and
 // the composite reference (other dtypes), and the kernels' autograd.

@@ -1,3 +1,6 @@
+// Long on purpose: each helper's AVX-512, AVX2 and scalar forms stand together,
+// so that the levels stay one function.
+//
 // Vectorised helpers shared by the kernels: exp, max, sum, dot, scale, add,
 // axpy, ALiBi's distance penalty over contiguous float arrays. Each ISA level's translation units get
 // their own build (isa.h): 16 lanes at avx512 and above, 8 lanes at avx2 (the
