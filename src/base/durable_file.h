@@ -32,11 +32,11 @@ void write_file_durably(const std::string& path, std::string_view bytes);
 void fsync_directory(const std::string& dir);
 
 /// Several files replaced as one step: each written under a temporary name
-/// (open, then write to the stream), and on commit() every one fsynced and
-/// closed, then renamed into place in the order opened, then their
-/// directories fsynced. A failure before the renames leaves every target as
-/// it was (one during them, the files before it renamed); the temporary files of a set that was never committed are
-/// removed when it is destroyed. Not thread-safe.
+/// (open, then write), and on commit() every one fsynced and closed, then
+/// renamed into place in the order opened, then their directories fsynced.
+/// A failure before the renames leaves every target as it was (one during
+/// them, the files before it renamed); the temporary files of a set that
+/// was never committed are removed when it is destroyed. Not thread-safe.
 class DurableFiles {
  public:
   DurableFiles();
