@@ -20,7 +20,7 @@
 #include <random>
 
 #include "base/memory.h"
-#include "kernels/rotary.h"
+#include "kernels/rotary_embedding.h"
 #include "kernels/softmax_attention.h"
 
 namespace {

@@ -19,7 +19,7 @@
 // JSON and CSV files are rewritten atomically after every row, so an
 // interrupted run keeps everything it measured. experiments/plot-figure turns the
 // CSV into the log-log plot.
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/agglomerative_attention.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/runtime.h>

@@ -37,7 +37,7 @@
 #pragma once
 
 #include <attnkit/nn/dense.h>
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>

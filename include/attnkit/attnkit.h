@@ -7,10 +7,10 @@
 #include <attnkit/document_memory.h>
 #include <attnkit/nn/zoo.h>
 #include <attnkit/nn/multihead.h>
-#include <attnkit/nn/clustered.h>
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/clustered_attention.h>
+#include <attnkit/nn/agglomerative_attention.h>
 #include <attnkit/nn/dense.h>
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/models/transformer.h>

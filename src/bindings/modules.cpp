@@ -30,9 +30,9 @@
 // trainer and the tests run: the same forward, checks, errors and checkpoints.
 #include <attnkit/document_memory.h>
 #include <attnkit/models/transformer.h>
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/agglomerative_attention.h>
 #include <attnkit/nn/dense.h>
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/nn/zoo.h>

@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/agglomerative.h"
+#include "kernels/agglomerative_attention.h"
 #include "kernels/clustered_attention.h"
 #include "kernels/common/isa.h"
 #include "kernels/common/vec.h"
@@ -17,9 +17,9 @@
 #include "kernels/gated_linear_attention.h"
 #include "kernels/hashing.h"
 #include "kernels/kmeans.h"
-#include "kernels/linear.h"
+#include "kernels/dense.h"
 #include "kernels/linear_attention.h"
-#include "kernels/rotary.h"
+#include "kernels/rotary_embedding.h"
 #include "kernels/softmax_attention.h"
 #include "kernels/softmax_attention_bf16.h"
 #include "kernels/sparse_attention.h"

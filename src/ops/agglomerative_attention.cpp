@@ -1,6 +1,6 @@
 // Op boundary of agglomerative attention: validation, then the backend that
 // agglomerative_attention_dispatch names: for float32 the kernels of
-// kernels/agglomerative.h behind an autograd::Function; other dtypes the
+// kernels/agglomerative_attention.h behind an autograd::Function; other dtypes the
 // composite (which is how tests run it in float64).
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "base/checks.h"
-#include "kernels/agglomerative.h"
+#include "kernels/agglomerative_attention.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"

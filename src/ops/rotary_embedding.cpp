@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "base/checks.h"
-#include "kernels/rotary.h"
+#include "kernels/rotary_embedding.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/kernel_op.h"

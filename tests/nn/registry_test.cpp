@@ -1,6 +1,6 @@
 // The mechanism registry: spec strings, errors that list what is accepted, and
 // every entry's functional form against its own float64 definition.
-#include <attnkit/nn/clustered.h>
+#include <attnkit/nn/clustered_attention.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/nn/registry.h>
 #include <attnkit/nn/sac.h>
@@ -199,8 +199,8 @@ namespace {
 /// attnkit::linear, attention on each mechanism's kernel) against the same
 /// module in float64 (composites): output and every parameter gradient.
 /// Clustered mechanisms are left out here: float32 and float64 hashing may
-/// put a query on different sides of a plane (tests/ops/clustered_op_test.cpp and
-/// tests/kernels/clustered_kernels_test.cpp cover them).
+/// put a query on different sides of a plane (tests/ops/clustered_attention_op_test.cpp and
+/// tests/kernels/clustered_attention_kernel_test.cpp cover them).
 TEST(MultiheadFloat32, KernelsEndToEndMatchFloat64) {
   for (const auto& info : mechanisms()) {
     if (!info.make || info.approximates_exact) continue;

@@ -43,7 +43,7 @@
 
 #include "kernels/common/dropout.h"
 #include "kernels/softmax_attention.h"
-#include "ops/softmax_cases.h"
+#include "ops/softmax_attention_cases.h"
 #include "ops/varlen_cases.h"
 #include "reference/reference.h"
 #include "test_util.h"

@@ -4,7 +4,7 @@
 // input gradient against float64 is at most 2x the error of libtorch's
 // composite computed in bf16 against the same float64 result. (Exact
 // attention and the dense layer have their own bf16 kernels and tests:
-// tests/kernels/softmax_attention_bf16_test.cpp, linear_bf16_test.cpp.)
+// tests/kernels/softmax_attention_bf16_test.cpp, dense_bf16_kernel_test.cpp.)
 //
 // Converting to float32 and rounding once leaves only the final rounding,
 // against the composite's rounding of every intermediate. Measured ratios

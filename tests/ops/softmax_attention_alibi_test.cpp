@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/softmax_cases.h"
+#include "ops/softmax_attention_cases.h"
 #include "test_util.h"
 
 namespace softmax_attention_alibi_test {

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/softmax_cases.h"
+#include "ops/softmax_attention_cases.h"
 #include "test_util.h"
 
 namespace softmax_attention_gqa_test {

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/softmax_cases.h"
+#include "ops/softmax_attention_cases.h"
 #include "reference/reference.h"
 #include "test_util.h"
 

@@ -438,7 +438,7 @@ def test_finite_difference_check_detects_a_wrong_gradient():
 # about sqrt(n) u ~ 1e-6 (rounding errors of random sign; the worst case n u is
 # not approached by random data), so 1e-5 leaves a factor of ten, and it is the
 # C++ kernel tests' bound for outputs (tests/ops/identities_test.cpp,
-# clustered_op_test.cpp). Measured on these cases: at most 4e-7 for outputs.
+# clustered_attention_op_test.cpp). Measured on these cases: at most 4e-7 for outputs.
 OP_OUTPUT_TOL = 1e-5
 # Gradients sum once more over the queries (dK, dV, dW over N L rows) and
 # chain two such sums (dS = P (dP - D) then dQ = dS K), so the bound doubles:

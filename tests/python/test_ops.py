@@ -386,7 +386,7 @@ class LinearTest(unittest.TestCase):
 class ScaledDotProductAttentionTest(unittest.TestCase):
     """attnkit.scaled_dot_product_attention from Python. Its conformance to
     torch 2.5's documentation is tested in C++ (tests/ops/
-    scaled_dot_product_attention_test.cpp); here: the signature, agreement
+    scaled_dot_product_attention_op_test.cpp); here: the signature, agreement
     with torch 2's own function where torch has it, and on torch 1.13 with its
     private _scaled_dot_product_attention, whose arguments are a subset (a
     boolean mask, is_causal; no scale, no GQA)."""

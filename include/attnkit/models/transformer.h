@@ -18,7 +18,7 @@
 //   auto text = model->generate(prompt, GenerateOptions().tokens(100).top_k(5));
 #pragma once
 
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/agglomerative_attention.h>
 #include <attnkit/nn/dense.h>
 #include <attnkit/nn/edge_predictor.h>
 #include <attnkit/nn/sac.h>

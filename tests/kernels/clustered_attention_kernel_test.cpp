@@ -17,7 +17,7 @@
 #include <numeric>
 #include <random>
 
-namespace attnkit::testing::clustered_kernels_test {
+namespace attnkit::testing::clustered_attention_kernel_test {
 namespace {
 
 // The float32 kernel against float64 evaluation of the same float32 inputs:
@@ -393,4 +393,4 @@ TEST(ClusteredKernel, NoVisibleKeyGivesZerosNotNaN) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing::clustered_kernels_test
+}  // namespace attnkit::testing::clustered_attention_kernel_test

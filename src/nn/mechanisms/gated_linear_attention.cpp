@@ -1,7 +1,7 @@
 // "gated-linear": the cheap-linear-attention paper's gated form with a
 // document memory, f = sigmoid(k) * v, out = (sum_t f_t f_t^T) q, with
 // alpha = beta = 1 (ops.h gated_linear_attention for the general gates).
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 
 #include "nn/mechanisms/mechanism.h"
 #include "reference/reference.h"

@@ -3,7 +3,7 @@
 // kernels are bound by memory traffic: each pass reads its inputs once, except
 // that a causal chunk which does not start its sequence is read twice (once for
 // the carry, once for the output).
-#include "kernels/agglomerative.h"
+#include "kernels/agglomerative_attention.h"
 
 #include <algorithm>
 #include <functional>

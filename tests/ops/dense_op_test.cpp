@@ -15,7 +15,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::dense_test {
+namespace attnkit::dense_op_test {
 namespace {
 
 using testing::expect_error;
@@ -260,4 +260,4 @@ TEST(DenseModule, InitialisationFollowsTorchLinearBounds) {
 }
 
 }  // namespace
-}  // namespace attnkit::dense_test
+}  // namespace attnkit::dense_op_test

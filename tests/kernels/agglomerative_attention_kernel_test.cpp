@@ -10,7 +10,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit::agglomerative_kernel_test {
+namespace attnkit::agglomerative_attention_kernel_test {
 namespace {
 
 using testing::expect_error;
@@ -313,4 +313,4 @@ TEST(AgglomerativeKernel, RejectsAClipThatVanishesInFloat32) {
 }
 
 }  // namespace
-}  // namespace attnkit::agglomerative_kernel_test
+}  // namespace attnkit::agglomerative_attention_kernel_test

@@ -1,6 +1,6 @@
 // Linear attention modules and the decoding state (docs/MATH.md, "Linear
 // attention" and "Gated linear attention").
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 
 #include "base/checks.h"
 

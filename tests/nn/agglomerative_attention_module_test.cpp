@@ -3,7 +3,7 @@
 // (reference) in values and every gradient, the one-class identity, streaming
 // decoding, dropout and errors.
 #include <ATen/CPUGeneratorImpl.h>
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/agglomerative_attention.h>
 
 #include <map>
 #include <string>
@@ -11,7 +11,7 @@
 
 #include "test_util.h"
 
-namespace attnkit::nn::agglomerative_module_test {
+namespace attnkit::nn::agglomerative_attention_module_test {
 namespace {
 
 using testing::expect_error;
@@ -22,7 +22,7 @@ using testing::rel_err;
 // float64 against float64 computed in another order: rounding only.
 constexpr double kDoubleTol = 1e-10;
 // float32 layer against float64, relative to the largest reference entry: the
-// op's errors (agglomerative_kernel_test: up to 2.2e-6, in dcr) pass through
+// op's errors (agglomerative_attention_kernel_test: up to 2.2e-6, in dcr) pass through
 // matmuls over d = 32 and, for W_r and b_r, a sum over N S rows of the softmax
 // Jacobian times dcr, whose terms cancel. Measured maximum: 3.6e-6 (b_r). A
 // wrong index, block or gradient shows up at 1e-2 or more.
@@ -257,4 +257,4 @@ TEST(AgglomerativeModule, RejectsBadInputs) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn::agglomerative_module_test
+}  // namespace attnkit::nn::agglomerative_attention_module_test

@@ -15,7 +15,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace attnkit::linear_kernel_test {
+namespace attnkit::linear_attention_kernel_test {
 namespace {
 
 using testing::f32;
@@ -683,4 +683,4 @@ TEST(LinearGated, ReverseRecomputationDriftsFromCheckpointsOver10kSteps) {
 }
 
 }  // namespace
-}  // namespace attnkit::linear_kernel_test
+}  // namespace attnkit::linear_attention_kernel_test

@@ -3,7 +3,7 @@
 // attention on each cluster's top-k keys (ops.h clustered_attention). Their
 // module is nn::ClusteredAttention, whose options (and their defaults, taken
 // from the op's) hold the seed policy.
-#include <attnkit/nn/clustered.h>
+#include <attnkit/nn/clustered_attention.h>
 
 #include <algorithm>
 

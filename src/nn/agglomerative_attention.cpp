@@ -1,6 +1,6 @@
 // Agglomerative attention layer and its streaming step (docs/MATH.md,
 // "Agglomerative attention").
-#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/agglomerative_attention.h>
 
 #include <attnkit/ops.h>
 

@@ -1,5 +1,5 @@
 // Clustered attention module (docs/MATH.md, "Clustered attention").
-#include <attnkit/nn/clustered.h>
+#include <attnkit/nn/clustered_attention.h>
 
 #include <ostream>
 

@@ -9,7 +9,7 @@
 // the op's own labels* (kernels::cluster_queries, the function the op calls);
 // the clustering itself is compared on inputs whose projections all keep a
 // margin from the planes (ClusteringMatchesReferenceAwayFromPlanes).
-#include <attnkit/nn/clustered.h>
+#include <attnkit/nn/clustered_attention.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
@@ -19,7 +19,7 @@
 
 #include <cmath>
 
-namespace attnkit::testing::clustered_op_test {
+namespace attnkit::testing::clustered_attention_op_test {
 namespace {
 
 // The float32 op against float64 evaluation of the same float32 inputs:
@@ -501,4 +501,4 @@ TEST(ClusteredModule, AdvanceSeedMovesOnInTrainingOnly) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing::clustered_op_test
+}  // namespace attnkit::testing::clustered_attention_op_test

@@ -21,7 +21,7 @@
 #include "reference/reference.h"
 #include "test_util.h"
 
-namespace scaled_dot_product_attention_test {
+namespace scaled_dot_product_attention_op_test {
 
 namespace {
 
@@ -256,4 +256,4 @@ TEST(Sdpa, Refusals) {
 
 }  // namespace
 
-}  // namespace scaled_dot_product_attention_test
+}  // namespace scaled_dot_product_attention_op_test

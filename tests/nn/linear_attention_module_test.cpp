@@ -3,13 +3,13 @@
 // paper's recurrence (the general op) and a DocumentMemory, and the
 // "gated-linear" mechanism of MultiheadAttention.
 #include <attnkit/document_memory.h>
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 #include <attnkit/nn/multihead.h>
 #include <attnkit/ops.h>
 
 #include "test_util.h"
 
-namespace attnkit::nn::linear_module_test {
+namespace attnkit::nn::linear_attention_module_test {
 namespace {
 
 using testing::expect_error;
@@ -240,4 +240,4 @@ TEST(LinearMultihead, GatedLinearGatesTheValueProjectionWithTheKeyProjection) {
 }
 
 }  // namespace
-}  // namespace attnkit::nn::linear_module_test
+}  // namespace attnkit::nn::linear_attention_module_test

@@ -1,4 +1,4 @@
-#include "kernels/linear.h"
+#include "kernels/dense.h"
 
 #include <algorithm>
 #include <cstring>

@@ -6,7 +6,7 @@
 // memory build on; as an attention mechanism in a model, "linear" is the
 // linear transformer of Katharopoulos et al. (2020): elu(x) + 1, normalised.
 // The op's eps is kept.
-#include <attnkit/nn/linear.h>
+#include <attnkit/nn/linear_attention.h>
 
 #include "nn/mechanisms/mechanism.h"
 #include "reference/reference.h"

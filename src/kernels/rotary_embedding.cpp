@@ -1,4 +1,4 @@
-#include "kernels/rotary.h"
+#include "kernels/rotary_embedding.h"
 
 #include "kernels/common/parallel.h"
 #include "kernels/common/rotary.h"

@@ -1,8 +1,8 @@
 // Op boundary of the dense layer: validation, dispatch, autograd, registration.
-// float32 runs kernels/linear on oneDNN's sgemm; bfloat16 runs kernels/linear
+// float32 runs kernels/dense on oneDNN's sgemm; bfloat16 runs kernels/dense
 // on oneDNN's bf16 matmul (or float32 conversion where the CPU lacks
 // AVX512_BF16); float64 runs at::linear.
-#include "kernels/linear.h"
+#include "kernels/dense.h"
 
 #include <attnkit/ops.h>
 #include <torch/autograd.h>
@@ -222,7 +222,7 @@ LinearBackwardResult linear_backward_cpu(const torch::Tensor& grad_y, const torc
   return grads;
 }
 
-/// y = x W^T + b by kernels/linear (float32 or bfloat16: every tensor has x's
+/// y = x W^T + b by kernels/dense (float32 or bfloat16: every tensor has x's
 /// dtype), through the two ops above; the backward computes only the
 /// gradients autograd asks for.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {

@@ -4,13 +4,13 @@
 // the forward must still save the denominators the backward reads.
 #include <attnkit/ops.h>
 
-#include "kernels/agglomerative.h"
+#include "kernels/agglomerative_attention.h"
 #include "ops/binding.h"
 #include "test_util.h"
 
 #include <limits>
 
-namespace attnkit::testing::agglomerative_empty_values_test {
+namespace attnkit::testing::agglomerative_attention_empty_values_test {
 namespace {
 
 TEST(AgglomerativeEmptyValues, ForwardSavesDenominatorsWithoutAverages) {
@@ -74,4 +74,4 @@ TEST(AgglomerativeEmptyValues, OpGradientsAreZerosAsInFloat64) {
 }
 
 }  // namespace
-}  // namespace attnkit::testing::agglomerative_empty_values_test
+}  // namespace attnkit::testing::agglomerative_attention_empty_values_test

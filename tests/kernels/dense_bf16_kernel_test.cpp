@@ -29,7 +29,7 @@
 #include "kernels/gemm_bf16.h"
 #include "test_util.h"
 
-namespace attnkit::linear_bf16_test {
+namespace attnkit::dense_bf16_kernel_test {
 namespace {
 
 using kernels::bf16;
@@ -454,4 +454,4 @@ TEST(LinearBf16, EmptySizesGiveEmptyOrZeroResults) {
 }
 
 }  // namespace
-}  // namespace attnkit::linear_bf16_test
+}  // namespace attnkit::dense_bf16_kernel_test
