@@ -4,7 +4,7 @@
 // columns' values when the tensors hold data (not a tracer's fake tensors).
 #include <attnkit/ops.h>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit {
 

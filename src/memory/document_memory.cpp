@@ -14,7 +14,7 @@
 #include <system_error>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "base/durable_file.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/threading.h"

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::models {
 

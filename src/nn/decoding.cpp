@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::nn {
 

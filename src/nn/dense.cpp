@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::nn {
 

@@ -2,7 +2,7 @@
 // attention" and "Gated linear attention").
 #include <attnkit/nn/linear_attention.h>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::nn {
 

@@ -1,7 +1,7 @@
 // Multi-head attention over any mechanism of the registry.
 #include <attnkit/nn/multihead.h>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::nn {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <utility>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "nn/mechanisms/mechanism.h"
 
 namespace attnkit::nn {

@@ -5,7 +5,7 @@
 
 #include <ostream>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "nn/mechanisms/mechanism.h"
 
 namespace attnkit::nn {

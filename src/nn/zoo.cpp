@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "reference/masking.h"
 
 namespace attnkit::nn {

@@ -9,7 +9,7 @@
 #include <limits>
 #include <tuple>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "kernels/agglomerative_attention.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"

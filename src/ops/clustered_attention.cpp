@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"

@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/dispatch_util.h"
 #include "ops/kernel_op.h"

@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::detail {
 

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::detail {
 

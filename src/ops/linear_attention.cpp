@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "kernels/gated_linear_attention.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"

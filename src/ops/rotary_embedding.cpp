@@ -4,7 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "kernels/rotary_embedding.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit {
 

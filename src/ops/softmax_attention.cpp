@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "kernels/dropout.h"
 #include "kernels/softmax_attention_bf16.h"
 #include "ops/autograd_util.h"

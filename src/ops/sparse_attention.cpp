@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/head_features.h"

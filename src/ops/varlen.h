@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 
 namespace attnkit::detail {
 

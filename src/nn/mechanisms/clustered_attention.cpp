@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "nn/mechanisms/mechanism.h"
 #include "reference/reference.h"
 

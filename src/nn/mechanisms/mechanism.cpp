@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "base/checks.h"
+#include "ops/checks.h"
 #include "reference/reference.h"
 
 namespace attnkit::nn::registration {
