@@ -28,9 +28,7 @@ namespace attnkit::cli {
 namespace {
 
 struct BenchConfig {
-  std::vector<std::string> attention{"full",      "linear",             "causal-linear",
-                                     "agglomerative", "clustered", "improved-clustered",
-                                     "sparse-local"};
+  std::vector<std::string> attention = nn::default_specs(nn::DefaultSpecs::bench);
   std::vector<std::string> impl{"fast", "torch"};
   std::vector<std::string> pass{"forward"};
   std::vector<std::string> dtypes{"float32"};  // float32 | bfloat16: the inputs' dtype
@@ -130,12 +128,11 @@ Result measure(const BenchConfig& c, const Row& row, int max_warmup, bool check)
   // call takes no flag).
   const nn::AttendArgs args{c.causal && !info.always_causal, {}};
   if (c.causal && !info.supports.causal && !info.always_causal) {
-    r.note = info.name.rfind("sparse-", 0) == 0 ? "no causal flag (choose a causal pattern)"
-                                                : "no causal form";
+    r.note = info.edges ? "no causal flag (choose a causal pattern)" : "no causal form";
     return r;
   }
   const bool torch_row = is_torch_run(run);
-  if (torch_row && info.name != "full") {
+  if (torch_row && !info.torch_baseline) {
     r.note = "no torch baseline";
     return r;
   }
@@ -199,7 +196,7 @@ Result measure(const BenchConfig& c, const Row& row, int max_warmup, bool check)
       r.flops = (backward ? 3.5 : 1.0) * *f;
       // These count 2 (E + M) flops per attended pair: exact attention's
       // (query, key) pairs, a sparse pattern's edges.
-      const bool counts_pairs = info.name == "full" || info.edges;
+      const bool counts_pairs = info.exact || info.edges;
       if (counts_pairs && *f > 0) r.pairs = *f / (2.0 * double(shape.E + shape.M));
     }
   r.add_round(r.ms);  // this round's time, and the rates of it
@@ -362,7 +359,7 @@ void run_bench(const BenchConfig& c) {
       for (const auto& run : c.impl)
         for (const auto& pass : c.pass)
           for (const auto& dtype : c.dtypes)
-            if (!is_torch_run(run) || info->name == "full")  // else nothing to compare
+            if (!is_torch_run(run) || info->torch_baseline)  // else nothing to compare
               plan.push_back({info, spec, run, pass, dtype, length});
 
   MachineRecord machine = MachineRecord::measure(c.measure_peak);

@@ -40,9 +40,6 @@ namespace attnkit::cli {
 
 namespace {
 
-const std::vector<std::string> kTrainAttention = {"full", "causal-linear", "agglomerative",
-                                                  "sparse-local-causal:span=64", "linear"};
-const std::vector<std::string> kGenerateAttention = {"full", "causal-linear", "agglomerative"};
 
 struct ModelConfig {
   std::vector<std::string> what = {"train", "generate", "memory"};
@@ -154,7 +151,7 @@ StepFlops model_step_flops(const ModelConfig& c, models::Transformer& model, con
   nn::AttentionShape s;
   s.N = batch;
   s.L = s.S = models::attention_nodes(info->name, context);  // bp-tree and star add nodes
-  if (info->name == "agglomerative") {
+  if (info->layer == nn::MechanismLayer::class_projections) {
     const int64_t classes = parsed.get_int("classes", 0);
     s.H = classes > 0 ? classes : c.heads;  // one head per class over width / classes
   } else {
@@ -338,7 +335,7 @@ nlohmann::json run_train(const ModelConfig& c, const std::vector<std::string>& s
     r["spec"] = spec_with_defaults(*info, parsed);
     r["times_ms"] = times;
     out["results"].push_back(r);
-    if (info->name == "full" && full_ms < 0) full_ms = ms;
+    if (info->exact && full_ms < 0) full_ms = ms;
     machine.remeasure_peak();
   }
 
@@ -350,9 +347,10 @@ nlohmann::json run_train(const ModelConfig& c, const std::vector<std::string>& s
     const auto batch = random_batch(c, c.batch, c.context, c.seed);
     const auto times = time_ms(train_step(model, optimizer, batch), c.repeats, [&] { optimizer.zero_grad(); });
     const double ms = median(times);
-    // The same model as attnkit's "full": the same FLOPs.
-    models::Transformer reference(model_options(c, "full", c.context));
-    const auto flops = model_step_flops(c, reference, "full", c.batch, c.context);
+    // The same model as attnkit's exact attention: the same FLOPs.
+    const auto& exact = nn::exact_mechanism().name;
+    models::Transformer reference(model_options(c, exact, c.context));
+    const auto flops = model_step_flops(c, reference, exact, c.batch, c.context);
     TORCH_CHECK(model->parameter_count() == reference->parameter_count(),
                 "bench-model: the libtorch baseline has ", model->parameter_count(),
                 " parameters but attnkit's full model has ", reference->parameter_count());
@@ -637,15 +635,15 @@ void run_model_bench(const ModelConfig& c) {
     return c.attention.empty() ? fallback : c.attention;
   };
   if (wants(c, "train")) {
-    doc["train"] = run_train(c, specs(kTrainAttention), machine);
+    doc["train"] = run_train(c, specs(nn::default_specs(nn::DefaultSpecs::model_train)), machine);
     save();
   }
   if (wants(c, "generate")) {
-    doc["generate"] = run_generate(c, specs(kGenerateAttention));
+    doc["generate"] = run_generate(c, specs(nn::default_specs(nn::DefaultSpecs::model_generate)));
     save();
   }
   if (wants(c, "memory")) {
-    doc["memory"] = run_memory(c, specs(kTrainAttention));
+    doc["memory"] = run_memory(c, specs(nn::default_specs(nn::DefaultSpecs::model_train)));
     save();
   }
   doc["load_average_end"] = load_average();
@@ -717,7 +715,7 @@ void add_bench_model_command(CLI::App& app) {
     c->attention.clear();
     for (const auto& a : *attention)
       for (const auto& s : split_specs(a)) c->attention.push_back(s);
-    resolve_specs("--attention", c->attention.empty() ? kTrainAttention : c->attention);
+    resolve_specs("--attention", c->attention.empty() ? nn::default_specs(nn::DefaultSpecs::model_train) : c->attention);
     if (!contexts->empty()) c->contexts = parse_positive_list("--contexts", *contexts);
     if (!memory_contexts->empty()) c->memory_contexts = parse_positive_list("--memory-contexts", *memory_contexts);
     c->baseline = !*no_baseline;
@@ -729,7 +727,7 @@ void add_bench_model_command(CLI::App& app) {
     if (!c->child.empty() && (c->attention.size() != 1 || c->max_length == 0))
       throw CLI::ValidationError("--child", "needs one --attention and --max-length");
     // The builder's own checks (a mechanism a decoder cannot use, ...) before any work.
-    for (const auto& spec : c->attention.empty() ? kTrainAttention : c->attention)
+    for (const auto& spec : c->attention.empty() ? nn::default_specs(nn::DefaultSpecs::model_train) : c->attention)
       models::validate(model_options(*c, spec, std::max<int64_t>(c->context, 1)));
     run_model_bench(*c);
   });

@@ -5,29 +5,41 @@
 
 #include <iostream>
 #include <sstream>
+#include <vector>
 
 #include "commands.h"
 
 namespace attnkit::cli {
 
 std::string describe_mechanisms() {
+  // The legend and each row's letters come from the registry's one list of
+  // support fields, as attnkit.mechanisms()' JSON does.
+  const auto& fields = nn::support_fields();
   std::ostringstream o;
-  o << "Mechanisms (spec: NAME[:key=value,...]).\n"
-    << "supports: c = causal flag, p = key_lengths (padding), x = L != S, m = M != E,\n"
-    << "          d = incremental decoding state, g = grouped-query heads (k, v with fewer heads),\n"
-    << "          a = ALiBi slopes, R = rotary positions inside the kernel,\n"
-    << "          r = rotary positions on q and k before the call\n\n";
+  o << "Mechanisms (spec: NAME[:key=value,...]).\nsupports:";
+  std::vector<std::string> items;
+  for (const auto& field : fields)
+    for (const auto& l : field.letters) items.push_back(std::string(1, l.letter) + " = " + l.meaning);
+  size_t column = 9;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::string item = " " + items[i] + (i + 1 < items.size() ? "," : "");
+    if (column + item.size() > 96) {
+      o << "\n         ";
+      column = 9;
+    }
+    o << item;
+    column += item.size();
+  }
+  o << "\n\n";
   for (const auto& m : nn::mechanisms()) {
-    const auto& s = m.supports;
     std::string sup;
-    sup += s.causal ? 'c' : '-';
-    sup += s.key_lengths ? 'p' : '-';
-    sup += s.cross ? 'x' : '-';
-    sup += s.value_dim ? 'm' : '-';
-    sup += s.decoding_state ? 'd' : '-';
-    sup += s.grouped_heads ? 'g' : '-';
-    sup += s.alibi ? 'a' : '-';
-    sup += s.rotary == nn::RotarySupport::kernel ? 'R' : s.rotary == nn::RotarySupport::inputs ? 'r' : '-';
+    for (const auto& field : fields) {
+      const auto value = field.value(m.supports);
+      char shown = '-';
+      for (const auto& l : field.letters)
+        if (l.value == value) shown = l.letter;
+      sup += shown;
+    }
     o << "  " << m.name << std::string(m.name.size() < 24 ? 24 - m.name.size() : 1, ' ') << sup
       << "  " << m.summary << "\n";
     for (const auto& opt : m.options)

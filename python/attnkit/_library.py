@@ -45,9 +45,21 @@ def mechanisms():
     """The registry of mechanisms (`attnkit mechanisms`): a list of dicts with
     name, summary, options (key, type: integer | real | boolean | choice,
     accepts: e.g. "integer >= 1", default, help, and min, min_exclusive, max
-    or choices where they apply), supports (causal,
-    key_lengths, cross, value_dim, decoding_state, grouped_heads, alibi, and
-    rotary: "kernel", "inputs" or "none"), inputs, approximates_exact,
-    always_causal and layer_only (a mechanism that is a whole layer:
-    attnkit.nn.AgglomerativeAttention)."""
+    or choices where they apply), supports (one key per support field, listed
+    below), inputs, approximates_exact, always_causal, layer_only (a mechanism
+    that is a whole layer: attnkit.nn.AgglomerativeAttention), exact (exact
+    softmax attention), torch_baseline (torch computes the same), layer
+    ("multihead" or "class_projections": the layer a transformer block builds
+    around it), model_structures (attends over structures the model's edge
+    predictor makes: SAC) and adds_nodes (a pattern with nodes of its own)."""
     return json.loads(torch.ops.attnkit.mechanisms_json())
+
+
+def _support_fields_doc():
+    fields = json.loads(torch.ops.attnkit.support_fields_json())
+    return "\n\n    supports' keys:\n" + "".join(f"\n    - {f['key']}: {f['help']}" for f in fields)
+
+
+# The supports keys come from the library's one list of them
+# (nn::support_fields()), as `attnkit mechanisms` prints them.
+mechanisms.__doc__ += _support_fields_doc()

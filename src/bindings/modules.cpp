@@ -573,7 +573,10 @@ class Memory : public torch::CustomClassHolder {
 /// (integer | real | boolean | choice), "accepts" (e.g. "integer >= 1"),
 /// "default", "help", and "min", "min_exclusive", "max" (bounded numbers),
 /// "choices" (choice options)}], "supports": {...}, "inputs",
-/// "approximates_exact", "always_causal", "layer_only"}].
+/// "approximates_exact", "always_causal", "layer_only", "exact",
+/// "torch_baseline", "layer" (multihead | class_projections),
+/// "model_structures", "adds_nodes"}]; "supports" holds one key per
+/// nn::support_fields() entry.
 std::string mechanisms_json() {
   json out = json::array();
   for (const auto& m : nn::mechanisms()) {
@@ -592,26 +595,34 @@ std::string mechanisms_json() {
       if (!o.choices.empty()) option["choices"] = o.choices;
       options.push_back(option);
     }
+    json supports = json::object();
+    for (const auto& field : nn::support_fields()) {
+      const auto value = field.value(m.supports);
+      supports[field.key] = value == "true" ? json(true) : value == "false" ? json(false) : json(value);
+    }
     out.push_back({{"name", m.name},
                    {"summary", m.summary},
                    {"options", options},
-                   {"supports",
-                    {{"causal", m.supports.causal},
-                     {"key_lengths", m.supports.key_lengths},
-                     {"cross", m.supports.cross},
-                     {"value_dim", m.supports.value_dim},
-                     {"decoding_state", m.supports.decoding_state},
-                     {"grouped_heads", m.supports.grouped_heads},
-                     {"alibi", m.supports.alibi},
-                     {"dropout", m.supports.dropout},
-                     {"rotary", m.supports.rotary == nn::RotarySupport::kernel   ? "kernel"
-                                : m.supports.rotary == nn::RotarySupport::inputs ? "inputs"
-                                                                                 : "none"}}},
+                   {"supports", supports},
                    {"inputs", m.inputs},
                    {"approximates_exact", m.approximates_exact},
                    {"always_causal", m.always_causal},
-                   {"layer_only", !static_cast<bool>(m.make)}});
+                   {"layer_only", !static_cast<bool>(m.make)},
+                   {"exact", m.exact},
+                   {"torch_baseline", m.torch_baseline},
+                   {"layer", m.layer == nn::MechanismLayer::multihead ? "multihead" : "class_projections"},
+                   {"model_structures", m.model_structures},
+                   {"adds_nodes", static_cast<bool>(m.node_spans)}});
   }
+  return out.dump();
+}
+
+/// The support fields (nn::support_fields()) as JSON: [{"key", "help"}], in
+/// the order every listing prints them; attnkit.mechanisms()' docstring is
+/// made from it.
+std::string support_fields_json() {
+  json out = json::array();
+  for (const auto& field : nn::support_fields()) out.push_back({{"key", field.key}, {"help", field.help}});
   return out.dump();
 }
 
@@ -650,6 +661,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
         "-> Tensor[]",
         &module_forward);
   m.def("mechanisms_json() -> str", &mechanisms_json);
+  m.def("support_fields_json() -> str", &support_fields_json);
   m.def("version() -> str", &attnkit::version);
   m.def("isa() -> str", &attnkit::isa);
   m.def("isa_description() -> str", &attnkit::isa_description);

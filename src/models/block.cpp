@@ -41,7 +41,7 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& options, co
     relative_ = register_module(
         "self_attention",
         nn::RelativePositionAttention(nn::RelativePositionAttentionOptions(d, H, options.relative_clip())));
-  } else if (info->name == "agglomerative") {
+  } else if (info->layer == nn::MechanismLayer::class_projections) {
     kind_ = Kind::agglomerative;
     agglomerative_ = register_module(
         "self_attention",
@@ -199,13 +199,13 @@ torch::Tensor TransformerBlockImpl::step(const torch::Tensor& x_t, BlockState& s
 
 void TransformerBlockImpl::set_attention(const std::string& spec) {
   const auto [info, parsed] = nn::resolve_mechanism(spec);
-  TORCH_CHECK(kind_ == Kind::multihead && info->name != "agglomerative", "Transformer: cannot swap '",
+  TORCH_CHECK(kind_ == Kind::multihead && info->layer == nn::MechanismLayer::multihead, "Transformer: cannot swap '",
               spec_, "' for '", spec, "': ",
               kind_ == Kind::relative ? "relative-position blocks hold exact attention only"
                                       : "agglomerative blocks hold class projections instead of "
                                         "query/key projections, so their weights do not carry over");
   // SAC to SAC (the model has checked that its predictor serves the new spec) keeps the structures' source.
-  TORCH_CHECK((sac_ != nullptr) == (info->name == "sac"), "Transformer: cannot swap '", spec_, "' for '", spec,
+  TORCH_CHECK((sac_ != nullptr) == info->model_structures, "Transformer: cannot swap '", spec_, "' for '", spec,
               "': SAC's structures come from an edge predictor trained with the model");
   self_->set_attention(spec);
   if (sac_) sac_ = dynamic_cast<nn::SacAttentionImpl*>(self_->attention.get());

@@ -213,7 +213,8 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               "' cannot serve a decoder: it supports neither the causal flag nor a causal "
               "pattern, and a decoder must not see later positions; usable in a decoder: ",
               nn::mechanism_names_where(nn::usable_in_decoder));
-  if (info->name == "agglomerative") {
+  const bool class_projections = info->layer == nn::MechanismLayer::class_projections;
+  if (class_projections) {
     const int64_t classes = spec.get_int("classes", 0) > 0 ? spec.get_int("classes", 0) : o.heads();
     TORCH_CHECK(o.width() % classes == 0, where, ": agglomerative attention with ", classes,
                 " classes needs a width divisible by them, got width ", o.width());
@@ -222,7 +223,7 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
                 "has none (use positions conv, the agglomerative paper's front end, or another)");
   }
   const bool grouped = o.kv_heads() != 0 && o.kv_heads() != o.heads();
-  TORCH_CHECK(!grouped || info->name != "agglomerative", where, ": kv_heads = ", o.kv_heads(),
+  TORCH_CHECK(!grouped || !class_projections, where, ": kv_heads = ", o.kv_heads(),
               " needs key and value projections; agglomerative blocks have class projections instead");
   TORCH_CHECK(!grouped || !has(o.positions(), Positions::relative), where, ": kv_heads = ",
               o.kv_heads(), " is not supported with relative positions (their blocks keep full heads)");
@@ -243,38 +244,25 @@ void check_block_spec(const TransformerOptions& o, const std::string& text, bool
               nn::mechanism_names_where(
                   [](const nn::MechanismInfo& m) { return m.supports.rotary != nn::RotarySupport::none; }),
               ")");
-  TORCH_CHECK(o.bias() || (info->name != "agglomerative" && !has(o.positions(), Positions::relative)), where,
+  TORCH_CHECK(o.bias() || (!class_projections && !has(o.positions(), Positions::relative)), where,
               ": bias = false leaves the biases out of multi-head blocks; ",
-              info->name == "agglomerative" ? "agglomerative blocks" : "relative-position blocks",
+              class_projections ? "agglomerative blocks" : "relative-position blocks",
               " have projections of their own, which keep theirs");
-  TORCH_CHECK(!has(o.positions(), Positions::relative) || info->name == "full", where,
+  TORCH_CHECK(!has(o.positions(), Positions::relative) || info->exact, where,
               ": relative positions (Shaw et al.) add terms to exact attention's scores; they "
-              "need attention 'full', got '", text, "'");
+              "need attention '", nn::exact_mechanism().name, "', got '", text, "'");
 }
 
 }  // namespace
 
 bool adds_nodes(const std::string& mechanism) {
-  return mechanism == "sparse-bp-tree" || mechanism == "sparse-star";
+  return static_cast<bool>(nn::find_mechanism(mechanism).node_spans);
 }
 
 std::vector<std::pair<int64_t, int64_t>> extra_node_spans(const std::string& mechanism, int64_t tokens) {
-  if (mechanism == "sparse-star") return {{0, tokens}};  // the relay: every token
-  TORCH_CHECK(mechanism == "sparse-bp-tree", "extra_node_spans: '", mechanism, "' adds no nodes");
-  // A span node's row holds its two children; its span is theirs joined.
-  const auto edges = nn::pattern_edges("bp-tree", 2 * tokens - 1, 0);
-  const auto off = edges.offsets.accessor<int64_t, 1>();
-  const auto col = edges.columns.accessor<int64_t, 1>();
-  std::vector<std::pair<int64_t, int64_t>> spans(2 * tokens - 1);
-  for (int64_t i = 0; i < tokens; ++i) spans[i] = {i, i + 1};
-  // Children have larger ids than their parent (pre-order): fill from the last.
-  for (int64_t node = 2 * tokens - 2; node >= tokens; --node) {
-    TORCH_CHECK(off[node + 1] - off[node] == 2, "extra_node_spans: span node ", node, " has ",
-                off[node + 1] - off[node], " children");
-    spans[node] = {std::min(spans[col[off[node]]].first, spans[col[off[node] + 1]].first),
-                   std::max(spans[col[off[node]]].second, spans[col[off[node] + 1]].second)};
-  }
-  return {spans.begin() + tokens, spans.end()};
+  const auto& info = nn::find_mechanism(mechanism);
+  TORCH_CHECK(info.node_spans, "extra_node_spans: '", mechanism, "' adds no nodes");
+  return info.node_spans(tokens);
 }
 
 int64_t attention_nodes(const std::string& mechanism, int64_t tokens) {
@@ -350,8 +338,8 @@ void validate(const TransformerOptions& o) {
   // predictor, so they must agree on its options.
   std::string sac;
   for (const auto& text : specs) {
-    const auto spec = nn::resolve_mechanism(text).second;
-    if (spec.name != "sac") continue;
+    const auto [info, spec] = nn::resolve_mechanism(text);
+    if (!info->model_structures) continue;
     TORCH_CHECK(sac.empty() || sac == spec.str(), where, ": the SAC blocks share one edge predictor, "
                 "so their specs must be the same, got '", sac, "' and '", spec.str(), "'");
     sac = spec.str();

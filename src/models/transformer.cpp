@@ -98,9 +98,9 @@ TransformerImpl::TransformerImpl(const TransformerOptions& options) : options_(o
     output_ = register_module(
         "output", nn::Linear(torch::nn::LinearOptions(d, options_.vocab_size()).bias(options_.bias())));
   for (const auto& spec : options_.attention()) {
-    const auto parsed = nn::resolve_mechanism(spec).second;
-    if (adds_nodes(parsed.name)) extra_nodes_ = parsed.name;  // (validate: then every block's)
-    if (parsed.name != "sac") continue;  // (validate: every sac spec is the same)
+    const auto [info, parsed] = nn::resolve_mechanism(spec);
+    if (info->node_spans) extra_nodes_ = parsed.name;  // (validate: then every block's)
+    if (!info->model_structures) continue;  // (validate: every such spec is the same)
     sac_options_ = nn::SacOptions::from_spec(parsed);
     edge_predictor_ =
         register_module("edge_predictor", nn::EdgePredictor(sac_options_.predictor(d, options_.heads())));
@@ -220,15 +220,15 @@ void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
   // (only the evaluation keys differ); nothing else becomes or stops being SAC.
   const auto per_block = [&](const std::vector<std::string>& v, int64_t i) { return v.size() == 1 ? v[0] : v[i]; };
   for (int64_t i = 0; i < options_.layers(); ++i) {
-    const auto before = nn::resolve_mechanism(per_block(options_.attention(), i)).second;
-    const auto after = nn::resolve_mechanism(per_block(specs, i)).second;
-    TORCH_CHECK((before.name == "sac") == (after.name == "sac"), kModel, ": cannot swap attention ",
-                before.name == "sac" ? "out of" : "into",
+    const auto [before_info, before] = nn::resolve_mechanism(per_block(options_.attention(), i));
+    const auto [after_info, after] = nn::resolve_mechanism(per_block(specs, i));
+    TORCH_CHECK(before_info->model_structures == after_info->model_structures, kModel, ": cannot swap attention ",
+                before_info->model_structures ? "out of" : "into",
                 " SAC: its structures come from an edge predictor trained with the model");
-    TORCH_CHECK(before.name != "sac" || nn::SacOptions::from_spec(after).same_training(sac_options_), kModel,
+    TORCH_CHECK(!before_info->model_structures || nn::SacOptions::from_spec(after).same_training(sac_options_), kModel,
                 ": cannot swap '", before.str(), "' for '", after.str(),
                 "': the edge predictor was trained under the first; only beam, decode and seed may change");
-    TORCH_CHECK(extra_nodes_.empty() && !adds_nodes(after.name), kModel, ": cannot swap '",
+    TORCH_CHECK(extra_nodes_.empty() && !after_info->node_spans, kModel, ": cannot swap '",
                 extra_nodes_.empty() ? after.name : extra_nodes_, "' ", extra_nodes_.empty() ? "in" : "out",
                 ": it adds nodes of its own, and the model's node set is fixed when it is built");
   }
@@ -242,8 +242,8 @@ void TransformerImpl::set_attention(const std::vector<std::string>& specs) {
   swap(decoder_blocks_);
   options_ = changed;
   for (const auto& spec : specs) {
-    const auto parsed = nn::resolve_mechanism(spec).second;
-    if (parsed.name == "sac") sac_options_ = nn::SacOptions::from_spec(parsed);
+    const auto [info, parsed] = nn::resolve_mechanism(spec);
+    if (info->model_structures) sac_options_ = nn::SacOptions::from_spec(parsed);
   }
 }
 

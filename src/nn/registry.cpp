@@ -369,6 +369,61 @@ std::vector<std::string> mechanism_names() {
   return names;
 }
 
+const MechanismInfo& exact_mechanism() {
+  const MechanismInfo* found = nullptr;
+  for (const auto& m : mechanisms()) {
+    if (!m.exact) continue;
+    TORCH_CHECK(found == nullptr, "attnkit: two mechanisms are marked exact: '", found->name, "' and '", m.name, "'");
+    found = &m;
+  }
+  TORCH_CHECK(found != nullptr, "attnkit: no mechanism is marked exact");
+  return *found;
+}
+
+const std::vector<std::string>& default_specs(DefaultSpecs which) {
+  // Every name here must be an entry (tests/nn/registry_test.cpp checks).
+  static const std::vector<std::string> bench{"full",          "linear",    "causal-linear",
+                                              "agglomerative", "clustered", "improved-clustered",
+                                              "sparse-local"};
+  static const std::vector<std::string> model_train{"full", "causal-linear", "agglomerative",
+                                                    "sparse-local-causal:span=64", "linear"};
+  static const std::vector<std::string> model_generate{"full", "causal-linear", "agglomerative"};
+  switch (which) {
+    case DefaultSpecs::bench: return bench;
+    case DefaultSpecs::model_train: return model_train;
+    case DefaultSpecs::model_generate: return model_generate;
+  }
+  TORCH_CHECK(false, "default_specs: unknown list");
+}
+
+const std::vector<SupportField>& support_fields() {
+  using S = MechanismSupports;
+  const auto flag = [](std::string key, char letter, std::string help, bool S::*field) {
+    return SupportField{key, help, [field](const S& s) { return std::string(s.*field ? "true" : "false"); },
+                        {{"true", letter, help}}};
+  };
+  static const std::vector<SupportField> fields{
+      flag("causal", 'c', "causal flag", &S::causal),
+      flag("key_lengths", 'p', "key_lengths (padding)", &S::key_lengths),
+      flag("cross", 'x', "L != S", &S::cross),
+      flag("value_dim", 'm', "M != E", &S::value_dim),
+      flag("decoding_state", 'd', "incremental decoding state", &S::decoding_state),
+      flag("grouped_heads", 'g', "grouped-query heads (k, v with fewer heads)", &S::grouped_heads),
+      flag("alibi", 'a', "ALiBi slopes", &S::alibi),
+      SupportField{"rotary",
+                   "rotary positions: inside the kernel, on q and k before the call, or none",
+                   [](const S& s) {
+                     return std::string(s.rotary == RotarySupport::kernel   ? "kernel"
+                                        : s.rotary == RotarySupport::inputs ? "inputs"
+                                                                            : "none");
+                   },
+                   {{"kernel", 'R', "rotary positions inside the kernel"},
+                    {"inputs", 'r', "rotary positions on q and k before the call"}}},
+      flag("dropout", 'D', "attention dropout inside the kernel", &S::dropout),
+  };
+  return fields;
+}
+
 torch::Tensor attend(const std::string& spec_text, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v, const AttendArgs& args) {
   auto [info, spec] = resolve_mechanism(spec_text);

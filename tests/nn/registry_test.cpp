@@ -113,6 +113,59 @@ TEST(Registry, EveryEntryIsComplete) {
   }
 }
 
+// What the builder and the CLI ask the registry instead of comparing names
+// (issue 47): one exact entry with a torch baseline, the layer kind, the
+// model's structures, the nodes a pattern adds, the default lists.
+TEST(Registry, EntriesSayWhatTheBuilderAndTheCliAsk) {
+  const auto& exact = exact_mechanism();
+  EXPECT_EQ(exact.name, "full");
+  EXPECT_TRUE(exact.torch_baseline);
+  EXPECT_EQ(mechanism_names_where([](const MechanismInfo& m) { return m.exact; }), "full");
+  EXPECT_EQ(mechanism_names_where([](const MechanismInfo& m) { return m.layer == MechanismLayer::class_projections; }),
+            "agglomerative");
+  // A mechanism with its own layer has no per-head module, and the reverse.
+  for (const auto& m : mechanisms())
+    EXPECT_EQ(m.layer == MechanismLayer::class_projections, !m.make) << m.name;
+  EXPECT_EQ(mechanism_names_where([](const MechanismInfo& m) { return m.model_structures; }), "sac");
+  EXPECT_EQ(mechanism_names_where([](const MechanismInfo& m) { return static_cast<bool>(m.node_spans); }),
+            "sparse-bp-tree, sparse-star");
+  // Star's relay spans every token; bp-tree's t - 1 span nodes over t = 4
+  // tokens are the root and its two halves.
+  EXPECT_EQ(find_mechanism("sparse-star").node_spans(5), (NodeSpans{{0, 5}}));
+  auto spans = find_mechanism("sparse-bp-tree").node_spans(4);
+  std::sort(spans.begin(), spans.end());
+  EXPECT_EQ(spans, (NodeSpans{{0, 2}, {0, 4}, {2, 4}}));
+  EXPECT_TRUE(find_mechanism("sparse-bp-tree").node_spans(1).empty());
+  for (auto which : {DefaultSpecs::bench, DefaultSpecs::model_train, DefaultSpecs::model_generate}) {
+    EXPECT_FALSE(default_specs(which).empty());
+    for (const auto& spec : default_specs(which)) EXPECT_NO_THROW(resolve_mechanism(spec)) << spec;
+  }
+}
+
+// The one list of MechanismSupports' fields: distinct keys and letters, a
+// default MechanismSupports reads false / none in each, and every field is
+// set by some mechanism (a field no entry sets would be a dead column).
+TEST(Registry, SupportFieldsAreOneListOfDistinctColumns) {
+  std::vector<std::string> keys;
+  std::string letters;
+  for (const auto& f : support_fields()) {
+    SCOPED_TRACE(f.key);
+    keys.push_back(f.key);
+    EXPECT_FALSE(f.help.empty());
+    const auto off = f.value(MechanismSupports{});
+    EXPECT_TRUE(off == "false" || off == "none") << off;
+    for (const auto& l : f.letters) {
+      EXPECT_EQ(letters.find(l.letter), std::string::npos) << l.letter;
+      letters += l.letter;
+    }
+    EXPECT_FALSE(mechanism_names_where([&](const MechanismInfo& m) { return f.value(m.supports) != off; }).empty());
+  }
+  auto sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end());
+  EXPECT_EQ(keys.size(), 9u);  // MechanismSupports' nine members: a new member needs a field here
+}
+
 /// The functional form in float64 equals the entry's definition, for every
 /// mechanism, on the shapes each supports (L != S and M != E where allowed,
 /// causal where allowed). Clustered forms use the same seed on both sides.

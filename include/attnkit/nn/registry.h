@@ -120,6 +120,42 @@ struct MechanismSupports {
   bool dropout = false;
 };
 
+/// One field of MechanismSupports as every listing shows it: the key of the
+/// bindings' JSON (attnkit.mechanisms()), the letters of `attnkit
+/// mechanisms`, and the text of both. The one list of the fields
+/// (support_fields()) makes all three, so a new field appears in each.
+struct SupportField {
+  std::string key;   ///< e.g. "key_lengths"
+  std::string help;  ///< e.g. "key_lengths (padding)"
+  /// The field's value: "true" / "false", or for rotary "kernel" / "inputs" / "none".
+  std::function<std::string(const MechanismSupports&)> value;
+  /// `attnkit mechanisms`' letter for each value other than "false" / "none",
+  /// with what it means there, e.g. {{"true", 'p', "key_lengths (padding)"}}.
+  struct Letter {
+    std::string value;
+    char letter;
+    std::string meaning;
+  };
+  std::vector<Letter> letters;
+};
+
+/// MechanismSupports' fields, in the order every listing prints them.
+const std::vector<SupportField>& support_fields();
+
+/// The attention layer a transformer block builds around a mechanism.
+enum class MechanismLayer {
+  /// nn::MultiheadAttention: query, key and value projections around the
+  /// entry's module (`make`).
+  multihead,
+  /// nn::AgglomerativeAttention: query and reference class projections
+  /// (`classes` of them, the spec's option, 0: the model's head count) in
+  /// place of query/key projections; no grouped heads, no relative positions.
+  class_projections,
+};
+
+/// Token spans [first, last), one per node.
+using NodeSpans = std::vector<std::pair<int64_t, int64_t>>;
+
 /// Sizes of one per-head call: q (N, H, L, E), k (N, Hk, S, E), v (N, Hk, S, M)
 /// with Hk = kv_heads, or H when kv_heads is 0.
 struct AttentionShape {
@@ -176,6 +212,26 @@ struct MechanismInfo {
   /// True for mechanisms that approximate exact softmax attention (clustered,
   /// improved-clustered); the bench reports their distance to it.
   bool approximates_exact = false;
+  /// True for exact softmax attention ("full"): the torch baseline computes it, relative-position blocks hold it, approximations are measured against it, and only it forms the (L, S) weight matrix that need_weights returns.
+  bool exact = false;
+  /// True when torch computes the same mechanism (torch's own SDPA or its
+  /// composite): `attnkit bench --impl torch` and `attnkit bench-model
+  /// --baseline` have a row to compare with.
+  bool torch_baseline = false;
+  /// The layer a transformer block builds around the mechanism.
+  MechanismLayer layer = MechanismLayer::multihead;
+  /// True for mechanisms that attend over structures the model predicts for
+  /// each sequence (SAC: one nn::EdgePredictor, trained with the model by
+  /// REINFORCE, whose options the spec gives: nn::SacOptions::from_spec). A
+  /// model holding such blocks builds the predictor; no block swaps into or
+  /// out of it, since the predictor is trained with the model.
+  bool model_structures = false;
+  /// Patterns that add nodes of their own after the t tokens
+  /// (BP-Transformer's span nodes, Star-Transformer's relay): the token span
+  /// of each added node, in node order (node t + i spans the i-th); null for
+  /// the others. A model over such a pattern appends the nodes (means of
+  /// their spans; models::append_extra_nodes) and uses one spec for every block.
+  std::function<NodeSpans(int64_t tokens)> node_spans;
   /// True for mechanisms that are causal by construction (causal-linear, the
   /// causal sparse patterns): usable in a decoder without the causal flag.
   bool always_causal = false;
@@ -243,6 +299,18 @@ void check_supports(const MechanismInfo& info, const torch::Tensor& q, const tor
 
 /// The names of every entry, in registry order.
 std::vector<std::string> mechanism_names();
+
+/// The one exact-attention entry (MechanismInfo::exact): the baseline the
+/// front ends compare the others with.
+const MechanismInfo& exact_mechanism();
+
+/// The specs a front end runs when its user names none.
+enum class DefaultSpecs {
+  bench,          ///< `attnkit bench --attention`
+  model_train,    ///< `attnkit bench-model`'s training rows
+  model_generate, ///< `attnkit bench-model`'s generation rows
+};
+const std::vector<std::string>& default_specs(DefaultSpecs which);
 
 /// One call of a per-head mechanism by spec, without a module: resolves the
 /// spec, validates q, k, v and the call against what the mechanism supports,

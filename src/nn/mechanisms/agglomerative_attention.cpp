@@ -11,6 +11,7 @@ namespace {
 MechanismInfo agglomerative_entry() {
   MechanismInfo m;
   m.name = "agglomerative";
+  m.layer = MechanismLayer::class_projections;  // nn::AgglomerativeAttention
   m.summary = "one head per class: class-weighted value means (layer: nn::AgglomerativeAttention)";
   m.options = {
       MechanismOption::real("clip", AgglomerativeAttentionFuncOptions().clip(), 0,

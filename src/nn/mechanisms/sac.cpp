@@ -12,6 +12,7 @@ MechanismInfo sac_entry() {
   const SacOptions d;
   MechanismInfo m;
   m.name = "sac";
+  m.model_structures = true;  // the model's edge predictor (nn::SacOptions::from_spec)
   m.summary = "SAC: attention over a structure that a learned edge predictor chooses per sequence "
               "(in a model; alone: over edges::random)";
   m.options = {

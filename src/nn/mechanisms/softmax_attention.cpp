@@ -22,6 +22,8 @@ SoftmaxAttentionFuncOptions softmax_options(const AttendArgs& a, const Mechanism
 MechanismInfo full_entry() {
   MechanismInfo m;
   m.name = "full";
+  m.exact = true;
+  m.torch_baseline = true;  // torch's own SDPA (torch 2) or its composite
   m.summary = "exact softmax attention (tiled kernel)";
   m.options = {MechanismOption::integer("window", 0, 0,
                                         "a local window: each query sees the keys within window - 1 of its "

@@ -50,6 +50,24 @@ EdgeList pattern_edges(const std::string& pattern, int64_t n, int64_t param) {
 namespace registration {
 namespace {
 
+/// The spans of bp-tree's t - 1 span nodes over t tokens, in node order.
+NodeSpans bp_tree_spans(int64_t tokens) {
+  // A span node's row holds its two children; its span is theirs joined.
+  const auto edges = pattern_edges("bp-tree", 2 * tokens - 1, 0);
+  const auto off = edges.offsets.accessor<int64_t, 1>();
+  const auto col = edges.columns.accessor<int64_t, 1>();
+  NodeSpans spans(2 * tokens - 1);
+  for (int64_t i = 0; i < tokens; ++i) spans[i] = {i, i + 1};
+  // Children have larger ids than their parent (pre-order): fill from the last.
+  for (int64_t node = 2 * tokens - 2; node >= tokens; --node) {
+    TORCH_CHECK(off[node + 1] - off[node] == 2, "sparse-bp-tree: span node ", node, " has ",
+                off[node + 1] - off[node], " children");
+    spans[node] = {std::min(spans[col[off[node]]].first, spans[col[off[node] + 1]].first),
+                   std::max(spans[col[off[node]]].second, spans[col[off[node] + 1]].second)};
+  }
+  return {spans.begin() + tokens, spans.end()};
+}
+
 /// Decoding a causal pattern: a key/value cache whose rows for query t are
 /// the pattern's row t (which does not depend on the sequence length for
 /// these patterns); the windowed ones keep only their window.
@@ -95,6 +113,8 @@ MechanismInfo sparse_entry(const Pattern& pattern) {
     m.start_decoding = [name, param](const MechanismSpec& spec) {
       return start_pattern_decoding(name, param(spec));
     };
+  if (name == "bp-tree") m.node_spans = bp_tree_spans;
+  if (name == "star") m.node_spans = [](int64_t tokens) { return NodeSpans{{0, tokens}}; };  // the relay
   m.inputs = {"q", "k", "v"};
   m.sample = sample_qkv;
   m.make = make_functional;
