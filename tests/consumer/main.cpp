@@ -1,6 +1,11 @@
 // Links against an installed attnkit through find_package and checks that the
-// exact op agrees with a plain libtorch composite.
+// exact op agrees with a plain libtorch composite. It also includes the
+// public headers renamed to one stem per mechanism by their previous names,
+// which forward for one release (CHANGELOG).
 #include <attnkit/attnkit.h>
+#include <attnkit/nn/agglomerative.h>
+#include <attnkit/nn/clustered.h>
+#include <attnkit/nn/linear.h>
 
 #include <iostream>
 
