@@ -27,6 +27,20 @@ SINUSOIDAL = ["--positions", "sinusoidal"]
 FLAT_BPC = 0.005
 
 
+
+def print_paired(paired, digits):
+    """The table of same-seed differences (stats' paired comparisons), when
+    there are any: A minus B per seed, and their mean with its standard error."""
+    if not paired:
+        return
+    print()
+    print("| test bpc, A minus B (same seed) | per seed | mean ± s.e. |")
+    print("|---|---|---|")
+    for p in paired:
+        per_seed = ", ".join(f"{d:+.{digits}f}" for d in p["differences"])
+        se = f" ± {p['se']:.{digits}f}" if p["se"] is not None else ""
+        print(f"| {p['a']} minus {p['b']} | {per_seed} | {p['mean']:+.{digits}f}{se} |")
+
 def replaced(flags, **values):
     """flags with the values of some options replaced in place: steps=4800
     sets --steps 4800."""
@@ -121,14 +135,7 @@ def table(results):
         gains = ", ".join("" if g is None else f"{g:.4f}" for g in c["valid_gain_last_fifth"])
         print(f"| {c['name']} | {c['parameters']} | {c['test_bpc_mean']:.3f}{se} ({c['n']}) | {gap} | "
               f"{gains} | {'yes' if c['flattened'] else 'no'} | {paper_bpc} |")
-    if results.get("paired"):
-        print()
-        print("| test bpc, A minus B (same seed) | per seed | mean ± s.e. |")
-        print("|---|---|---|")
-        for p in results["paired"]:
-            per_seed = ", ".join(f"{d:+.4f}" for d in p["differences"])
-            se = f" ± {p['se']:.4f}" if p["se"] is not None else ""
-            print(f"| {p['a']} minus {p['b']} | {per_seed} | {p['mean']:+.4f}{se} |")
+    print_paired(results.get("paired"), digits=4)
 
 
 # One colour per attention, solid for convolutional and dashed for sinusoidal positions.

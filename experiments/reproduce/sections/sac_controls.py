@@ -13,7 +13,7 @@ import plots
 import runner
 import stats
 from sections import agglomerative_lm, sac_lm
-from sections.agglomerative_controls import FLAT_BPC, flattening, replaced
+from sections.agglomerative_controls import FLAT_BPC, flattening, print_paired, replaced
 from sections.agglomerative_lm import bpc_problem, collect as collect_runs
 
 # The section of docs/EXPERIMENTS.md this reproduces (`reproduce --list`).
@@ -155,14 +155,7 @@ def table(results):
         gains = ", ".join("" if g is None else f"{g:.3f}" for g in c["valid_gain_last_fifth"])
         print(f"| {c['name']} | {edges_per_node(c, context)} | {c['test_bpc_mean']:.3f}{se} ({c['n']}) | "
               f"{sampled} | {gains} | {'yes' if c['flattened'] else 'no'} |")
-    if results.get("paired"):
-        print()
-        print("| test bpc, A minus B (same seed) | per seed | mean ± s.e. |")
-        print("|---|---|---|")
-        for p in results["paired"]:
-            per_seed = ", ".join(f"{d:+.3f}" for d in p["differences"])
-            se = f" ± {p['se']:.3f}" if p["se"] is not None else ""
-            print(f"| {p['a']} minus {p['b']} | {per_seed} | {p['mean']:+.3f}{se} |")
+    print_paired(results.get("paired"), digits=3)
     swapped = [c for c in results["configurations"] if c["n"] and not is_sac(c["name"]) and c["swapped"]]
     if swapped:
         print()
