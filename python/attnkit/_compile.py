@@ -293,7 +293,8 @@ if available:
     _bridged_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-    # The two tensor factories of the C++ library (src/ops/registration.cpp):
+    # The two tensor factories of the C++ library (registered at the bottom of
+    # src/ops/softmax_attention.cpp and src/ops/sparse_attention.cpp):
     # their outputs' shapes follow from their arguments, so the fakes run the
     # real op where that costs nothing: edge_pattern builds the pattern
     # (O(edges), once per trace), attention_dropout_mask validates its

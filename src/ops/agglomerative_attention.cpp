@@ -1,7 +1,8 @@
 // Op boundary of agglomerative attention: validation, then the backend that
 // agglomerative_attention_dispatch names: for float32 the kernels of
 // kernels/agglomerative_attention.h behind an autograd::Function; other dtypes the
-// composite (which is how tests run it in float64).
+// composite (which is how tests run it in float64). Registers its schemas
+// (agglomerative_attention and the kernel ops) at its bottom.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -15,6 +16,7 @@
 #include "ops/binding.h"
 #include "ops/dispatch_util.h"
 #include "ops/kernel_op.h"
+#include "ops/schema.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -219,7 +221,20 @@ Dispatch agglomerative_attention_dispatch(const torch::Tensor& cq, const torch::
   return detail::float32_kernel_or_composite({{"cq", &cq}, {"cr", &cr}, {"v", &v}});
 }
 
+namespace {
+
+torch::Tensor agglomerative_attention_op(const torch::Tensor& cq, const torch::Tensor& cr,
+                                         const torch::Tensor& v, bool causal, double clip) {
+  return agglomerative_attention(cq, cr, v, AgglomerativeAttentionFuncOptions().causal(causal).clip(clip));
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def(("agglomerative_attention(Tensor cq, Tensor cr, Tensor v, *, bool causal=False, float clip=" +
+         detail::schema_float(AgglomerativeAttentionFuncOptions().clip()) + ") -> Tensor")
+            .c_str(),
+        &agglomerative_attention_op);
   m.def(
       "_agglomerative_forward(Tensor cq, Tensor cr, Tensor v, bool causal, float clip, bool save) "
       "-> (Tensor out, Tensor avg, Tensor den)");

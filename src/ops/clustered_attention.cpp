@@ -4,12 +4,14 @@
 // the labels as constants); other dtypes the composite. The kernels are ops of
 // their own (ops/kernel_op.h) with CPU and Meta kernels, so that torch.compile
 // and torch.export trace the op: attnkit::_cluster_queries (the labels) and
-// _clustered_attention_forward / _backward.
+// _clustered_attention_forward / _backward. Registers its schemas
+// (clustered_attention and the kernel ops) at its bottom.
 #include "kernels/clustered_attention.h"
 
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "ops/dispatch_util.h"
 #include "ops/head_features.h"
 #include "ops/kernel_op.h"
+#include "ops/schema.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -331,7 +334,38 @@ Dispatch clustered_attention_dispatch(const torch::Tensor& q, const torch::Tenso
   return detail::float32_kernel_or_composite({{"q", &q}, {"k", &k}, {"v", &v}});
 }
 
+namespace {
+
+torch::Tensor clustered_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, int64_t clusters, int64_t bits,
+                                     int64_t iterations, int64_t topk, bool hash_bias,
+                                     int64_t seed, c10::optional<double> scale,
+                                     const c10::optional<torch::Tensor>& key_lengths,
+                                     const c10::optional<torch::Tensor>& query_lengths) {
+  return clustered_attention(q, k, v, ClusteredAttentionFuncOptions()
+                                          .clusters(clusters)
+                                          .bits(bits)
+                                          .iterations(iterations)
+                                          .topk(topk)
+                                          .hash_bias(hash_bias)
+                                          .seed(seed)
+                                          .scale(scale)
+                                          .key_lengths(key_lengths.value_or(torch::Tensor()))
+                                          .query_lengths(query_lengths.value_or(torch::Tensor())));
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  using detail::schema_bool;
+  const ClusteredAttentionFuncOptions clu;
+  m.def(("clustered_attention(Tensor q, Tensor k, Tensor v, *, int clusters=" + std::to_string(clu.clusters()) +
+         ", int bits=" + std::to_string(clu.bits()) + ", int iterations=" + std::to_string(clu.iterations()) +
+         ", int topk=" + std::to_string(clu.topk()) + ", bool hash_bias=" + schema_bool(clu.hash_bias()) +
+         ", int seed=" + std::to_string(clu.seed()) +
+         ", float? scale=None, Tensor? key_lengths=None, Tensor? query_lengths=None) -> Tensor")
+            .c_str(),
+        &clustered_attention_op);
   m.def(
       "_cluster_queries(Tensor q, Tensor? query_lengths, int clusters, int bits, int iterations, int seed, "
       "bool hash_bias) -> Tensor labels");

@@ -1,4 +1,5 @@
-// Op boundary of the dense layer: validation, dispatch, autograd, registration.
+// Op boundary of the dense layer: validation, dispatch, autograd, and the
+// registration of its schemas (linear and the kernel ops) at its bottom.
 // float32 runs kernels/dense on oneDNN's sgemm; bfloat16 runs kernels/dense
 // on oneDNN's bf16 matmul (or float32 conversion where the CPU lacks
 // AVX512_BF16); float64 runs at::linear.

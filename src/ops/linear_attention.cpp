@@ -1,7 +1,14 @@
+// Long on purpose: linear_attention and varlen_linear_attention share the
+// options' checks, the kernels' parameters and the kernel ops' checks, which
+// gated_linear_attention's kernel ops use too; with the three ops'
+// registration at the bottom the file passed 600 lines.
+//
 // Op boundaries of linear and gated linear attention: validation, then the
 // backend that <op>_dispatch names: float32 through the kernels of
 // src/kernels/linear_attention (as autograd Functions, so C++ and Python
 // callers get the kernels' backward), other dtypes through the composite.
+// Registers its ops' schemas (linear_attention, varlen_linear_attention,
+// gated_linear_attention, and the kernel ops) at its bottom.
 #include "kernels/linear_attention.h"
 
 #include <torch/library.h>
@@ -18,6 +25,7 @@
 #include "ops/dispatch_util.h"
 #include "ops/head_features.h"
 #include "ops/kernel_op.h"
+#include "ops/schema.h"
 #include "ops/varlen.h"
 #include "reference/reference.h"
 
@@ -546,7 +554,64 @@ Dispatch gated_linear_attention_dispatch(const torch::Tensor& f, const torch::Te
       {{"f", &f}, {"q", &q}, {"alpha", &alpha}, {"beta", &beta}});
 }
 
+namespace {
+
+torch::Tensor linear_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, c10::string_view feature_map,
+                                  bool normalize, bool causal, double eps, int64_t rotary_dim,
+                                  double rotary_base) {
+  return linear_attention(q, k, v, LinearAttentionFuncOptions()
+                                       .feature_map(feature_map_from_string(std::string(feature_map)))
+                                       .normalize(normalize)
+                                       .causal(causal)
+                                       .eps(eps)
+                                       .rotary_dim(rotary_dim)
+                                       .rotary_base(rotary_base));
+}
+
+torch::Tensor varlen_linear_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                         c10::string_view feature_map, bool normalize, bool causal, double eps,
+                                         int64_t rotary_dim, double rotary_base) {
+  return varlen_linear_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                 LinearAttentionFuncOptions()
+                                     .feature_map(feature_map_from_string(std::string(feature_map)))
+                                     .normalize(normalize)
+                                     .causal(causal)
+                                     .eps(eps)
+                                     .rotary_dim(rotary_dim)
+                                     .rotary_base(rotary_base));
+}
+
+torch::Tensor gated_linear_attention_op(const torch::Tensor& f, const torch::Tensor& q,
+                                        const torch::Tensor& alpha, const torch::Tensor& beta,
+                                        bool causal) {
+  return gated_linear_attention(f, q, alpha, beta, GatedLinearAttentionFuncOptions().causal(causal));
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  // The schemas' defaults are the *FuncOptions' (ops.h), written once there.
+  using detail::schema_bool;
+  using detail::schema_float;
+  const LinearAttentionFuncOptions lin;
+  m.def(("linear_attention(Tensor q, Tensor k, Tensor v, *, str feature_map='" + to_string(lin.feature_map()) +
+         "', bool normalize=" + schema_bool(lin.normalize()) + ", bool causal=" + schema_bool(lin.causal()) +
+         ", float eps=" + schema_float(lin.eps()) + ", int rotary_dim=" + std::to_string(lin.rotary_dim()) +
+         ", float rotary_base=" + schema_float(lin.rotary_base()) + ") -> Tensor")
+            .c_str(),
+        &linear_attention_op);
+  m.def(("varlen_linear_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
+         "str feature_map='" + to_string(lin.feature_map()) + "', bool normalize=" + schema_bool(lin.normalize()) +
+         ", bool causal=" + schema_bool(lin.causal()) + ", float eps=" + schema_float(lin.eps()) +
+         ", int rotary_dim=" + std::to_string(lin.rotary_dim()) + ", float rotary_base=" +
+         schema_float(lin.rotary_base()) + ") -> Tensor")
+            .c_str(),
+        &varlen_linear_attention_op);
+  m.def("gated_linear_attention(Tensor f, Tensor q, Tensor alpha, Tensor beta, *, "
+        "bool causal=False) -> Tensor",
+        &gated_linear_attention_op);
   m.def(
       "_linear_attention_forward(Tensor q, Tensor k, Tensor v, str feature_map, bool normalize, bool causal, "
       "float eps, int rotary_dim, float rotary_base) -> (Tensor out, Tensor den)");

@@ -1,6 +1,7 @@
 // Op boundary of rotary positions: validation, the dispatch between the
 // kernel (float32; bfloat16 through float32) and the composite reference
-// (float64), and the kernel's autograd (the inverse rotation).
+// (float64), and the kernel's autograd (the inverse rotation). Registers its
+// schemas (rotary_embedding and the kernel op) at its bottom.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -9,6 +10,7 @@
 #include "ops/autograd_util.h"
 #include "ops/binding.h"
 #include "ops/kernel_op.h"
+#include "ops/schema.h"
 #include "reference/reference.h"
 
 namespace attnkit {
@@ -95,7 +97,19 @@ torch::Tensor rotary_embedding(const torch::Tensor& x, const RotaryEmbeddingFunc
   return RotaryFunction::apply(x, options.dim(), options.base(), options.offset());
 }
 
+namespace {
+
+torch::Tensor rotary_embedding_op(const torch::Tensor& x, int64_t dim, double base, int64_t offset) {
+  return rotary_embedding(x, RotaryEmbeddingFuncOptions(dim).base(base).offset(offset));
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def(("rotary_embedding(Tensor x, int dim, *, float base=" +
+         detail::schema_float(RotaryEmbeddingFuncOptions(2).base()) + ", int offset=0) -> Tensor")
+            .c_str(),
+        &rotary_embedding_op);
   m.def("_rotary_embedding(Tensor x, int dim, float base, int offset, bool inverse) -> Tensor");
 }
 

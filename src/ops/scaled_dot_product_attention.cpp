@@ -4,8 +4,10 @@
 // into (N, H), grouped-query heads into softmax_attention's own, which reads
 // each key and value head for its group in place), and softmax_attention
 // validates, dispatches and differentiates. docs/API.md,
-// "scaled_dot_product_attention", says what each argument costs.
+// "scaled_dot_product_attention", says what each argument costs. Registers
+// its schema at its bottom.
 #include <attnkit/ops.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <functional>
@@ -189,6 +191,29 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
   out_shape.push_back(L);
   out_shape.push_back(value.size(-1));
   return out.reshape(out_shape);
+}
+
+namespace {
+
+torch::Tensor scaled_dot_product_attention_op(const torch::Tensor& query, const torch::Tensor& key,
+                                              const torch::Tensor& value,
+                                              const c10::optional<torch::Tensor>& attn_mask, double dropout_p,
+                                              bool is_causal, c10::optional<double> scale, bool enable_gqa) {
+  return scaled_dot_product_attention(query, key, value, ScaledDotProductAttentionFuncOptions()
+                                                             .attn_mask(attn_mask.value_or(torch::Tensor()))
+                                                             .dropout_p(dropout_p)
+                                                             .is_causal(is_causal)
+                                                             .scale(scale)
+                                                             .enable_gqa(enable_gqa));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  // torch 2.5's schema of torch.nn.functional.scaled_dot_product_attention.
+  m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+        "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",
+        &scaled_dot_product_attention_op);
 }
 
 }  // namespace attnkit

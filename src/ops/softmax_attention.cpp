@@ -1,10 +1,13 @@
 // Long on purpose: softmax_attention and varlen_attention share the
-// validation, the kernels' parameters and autograd (a split waits for issue
-// 47's one-file-per-op registration).
+// validation, the kernels' parameters and autograd (a split waited for issue
+// 47's one-file-per-op registration, now in place: this file registers both
+// at its bottom).
 //
 // Op boundary of exact softmax attention: validation, the dispatch between
 // the tiled kernels (float32; bfloat16 on AMX tiles, or through float32) and
-// the composite reference (other dtypes), and the kernels' autograd.
+// the composite reference (other dtypes), and the kernels' autograd. Registers
+// its ops' schemas (softmax_attention, varlen_attention,
+// attention_dropout_mask, alibi_slopes, and the kernel ops) at its bottom.
 #include "kernels/softmax_attention.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -26,6 +29,7 @@
 #include "ops/binding.h"
 #include "ops/head_features.h"
 #include "ops/kernel_op.h"
+#include "ops/schema.h"
 #include "ops/varlen.h"
 #include "reference/reference.h"
 
@@ -721,7 +725,68 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return VarlenSoftmaxFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, c);
 }
 
+namespace {
+
+torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, c10::optional<double> scale,
+                                   bool causal, const c10::optional<torch::Tensor>& key_lengths,
+                                   const c10::optional<torch::Tensor>& bias,
+                                   const c10::optional<torch::Tensor>& alibi_slopes,
+                                   int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
+                                   c10::optional<int64_t> dropout_seed) {
+  return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
+                                        .scale(scale)
+                                        .causal(causal)
+                                        .key_lengths(key_lengths.value_or(torch::Tensor()))
+                                        .bias(bias.value_or(torch::Tensor()))
+                                        .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
+                                        .rotary_dim(rotary_dim)
+                                        .rotary_base(rotary_base)
+                                        .window(window)
+                                        .dropout_p(dropout_p)
+                                        .dropout_seed(dropout_seed));
+}
+
+torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+                                  c10::optional<double> scale, bool causal,
+                                  const c10::optional<torch::Tensor>& alibi_slopes, int64_t rotary_dim,
+                                  double rotary_base, int64_t window, double dropout_p,
+                                  c10::optional<int64_t> dropout_seed) {
+  return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                          SoftmaxAttentionFuncOptions()
+                              .scale(scale)
+                              .causal(causal)
+                              .alibi_slopes(alibi_slopes.value_or(torch::Tensor()))
+                              .rotary_dim(rotary_dim)
+                              .rotary_base(rotary_base)
+                              .window(window)
+                              .dropout_p(dropout_p)
+                              .dropout_seed(dropout_seed));
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  // The schemas' defaults are the SoftmaxAttentionFuncOptions' (ops.h), written once there.
+  using detail::schema_float;
+  const SoftmaxAttentionFuncOptions soft;
+  m.def(("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
+         "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
+         std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
+         ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
+         ", int? dropout_seed=None) -> Tensor")
+            .c_str(),
+        &softmax_attention_op);
+  m.def(("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
+         "float? scale=None, bool causal=False, Tensor? alibi_slopes=None, int rotary_dim=" +
+         std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
+         ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
+         ", int? dropout_seed=None) -> Tensor")
+            .c_str(),
+        &varlen_attention_op);
+  m.def("attention_dropout_mask(int N, int H, int L, int S, float dropout_p, int seed) -> Tensor");
+  m.def("alibi_slopes(int heads) -> Tensor", &alibi_slopes);
   m.def(kSoftmaxForwardSchema);
   m.def(kSoftmaxBackwardSchema);
   m.def(
@@ -733,6 +798,17 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, float scale, bool causal, "
       "int rotary_dim, float rotary_base, int window, float dropout_p, int dropout_seed) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+// A factory has no tensor argument to dispatch on: its kernel is registered
+// as CompositeExplicitAutograd, which the dispatcher also runs when no
+// argument names a backend (edge_pattern, ops/sparse_attention.cpp, too). A
+// tracer shapes their outputs with the fake implementations
+// python/attnkit/_compile.py registers (torch's fake tensors treat a
+// one-tensor factory as a constructor taking a device, which these are not,
+// so a Meta kernel would not be reached).
+TORCH_LIBRARY_IMPL(attnkit, CompositeExplicitAutograd, m) {
+  m.impl("attention_dropout_mask", &attention_dropout_mask);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {

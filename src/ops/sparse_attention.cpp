@@ -4,11 +4,14 @@
 // the kernel's autograd. The kernels are ops of their own
 // (attnkit::_sparse_attention_forward / _backward, ops/kernel_op.h) with CPU
 // and Meta kernels, so that torch.compile and torch.export trace the op.
+// Registers its schemas (sparse_attention, the kernel ops, and the factory
+// edge_pattern, which names the patterns of src/edges) at its bottom.
 #include "kernels/sparse_attention.h"
 
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -217,13 +220,42 @@ torch::Tensor sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
   return run_kernel(q, k, v, edges, options);
 }
 
+namespace {
+
+torch::Tensor sparse_attention_op(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& offsets,
+                                  const torch::Tensor& columns, c10::optional<double> scale,
+                                  const c10::optional<torch::Tensor>& alibi_slopes) {
+  return sparse_attention(q, k, v, EdgeList{offsets, columns},
+                          SparseAttentionFuncOptions().scale(scale).alibi_slopes(alibi_slopes.value_or(torch::Tensor())));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> edge_pattern_op(c10::string_view name, int64_t n,
+                                                         int64_t param) {
+  auto e = edges::by_name(std::string(name), n, param);
+  return {e.offsets, e.columns};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+  m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, *, "
+        "float? scale=None, Tensor? alibi_slopes=None) -> Tensor",
+        &sparse_attention_op);
+  m.def("edge_pattern(str name, int n, int param=0) -> (Tensor offsets, Tensor columns)");
   m.def(
       "_sparse_attention_forward(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor columns, float scale, "
       "Tensor? alibi_slopes) -> (Tensor out, Tensor lse)");
   m.def(
       "_sparse_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor offsets, Tensor columns, float scale, Tensor? alibi_slopes) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+// edge_pattern is a factory: CompositeExplicitAutograd, as
+// attention_dropout_mask is (ops/softmax_attention.cpp says why), with a fake
+// implementation in python/attnkit/_compile.py.
+TORCH_LIBRARY_IMPL(attnkit, CompositeExplicitAutograd, m) {
+  m.impl("edge_pattern", &edge_pattern_op);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
