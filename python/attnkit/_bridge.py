@@ -143,21 +143,24 @@ class BridgedModule(torch.nn.Module):
 
     def _forward(self, input0: torch.Tensor, input1: Optional[torch.Tensor] = None,
                  input2: Optional[torch.Tensor] = None, input3: Optional[torch.Tensor] = None,
-                 causal: bool = False, offset: int = 0) -> List[torch.Tensor]:
+                 causal: bool = False, offset: int = 0, weights: int = 0) -> List[torch.Tensor]:
         """The C++ module's forward on its positional inputs (None for absent
-        ones): the op torch.jit.trace records and torch.jit.script compiles."""
+        ones): the op torch.jit.trace records and torch.jit.script compiles.
+        ``weights`` (MultiheadAttention): 1 or 2 add the attention weights, per
+        head or averaged over the heads, as a second output."""
         if not torch.jit.is_scripting():
             if _is_compiling():
-                return self._traced_forward([input0, input1, input2, input3], causal, offset)
+                return self._traced_forward([input0, input1, input2, input3], causal, offset, weights)
             self._sync()
         return torch.ops.attnkit.module_forward(self._bridge, input0, input1, input2, input3, causal, offset,
-                                                self.training)
+                                                self.training, weights)
 
     @torch.jit.unused
-    def _traced_forward(self, inputs: List[Optional[torch.Tensor]], causal: bool, offset: int) -> List[torch.Tensor]:
+    def _traced_forward(self, inputs: List[Optional[torch.Tensor]], causal: bool, offset: int,
+                        weights: int) -> List[torch.Tensor]:
         """Under torch.compile or torch.export: the forward as an op that takes
         the parameters as inputs (attnkit/_compile.py says how and why)."""
-        return _compile.bridged_forward(self, inputs, causal, offset)
+        return _compile.bridged_forward(self, inputs, causal, offset, weights)
 
     def _call(self, method, *inputs, **args):
         """Runs `method` (other than forward) of the C++ module on positional

@@ -115,9 +115,9 @@ def _bound(module, given: List[Tensor], differentiable: bool = False):
             p.requires_grad_(False)
 
 
-def _eager(module, inputs, causal: bool, offset: int, training: bool) -> List[Tensor]:
+def _eager(module, inputs, causal: bool, offset: int, training: bool, weights: int) -> List[Tensor]:
     module._sync()
-    return list(torch.ops.attnkit.module_forward(module._bridge, *inputs, causal, offset, training))
+    return list(torch.ops.attnkit.module_forward(module._bridge, *inputs, causal, offset, training, weights))
 
 
 @contextlib.contextmanager
@@ -162,7 +162,7 @@ if available:
     @torch.library.custom_op("attnkit::_bridged_forward", mutates_args=())
     def _bridged_forward(handle: str, parameters: List[Tensor], input0: Tensor, input1: Optional[Tensor],
                          input2: Optional[Tensor], input3: Optional[Tensor], causal: bool, offset: int,
-                         training: bool) -> List[Tensor]:
+                         training: bool, weights: int) -> List[Tensor]:
         """The module's outputs, then what its backward needs to run the
         forward again as it ran: the CPU generator's state, and in training
         mode the buffers' values (_state_count), both from before the call."""
@@ -170,7 +170,7 @@ if available:
         state = [torch.get_rng_state()] + ([b.detach().clone() for b in module._bridge.buffers()] if training else [])
         inputs = (input0, input1, input2, input3)
         with _bound(module, parameters):
-            outputs = _eager(module, inputs, causal, offset, training)
+            outputs = _eager(module, inputs, causal, offset, training, weights)
         return _unaliased(outputs, [*parameters, *inputs]) + state
 
     # The autograd dispatch keys: those between the autocast keys (above)
@@ -199,7 +199,7 @@ if available:
         return [(list(o.shape), list(o.stride()), o.dtype) for o in outputs]
 
     @_bridged_forward.register_fake
-    def _(handle, parameters, input0, input1, input2, input3, causal, offset, training):
+    def _(handle, parameters, input0, input1, input2, input3, causal, offset, training, weights):
         # The C++ module itself on fake inputs, in a fake-tensor mode of its
         # own that takes the module's real tensors as they are (as metadata,
         # no copy): the C++ code decides the shapes, as it does eagerly.
@@ -209,7 +209,7 @@ if available:
             try:
                 with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
                     shapes = _shapes(_eager(module, [_like(x, torch.empty_strided) for x in inputs], causal, int(offset),
-                                            training))
+                                            training, int(weights)))
             except Exception:
                 # A module whose forward reads values (SAC samples its graph's
                 # edges from its predictor's scores) cannot run on fake
@@ -219,7 +219,7 @@ if available:
                 # the module's own checks is raised by this run as well.
                 with _untouched(module), torch.no_grad():
                     shapes = _shapes(_eager(module, [_like(x, _zeros_strided) for x in inputs], causal, int(offset),
-                                            training))
+                                            training, int(weights)))
         outputs = [torch.empty_strided(size, stride, dtype=dtype) for size, stride, dtype in shapes]
         buffers = [torch.empty_strided(b.shape, b.stride(), dtype=b.dtype) for b in module._bridge.buffers()] if training else []
         return outputs + [torch.empty(_RNG_STATE_SIZE, dtype=torch.uint8)] + buffers
@@ -227,7 +227,8 @@ if available:
     @torch.library.custom_op("attnkit::_bridged_backward", mutates_args=())
     def _bridged_backward(handle: str, parameters: List[Tensor], input0: Tensor, input1: Optional[Tensor],
                           input2: Optional[Tensor], input3: Optional[Tensor], causal: bool, offset: int,
-                          training: bool, state: List[Tensor], grad_outputs: List[Tensor]) -> List[Tensor]:
+                          training: bool, weights: int, state: List[Tensor],
+                          grad_outputs: List[Tensor]) -> List[Tensor]:
         """The gradients of the parameters, then of each input (an empty tensor
         for an input that is absent or not floating)."""
         module = _module(handle)
@@ -243,7 +244,7 @@ if available:
             with torch.no_grad():
                 for b, value in zip(module._bridge.buffers(), state[1:]):
                     b.copy_(value)
-            outputs = _eager(module, inputs, causal, offset, training)
+            outputs = _eager(module, inputs, causal, offset, training, weights)
             # Every parameter (all require grad here) and the floating inputs.
             needs = [t is not None and t.requires_grad for t in own + inputs]
             wrt = [t for t, need in zip(own + inputs, needs) if need]
@@ -263,14 +264,15 @@ if available:
         return _unaliased(result, [*parameters, *inputs, *state, *grad_outputs])
 
     @_bridged_backward.register_fake
-    def _(handle, parameters, input0, input1, input2, input3, causal, offset, training, state, grad_outputs):
+    def _(handle, parameters, input0, input1, input2, input3, causal, offset, training, weights, state,
+          grad_outputs):
         return [torch.empty_like(p) for p in parameters] + [
             torch.empty_like(x) if _differentiable(x) else torch.empty(0) for x in (input0, input1, input2, input3)]
 
     def _setup_context(ctx, inputs, output):
-        handle, parameters, input0, input1, input2, input3, causal, offset, training = inputs
+        handle, parameters, input0, input1, input2, input3, causal, offset, training, weights = inputs
         ctx.flags = (handle, len(parameters), [x is not None for x in (input0, input1, input2, input3)], causal,
-                     offset, training)
+                     offset, training, weights)
         present = [x for x in (input0, input1, input2, input3) if x is not None]
         states = _state_count(_module(handle), training)
         ctx.save_for_backward(*parameters, *present, *output[-states:])
@@ -278,7 +280,7 @@ if available:
         ctx.output_shapes = [(o.shape, o.dtype) for o in output[:-states]]
 
     def _backward(ctx, grads):
-        handle, count, given, causal, offset, training = ctx.flags
+        handle, count, given, causal, offset, training, weights = ctx.flags
         saved = list(ctx.saved_tensors)
         parameters, rest, state = saved[:count], iter(saved[count:-ctx.states]), saved[-ctx.states:]
         inputs = [next(rest) if g else None for g in given]
@@ -286,9 +288,9 @@ if available:
         grad_outputs = [torch.zeros(shape, dtype=dtype) if g is None else g
                         for g, (shape, dtype) in zip(grads, ctx.output_shapes)]
         result = torch.ops.attnkit._bridged_backward(handle, parameters, *inputs, causal, offset, training,
-                                                     state, grad_outputs)
+                                                     weights, state, grad_outputs)
         grad_inputs = [g if _differentiable(x) else None for g, x in zip(result[count:], inputs)]
-        return (None, list(result[:count]), *grad_inputs, None, None, None)
+        return (None, list(result[:count]), *grad_inputs, None, None, None, None)
 
     _bridged_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -312,10 +314,10 @@ if available:
         return torch.empty(offsets.shape, dtype=torch.int64), torch.empty(columns.shape, dtype=torch.int64)
 
 
-def bridged_forward(module, inputs, causal: bool, offset: int) -> List[Tensor]:
+def bridged_forward(module, inputs, causal: bool, offset: int, weights: int = 0) -> List[Tensor]:
     """The module's forward as attnkit::_bridged_forward (under a tracer)."""
     if not available:
         raise RuntimeError("attnkit: torch.compile of attnkit modules needs torch >= 2.4 (torch.library.custom_op)")
     outputs = torch.ops.attnkit._bridged_forward(module._handle, list(module.parameters()), *inputs, causal, offset,
-                                                 module.training)
+                                                 module.training, weights)
     return list(outputs[:-_state_count(module, module.training)])

@@ -99,6 +99,13 @@ def _always_causal(spec):
     return any(entry["name"] == name and entry["always_causal"] for entry in _library.mechanisms())
 
 
+@functools.lru_cache(maxsize=None)
+def _exact_name():
+    """The registry's exact softmax attention, the one mechanism that forms the
+    (L, S) weight matrix need_weights returns."""
+    return next(entry["name"] for entry in _library.mechanisms() if entry["exact"])
+
+
 class Linear(BridgedModule):
     """y = x W^T + b on attnkit's GEMM; torch.nn.Linear's parameters and initialisation."""
 
@@ -121,7 +128,9 @@ class MultiheadAttention(BridgedModule):
     ``weights`` is None unless ``need_weights=True`` (default False, unlike
     torch's: the (L, S) matrix is formed only when asked), then the attention
     weights (N, L, S) averaged over the heads (``average_attn_weights=False``:
-    (N, num_heads, L, S)), differentiable; only for exact attention ("full").
+    (N, num_heads, L, S)), differentiable, formed by the C++ module with the
+    mechanism's own masks, window and positions; only for exact attention
+    ("full").
     ``kv_heads`` (a divisor of num_heads; 0: as many) gives grouped-query
     attention: k_proj and v_proj project to kv_heads heads, each serving
     num_heads / kv_heads query heads (read in place by exact, sparse and
@@ -158,7 +167,8 @@ class MultiheadAttention(BridgedModule):
         # set_attention (or script a deepcopy), not before.
         settings = json.loads(self._bridge.settings())
         self._spec = settings["attention"]
-        self._exact = self._spec.split(":", 1)[0] == "full"
+        self._exact_name = _exact_name()
+        self._exact = self._spec.split(":", 1)[0] == self._exact_name
         self._always_causal = _always_causal(self._spec)
         self._kv_heads = settings["kv_heads"] or settings["heads"]
         self._alibi = settings["alibi"]
@@ -177,9 +187,10 @@ class MultiheadAttention(BridgedModule):
                 need_weights: bool = False, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False, key_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         what = "attnkit.nn.MultiheadAttention"
-        if need_weights and not self._exact:
-            raise ValueError(f"{what}: need_weights=True needs exact attention ('full'); '{self._spec}' forms "
-                             "no (L, S) weight matrix (swap in 'full' with set_attention to inspect one)")
+        if need_weights and not self._exact:  # the C++ module refuses too: a Python error type before any work
+            raise ValueError(f"{what}: need_weights=True needs exact attention ('{self._exact_name}'); "
+                             f"'{self._spec}' forms no (L, S) weight matrix (swap in '{self._exact_name}' with "
+                             "set_attention to inspect one)")
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError(f"{what}: give key_padding_mask or key_lengths, not both")
         if not self.batch_first:
@@ -189,33 +200,15 @@ class MultiheadAttention(BridgedModule):
         causal = bool(is_causal) or _causal_from_mask(attn_mask, query.shape[1], key.shape[1], what)
         if causal and self._always_causal:
             causal = False  # a causal pattern is causal by construction and takes no flag
-        out = self._forward(query, key, value, key_lengths, causal=causal)[0]
+        # The C++ module forms the weights (nn::MultiheadAttention::attention_weights):
+        # 1 per head, 2 averaged over the heads.
+        wanted = (2 if average_attn_weights else 1) if need_weights else 0
+        outputs = self._forward(query, key, value, key_lengths, causal=causal, weights=wanted)
+        out = outputs[0]
         weights: Optional[Tensor] = None
         if need_weights:
-            weights = self._weights(query, key, key_lengths, causal, average_attn_weights)
+            weights = outputs[1]
         return (out if self.batch_first else out.transpose(0, 1)), weights
-
-    def _weights(self, query: Tensor, key: Tensor, key_lengths: Optional[Tensor], causal: bool,
-                 average: bool) -> Tensor:
-        """The exact kernel's attention weights P (N, H, L, S), as its output
-        P V with V the identity: the same projections, scale, masks and rule
-        for rows with nothing visible (zeros) as the forward. (N, batch-first)."""
-        N, L, S, H = query.shape[0], query.shape[1], key.shape[1], self.num_heads
-        q_bias: Optional[Tensor] = None
-        k_bias: Optional[Tensor] = None
-        if hasattr(self.q_proj, "bias"):
-            q_bias, k_bias = self.q_proj.bias, self.k_proj.bias
-        q = torch.ops.attnkit.linear(query, self.q_proj.weight, q_bias).view(N, L, H, -1).transpose(1, 2)
-        # grouped heads: the kernel reads the groups
-        k = torch.ops.attnkit.linear(key, self.k_proj.weight, k_bias).view(N, S, self._kv_heads, -1).transpose(1, 2)
-        identity = torch.eye(S, dtype=q.dtype).expand(N, self._kv_heads, S, S)  # stride 0 over N, H: no copy
-        slopes: Optional[Tensor] = None
-        if self._alibi:
-            slopes = torch.ops.attnkit.alibi_slopes(H)
-        p = torch.ops.attnkit.softmax_attention(q, k, identity, causal=causal, key_lengths=key_lengths,
-                                                alibi_slopes=slopes, rotary_dim=self._rotary_dim,
-                                                rotary_base=self._rotary_base)
-        return p.mean(1) if average else p
 
 
 class Attention(BridgedModule):

@@ -13,8 +13,9 @@
 //     so autograd, optimizers, hooks and DistributedDataParallel act on the
 //     tensors the C++ code computes with, and state_dicts match checkpoints.
 //   * The op attnkit::module_forward(module, input0, input1?, input2?, input3?,
-//     causal, offset, training) runs the module's forward on its positional
-//     inputs (None for absent ones). An op of the dispatcher with a typed
+//     causal, offset, training, weights) runs the module's forward on its
+//     positional inputs (None for absent ones); `weights` asks
+//     MultiheadAttention for its attention weights as a second output. An op of the dispatcher with a typed
 //     schema, it is what torch.jit.trace records and torch.jit.script
 //     compiles: a model of attnkit.nn modules exports, and the saved file
 //     runs wherever libattnkit is loaded (torch::jit::load in C++,
@@ -117,13 +118,23 @@ at::Tensor required(const Inputs& inputs, size_t i, const std::string& what, con
 struct ForwardArgs {
   bool causal = false;
   int64_t offset = 0;
+  /// MultiheadAttention's attention weights as a second output
+  /// (need_weights): none, per head (N, H, L, S), or averaged over the heads.
+  enum class Weights : int64_t { none = 0, per_head = 1, averaged = 2 } weights = Weights::none;
 };
+
+ForwardArgs::Weights weights_wanted(int64_t code) {
+  TORCH_CHECK(code >= 0 && code <= 2, "module_forward: weights must be 0 (none), 1 (per head) or 2 (averaged over "
+              "the heads), got ", code);
+  return static_cast<ForwardArgs::Weights>(code);
+}
 
 /// Refuses the arguments `kind`'s forward has no use for, rather than
 /// ignoring them.
-void takes(const char* kind, const ForwardArgs& a, bool causal, bool offset) {
+void takes(const char* kind, const ForwardArgs& a, bool causal, bool offset, bool weights = false) {
   TORCH_CHECK(causal || !a.causal, kind, ".forward takes no causal flag");
   TORCH_CHECK(offset || a.offset == 0, kind, ".forward takes no offset");
+  TORCH_CHECK(weights || a.weights == ForwardArgs::Weights::none, kind, ".forward returns no attention weights");
 }
 
 using Method = std::function<Outputs(const Inputs&, Settings&)>;
@@ -228,9 +239,15 @@ const std::map<std::string, Factory>& factories() {
                  .attention(s.get<std::string>("attention", "full")));
          Bridged b{m.ptr(), [m](const Inputs& in, const ForwardArgs& a) mutable -> Outputs {
                      const char* what = "MultiheadAttention";
-                     takes(what, a, /*causal=*/true, /*offset=*/false);
-                     return {m(required(in, 0, what, "query"), required(in, 1, what, "key"),
-                               required(in, 2, what, "value"), input(in, 3), a.causal)};
+                     takes(what, a, /*causal=*/true, /*offset=*/false, /*weights=*/true);
+                     const auto query = required(in, 0, what, "query"), key = required(in, 1, what, "key");
+                     const auto lengths = input(in, 3);
+                     using Weights = ForwardArgs::Weights;
+                     torch::Tensor weights;  // first: a mechanism that forms none is refused before the forward
+                     if (a.weights != Weights::none)
+                       weights = m->attention_weights(query, key, lengths, a.causal, a.weights == Weights::averaged);
+                     auto out = m(query, key, required(in, 2, what, "value"), lengths, a.causal);
+                     return weights.defined() ? Outputs{out, weights} : Outputs{out};
                    }, {}, nullptr};
          b.methods["set_attention"] = [m](const Inputs&, Settings& a) mutable -> Outputs {
            m->set_attention(a.require<std::string>("attention"));
@@ -548,8 +565,10 @@ class Module : public torch::CustomClassHolder {
 /// tracer records no list of optional tensors (torch 1.13).
 Outputs module_forward(const c10::intrusive_ptr<Module>& module, const at::Tensor& input0,
                        const c10::optional<at::Tensor>& input1, const c10::optional<at::Tensor>& input2,
-                       const c10::optional<at::Tensor>& input3, bool causal, int64_t offset, bool training) {
-  return module->forward({input0, input1, input2, input3}, ForwardArgs{causal, offset}, training);
+                       const c10::optional<at::Tensor>& input3, bool causal, int64_t offset, bool training,
+                       int64_t weights) {
+  return module->forward({input0, input1, input2, input3}, ForwardArgs{causal, offset, weights_wanted(weights)},
+                         training);
 }
 
 /// DocumentMemory for Python: the C++ class as it is (nothing to adapt).
@@ -657,8 +676,8 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       .def("save", &Memory::save);
   // Every module's forward (see the contract at the top of this file).
   m.def("module_forward(__torch__.torch.classes.attnkit.Module module, Tensor input0, Tensor? input1=None, "
-        "Tensor? input2=None, Tensor? input3=None, bool causal=False, int offset=0, bool training=False) "
-        "-> Tensor[]",
+        "Tensor? input2=None, Tensor? input3=None, bool causal=False, int offset=0, bool training=False, "
+        "int weights=0) -> Tensor[]",
         &module_forward);
   m.def("mechanisms_json() -> str", &mechanisms_json);
   m.def("support_fields_json() -> str", &support_fields_json);

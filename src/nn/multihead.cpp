@@ -96,31 +96,23 @@ void MultiheadAttentionImpl::set_attention(const std::string& spec) {
   mechanism_rotates_ = rotates;
 }
 
-torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
-                                              const torch::Tensor& value,
-                                              const torch::Tensor& key_lengths, bool causal) {
-  constexpr const char* module = "MultiheadAttention";
+MultiheadAttentionImpl::Heads MultiheadAttentionImpl::queries_and_keys(const char* what, const torch::Tensor& query,
+                                                                      const torch::Tensor& key,
+                                                                      const torch::Tensor& key_lengths,
+                                                                      bool causal) {
   const int64_t d = options.width(), H = options.heads(), dh = d / H;
-  detail::check_float_tensor(module, "query", query, 3);
-  detail::check_float_tensor(module, "key", key, 3);
-  detail::check_float_tensor(module, "value", value, 3);
-  detail::check_parameter_dtype(module, "query", query, q_proj->weight);
-  detail::check_same_dtype(module, "key", key, "query", query);
-  detail::check_same_dtype(module, "value", value, "query", query);
-  detail::check_dim(module, "query", query, 2, d, "feature size");
-  detail::check_dim(module, "key", key, 2, d, "feature size");
-  detail::check_dim(module, "value", value, 2, d, "feature size");
-  detail::check_dim(module, "key", key, 0, query.size(0), "batch size N");
-  detail::check_dim(module, "value", value, 0, query.size(0), "batch size N");
-  detail::check_dim(module, "value", value, 1, key.size(1), "length S");
-  const int64_t N = query.size(0), L = query.size(1), S = key.size(1), Hk = kv_head_count();
+  detail::check_float_tensor(what, "query", query, 3);
+  detail::check_float_tensor(what, "key", key, 3);
+  detail::check_parameter_dtype(what, "query", query, q_proj->weight);
+  detail::check_same_dtype(what, "key", key, "query", query);
+  detail::check_dim(what, "query", query, 2, d, "feature size");
+  detail::check_dim(what, "key", key, 2, d, "feature size");
+  detail::check_dim(what, "key", key, 0, query.size(0), "batch size N");
+  const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
   // (N, T, heads * dh) -> (N, heads, T, dh) as a strided view: the ops take strides, no copy.
-  auto split = [&](const torch::Tensor& x, int64_t T, int64_t heads) {
-    return x.view({N, T, heads, dh}).transpose(1, 2);
-  };
-  auto q = split(q_proj(query), L, H), k = split(k_proj(key), S, Hk);
+  auto q = q_proj(query).view({N, L, H, dh}).transpose(1, 2);
+  auto k = k_proj(key).view({N, S, kv_head_count(), dh}).transpose(1, 2);
   AttendArgs args{causal, key_lengths, alibi_slopes_};
-  if (is_training()) args.dropout_p = options.dropout();
   // Rotary positions: query i at i + S - L, key j at j (the causal mask's alignment).
   if (mechanism_rotates_) {
     args.rotary_dim = options.rotary_dim();
@@ -129,8 +121,22 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
     q = rotate(q, S - L);
     k = rotate(k, 0);
   }
-  k = for_mechanism(k);
-  auto v = for_mechanism(split(v_proj(value), S, Hk));
+  return {q, for_mechanism(k), args};
+}
+
+torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
+                                              const torch::Tensor& value,
+                                              const torch::Tensor& key_lengths, bool causal) {
+  constexpr const char* module = "MultiheadAttention";
+  auto [q, k, args] = queries_and_keys(module, query, key, key_lengths, causal);
+  detail::check_float_tensor(module, "value", value, 3);
+  detail::check_same_dtype(module, "value", value, "query", query);
+  detail::check_dim(module, "value", value, 2, options.width(), "feature size");
+  detail::check_dim(module, "value", value, 0, query.size(0), "batch size N");
+  detail::check_dim(module, "value", value, 1, key.size(1), "length S");
+  const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
+  if (is_training()) args.dropout_p = options.dropout();
+  auto v = for_mechanism(v_proj(value).view({N, S, kv_head_count(), options.width() / options.heads()}).transpose(1, 2));
   if (probe) {
     if (mechanism_rotates_)
       probe(rotate(q, S - L), rotate(k, 0), v);
@@ -138,7 +144,24 @@ torch::Tensor MultiheadAttentionImpl::forward(const torch::Tensor& query, const 
       probe(q, k, v);
   }
   auto out = attention->forward(q, k, v, args);
-  return out_proj(out.transpose(1, 2).reshape({N, L, d}));
+  return out_proj(out.transpose(1, 2).reshape({N, L, options.width()}));
+}
+
+torch::Tensor MultiheadAttentionImpl::attention_weights(const torch::Tensor& query, const torch::Tensor& key,
+                                                        const torch::Tensor& key_lengths, bool causal,
+                                                        bool average) {
+  constexpr const char* what = "MultiheadAttention.attention_weights";
+  TORCH_CHECK(resolve_mechanism(options.attention()).first->exact, what, " (need_weights) needs exact attention ('",
+              exact_mechanism().name, "'); '", options.attention(), "' forms no (L, S) weight matrix (swap in '",
+              exact_mechanism().name, "' with set_attention to inspect one)");
+  auto [q, k, args] = queries_and_keys(what, query, key, key_lengths, causal);
+  // P V with V the identity is P: the mechanism's own masks, positions and
+  // options, with no second code path to keep equal to the kernel's. The
+  // identity is one (S, S) matrix read through stride 0 over batch and heads.
+  const int64_t N = query.size(0), S = key.size(1);
+  const auto identity = torch::eye(S, q.options()).expand({N, k.size(1), S, S});
+  auto weights = attention->forward(q, k, identity, args);  // args.dropout_p is 0: the weights before dropout
+  return average ? weights.mean(1) : weights;
 }
 
 }  // namespace attnkit::nn

@@ -86,7 +86,8 @@ TEST(ModuleState, ALoadedModuleRefusesTrainingWithAutograd) {
   auto call = [&](bool training) {
     auto op = c10::Dispatcher::singleton().findSchemaOrThrow("attnkit::module_forward", "");
     std::vector<c10::IValue> stack{object, torch::randn({4, 3}), c10::IValue(), c10::IValue(), c10::IValue(),
-                            c10::IValue(false), c10::IValue(int64_t{0}), c10::IValue(training)};
+                            c10::IValue(false), c10::IValue(int64_t{0}), c10::IValue(training),
+                                   c10::IValue(int64_t{0})};
     op.callBoxed(&stack);
     return stack.at(0).toTensorVector().at(0);
   };

@@ -32,27 +32,28 @@ constexpr double kSameMathTol = 1e-12;
 /// leaves ~1e-16 of the other gradients' size.
 constexpr double kShiftInvariantTol = 1e-10;
 
-/// The multi-head formula written out: x W^T + b projections, for each head h
+torch::Tensor project(Linear& lin, const torch::Tensor& x) {
+  auto y = torch::matmul(x, lin->weight.t());
+  return lin->bias.defined() ? y + lin->bias : y;
+}
+
+/// The attention weights written out: x W^T + b projections, for each head h
 /// the features [h dh, (h+1) dh), a masked softmax of q k^T / sqrt(dh) built
 /// with loops (causal: j <= i + S - L; keys j >= len[n] hidden; no visible key:
-/// zero row), the heads concatenated and projected by W^O.
-torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, const torch::Tensor& key,
-                            const torch::Tensor& value, const std::vector<int64_t>& lengths, bool causal) {
+/// zero row). (N, H, L, S).
+torch::Tensor composite_weights(MultiheadAttention& m, const torch::Tensor& query, const torch::Tensor& key,
+                                const std::vector<int64_t>& lengths, bool causal) {
   torch::NoGradGuard no_grad;
   const int64_t N = query.size(0), L = query.size(1), S = key.size(1);
   const int64_t D = m->options.width(), H = m->options.heads(), dh = D / H;
-  auto proj = [](Linear& lin, const torch::Tensor& x) {
-    auto y = torch::matmul(x, lin->weight.t());
-    return lin->bias.defined() ? y + lin->bias : y;
-  };
-  auto q = proj(m->q_proj, query), k = proj(m->k_proj, key), v = proj(m->v_proj, value);
-  auto concat = torch::zeros({N, L, D}, f64());
+  auto q = project(m->q_proj, query), k = project(m->k_proj, key);
+  auto weights = torch::zeros({N, H, L, S}, f64());
   const double inf = std::numeric_limits<double>::infinity();
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
-      auto qh = q[n].narrow(1, h * dh, dh), kh = k[n].narrow(1, h * dh, dh), vh = v[n].narrow(1, h * dh, dh);
+      auto qh = q[n].narrow(1, h * dh, dh), kh = k[n].narrow(1, h * dh, dh);
       auto scores = torch::matmul(qh, kh.t()) / std::sqrt(double(dh));  // (L, S)
-      auto a = torch::zeros({L, S}, f64());
+      auto a = weights[n][h];
       for (int64_t i = 0; i < L; ++i) {
         std::vector<int64_t> seen;
         for (int64_t j = 0; j < S; ++j) {
@@ -65,9 +66,25 @@ torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, c
         for (int64_t j : seen) sum += std::exp(scores[i][j].item<double>() - mx);
         for (int64_t j : seen) a[i][j] = std::exp(scores[i][j].item<double>() - mx) / sum;
       }
-      concat[n].narrow(1, h * dh, dh).copy_(torch::matmul(a, vh));
     }
-  return proj(m->out_proj, concat);
+  return weights;
+}
+
+/// The multi-head formula written out: the composite weights of each head
+/// times its features [h dh, (h+1) dh) of the projected values, the heads
+/// concatenated and projected by W^O.
+torch::Tensor composite_mha(MultiheadAttention& m, const torch::Tensor& query, const torch::Tensor& key,
+                            const torch::Tensor& value, const std::vector<int64_t>& lengths, bool causal) {
+  const auto weights = composite_weights(m, query, key, lengths, causal);
+  torch::NoGradGuard no_grad;
+  const int64_t N = query.size(0), L = query.size(1);
+  const int64_t D = m->options.width(), H = m->options.heads(), dh = D / H;
+  auto v = project(m->v_proj, value);
+  auto concat = torch::zeros({N, L, D}, f64());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      concat[n].narrow(1, h * dh, dh).copy_(torch::matmul(weights[n][h], v[n].narrow(1, h * dh, dh)));
+  return project(m->out_proj, concat);
 }
 
 MultiheadAttention make_mha(int64_t D, int64_t H, const std::string& mechanism = "full", bool bias = true) {
@@ -100,6 +117,55 @@ TEST(MultiheadTest, FullEqualsComposite) {
                         composite_mha(m, query, key, value, lens, true)),
                 kSameMathTol);
     }
+}
+
+// need_weights (attention_weights): the composite's softmax per head, or its
+// head mean; masks as forward's (empty rows zero), the mechanism's own options
+// (a window), the weights before dropout, differentiable; refused for a
+// mechanism that forms no (L, S) matrix.
+TEST(MultiheadTest, AttentionWeightsAreTheCompositesSoftmax) {
+  torch::manual_seed(37);
+  const int64_t N = 2, D = 6;
+  for (int64_t H : {1, 2, 3})
+    for (auto [L, S] : {std::pair<int64_t, int64_t>{1, 1}, {4, 4}, {3, 5}, {5, 3}})
+      for (bool causal : {false, true}) {
+        SCOPED_TRACE("H " + std::to_string(H) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+                     (causal ? " causal" : ""));
+        auto m = make_mha(D, H);
+        auto query = torch::randn({N, L, D}, f64()), key = torch::randn({N, S, D}, f64());
+        const std::vector<int64_t> lens{S, S - 1};  // S - 1 = 0 at S = 1: a batch with no visible key
+        const auto want = composite_weights(m, query, key, lens, causal);
+        const auto per_head = m->attention_weights(query, key, i64(lens), causal, /*average=*/false);
+        EXPECT_EQ(per_head.sizes(), (std::vector<int64_t>{N, H, L, S}));
+        EXPECT_LT(max_abs(per_head - want), kSameMathTol);
+        const auto averaged = m->attention_weights(query, key, i64(lens), causal);
+        EXPECT_EQ(averaged.sizes(), (std::vector<int64_t>{N, L, S}));
+        EXPECT_LT(max_abs(averaged - want.mean(1)), kSameMathTol);
+      }
+  // Differentiable: the weights' gradient reaches the query projection.
+  auto m = make_mha(D, 2);
+  auto x = torch::randn({1, 4, D}, f64());
+  (m->attention_weights(x, x) * torch::randn({1, 4, 4}, f64())).sum().backward();
+  ASSERT_TRUE(m->q_proj->weight.grad().defined());
+  EXPECT_GT(m->q_proj->weight.grad().abs().max().item<double>(), 0);
+  // The window the spec gives: keys more than window - 1 before a query get 0.
+  auto windowed = make_mha(D, 2, "full:window=2");
+  const auto w = windowed->attention_weights(x, x, {}, /*causal=*/true, /*average=*/false);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t j = 0; j < 4; ++j)
+      if (j > i || j < i - 1) EXPECT_EQ(w[0][0][i][j].item<double>(), 0) << i << ", " << j;
+  EXPECT_LT(max_abs(w.sum(-1) - 1), kSameMathTol);
+  // Training mode with attention dropout: the weights before dropout.
+  MultiheadAttention dropped(MultiheadAttentionOptions(D, 2).dropout(0.5));
+  dropped->to(torch::kDouble);
+  dropped->eval();
+  const auto eval_weights = dropped->attention_weights(x, x);
+  dropped->train();
+  EXPECT_LT(max_abs(dropped->attention_weights(x, x) - eval_weights), kSameMathTol);
+  // Refused where no (L, S) matrix exists, with the exact mechanism named.
+  auto linear = make_mha(D, 2, "linear");
+  expect_error([&] { linear->attention_weights(x, x); },
+               {"MultiheadAttention.attention_weights", "need_weights", "'full'", "'linear'"});
 }
 
 TEST(MultiheadTest, ZeroLengthGivesOutputBiasOnly) {

@@ -337,6 +337,11 @@ def test_the_op_refuses_arguments_a_module_does_not_take():
         torch.ops.attnkit.module_forward(linear._bridge, x, offset=2)
     with pytest.raises(RuntimeError, match="Attention: argument '[kv]' is required"):
         torch.ops.attnkit.module_forward(ann.Attention("full")._bridge, x)
+    with pytest.raises(RuntimeError, match="Linear.forward returns no attention weights"):
+        torch.ops.attnkit.module_forward(linear._bridge, x, weights=1)
+    mha = ann.MultiheadAttention(4, 2, batch_first=True)
+    with pytest.raises(RuntimeError, match=r"weights must be 0 \(none\), 1 \(per head\) or 2"):
+        torch.ops.attnkit.module_forward(mha._bridge, x[None], x[None], x[None], weights=3)
 
 
 def test_mha_traces_when_its_weights_are_returned():

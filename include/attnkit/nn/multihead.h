@@ -64,6 +64,18 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
                         const torch::Tensor& value, const torch::Tensor& key_lengths = {},
                         bool causal = false);
 
+  /// The attention weights P of forward(query, key, value, key_lengths,
+  /// causal): (N, heads, L, S), or their mean over the heads (N, L, S) when
+  /// `average` (torch.nn.MultiheadAttention's need_weights and
+  /// average_attn_weights). The same projections, positions, masks and
+  /// mechanism options (a window, ALiBi, rotary) as forward, rows with no
+  /// visible key all zeros, the weights before attention dropout;
+  /// differentiable. Only an exact mechanism (MechanismInfo::exact) forms
+  /// them: any other is refused. Costs an (N, heads, L, S) tensor.
+  torch::Tensor attention_weights(const torch::Tensor& query, const torch::Tensor& key,
+                                  const torch::Tensor& key_lengths = {}, bool causal = false,
+                                  bool average = true);
+
   /// options.kv_heads, or heads when it is 0.
   int64_t kv_head_count() const;
   /// ALiBi's slopes (float32 (heads)) when options.alibi, else undefined.
@@ -95,6 +107,16 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
   std::shared_ptr<MechanismImpl> attention;
 
  private:
+  /// forward's per-head queries and keys as the mechanism takes them (checked,
+  /// projected, rotated unless its kernel rotates them, keys as for_mechanism
+  /// gives them) and its arguments; `what` names the caller in errors.
+  struct Heads {
+    torch::Tensor q, k;
+    AttendArgs args;
+  };
+  Heads queries_and_keys(const char* what, const torch::Tensor& query, const torch::Tensor& key,
+                         const torch::Tensor& key_lengths, bool causal);
+
   bool mechanism_reads_groups_ = false;  // attention's MechanismSupports::grouped_heads
   bool mechanism_rotates_ = false;       // attention's RotarySupport::kernel
   torch::Tensor alibi_slopes_;           // constants, not state: made from options

@@ -212,7 +212,10 @@ struct MechanismInfo {
   /// True for mechanisms that approximate exact softmax attention (clustered,
   /// improved-clustered); the bench reports their distance to it.
   bool approximates_exact = false;
-  /// True for exact softmax attention ("full"): the torch baseline computes it, relative-position blocks hold it, approximations are measured against it, and only it forms the (L, S) weight matrix that need_weights returns.
+  /// True for exact softmax attention ("full"): the torch baseline computes
+  /// it, relative-position blocks hold it, approximations are measured against
+  /// it, and only it forms the (L, S) weight matrix that
+  /// MultiheadAttention::attention_weights (need_weights) returns.
   bool exact = false;
   /// True when torch computes the same mechanism (torch's own SDPA or its
   /// composite): `attnkit bench --impl torch` and `attnkit bench-model
