@@ -423,16 +423,6 @@ void run_bench(const BenchConfig& c) {
   }
 }
 
-void check_choices(const char* option, const std::vector<std::string>& got,
-                   const std::vector<std::string>& allowed) {
-  for (const auto& g : got) {
-    if (std::find(allowed.begin(), allowed.end(), g) != allowed.end()) continue;
-    std::string list;
-    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
-    throw CLI::ValidationError(option, "unknown value '" + g + "'; expected one of: " + list);
-  }
-}
-
 }  // namespace
 
 void add_bench_command(CLI::App& app) {

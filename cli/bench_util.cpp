@@ -169,6 +169,16 @@ std::vector<int64_t> parse_positive_list(const std::string& option, const std::s
   return out;
 }
 
+void check_choices(const std::string& option, const std::vector<std::string>& got,
+                   const std::vector<std::string>& allowed) {
+  for (const auto& g : got) {
+    if (std::find(allowed.begin(), allowed.end(), g) != allowed.end()) continue;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+    throw CLI::ValidationError(option, "unknown value '" + g + "'; expected one of: " + list);
+  }
+}
+
 std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> resolve_specs(
     const std::string& option, const std::vector<std::string>& specs) {
   std::vector<std::pair<const nn::MechanismInfo*, nn::MechanismSpec>> out;

@@ -77,6 +77,10 @@ std::vector<std::string> split_specs(const std::string& s);
 /// A comma list of positive integers; anything else is refused with a
 /// CLI::ValidationError naming `option` and the item.
 std::vector<int64_t> parse_positive_list(const std::string& option, const std::string& list);
+/// Refuses a value of `got` that is not in `allowed` with a
+/// CLI::ValidationError naming `option`, the value and the allowed ones.
+void check_choices(const std::string& option, const std::vector<std::string>& got,
+                   const std::vector<std::string>& allowed);
 
 /// Resolves every spec of a --attention list; a bad one is refused with a
 /// CLI::ValidationError naming `option` and the registry's message.

@@ -104,7 +104,7 @@ ATTNKIT_AMX_KERNEL(void, softmax_attention_backward_bf16,
                    (const SoftmaxAttentionBf16BackwardParams& p), (p))
 bool softmax_attention_bf16_available() { return isa::current() >= isa::Level::amx; }
 
-// Rotary positions as an op of their own (rotary.h).
+// Rotary positions as an op of their own (rotary_embedding.h).
 ATTNKIT_FLOAT32_KERNEL(void, rotary_embedding, (const RotaryParams& p), (p))
 
 // Attention dropout's keep mask written out (dropout.h).
@@ -122,7 +122,7 @@ ATTNKIT_FLOAT32_KERNEL(void, gated_linear_attention_forward, (const GatedLinearA
 ATTNKIT_FLOAT32_KERNEL(void, gated_linear_attention_backward,
                        (const GatedLinearAttentionBackwardParams& p), (p))
 
-// Agglomerative attention (agglomerative.h).
+// Agglomerative attention (agglomerative_attention.h).
 ATTNKIT_FLOAT32_KERNEL(void, agglomerative_forward, (const AgglomerativeParams& p), (p))
 ATTNKIT_FLOAT32_KERNEL(void, agglomerative_backward, (const AgglomerativeBackwardParams& p), (p))
 
@@ -140,7 +140,7 @@ ATTNKIT_FLOAT32_KERNEL(void, hash_planes,
 ATTNKIT_FLOAT32_KERNEL(void, hash_queries, (const HashParams& p), (p))
 ATTNKIT_FLOAT32_KERNEL(void, hamming_kmeans, (const KMeansParams& p), (p))
 
-// The dense layer (linear.h).
+// The dense layer (dense.h).
 ATTNKIT_FLOAT32_KERNEL(void, linear_forward, (const LinearParams& p, float* y, int64_t y_row_stride),
                        (p, y, y_row_stride))
 ATTNKIT_FLOAT32_KERNEL(void, linear_forward,

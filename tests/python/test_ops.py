@@ -231,6 +231,30 @@ class OpsTest(unittest.TestCase):
         (h,) = torch.autograd.grad(g.sum(), q64)  # the composite has second-order gradients
         self.assertTrue(torch.isfinite(h).all() and h.abs().max() > 0)
 
+    def test_sparse_double_backward_raises_on_awkward_shapes(self):
+        # Issue 47's fuzz saw sparse_attention under create_graph=True return
+        # gradients with no graph and no error once (not reproduced since):
+        # on empty, grouped and edge-less shapes, in float32 and bfloat16, every
+        # first-order gradient carries the refusal of a second derivative.
+        cases = [  # (N, H, Hk, L, S), offsets, columns
+            ((1, 2, 2, 0, 0), [0], []), ((1, 2, 2, 0, 3), [0], []), ((1, 2, 2, 3, 0), [0, 0, 0, 0], []),
+            ((0, 2, 2, 3, 3), [0, 1, 2, 3], [0, 0, 0]), ((1, 0, 1, 3, 3), [0, 1, 2, 3], [0, 0, 0]),
+            ((1, 2, 1, 3, 5), [0, 1, 2, 3], [0, 4, 2]), ((1, 2, 2, 3, 3), [0, 0, 1, 1], [2]),
+        ]
+        for dtype in (torch.float32, torch.bfloat16):
+            for (N, H, Hk, L, S), offsets, columns in cases:
+                with self.subTest(dtype=dtype, shape=(N, H, Hk, L, S)):
+                    q = torch.randn(N, H, L, 4, dtype=dtype, requires_grad=True)
+                    k = torch.randn(N, Hk, S, 4, dtype=dtype, requires_grad=True)
+                    v = torch.randn(N, Hk, S, 3, dtype=dtype, requires_grad=True)
+                    out = torch.ops.attnkit.sparse_attention(q, k, v, torch.tensor(offsets), torch.tensor(columns,
+                                                             dtype=torch.int64))
+                    grads = torch.autograd.grad(out.sum(), [q, k, v], create_graph=True)
+                    for g in grads:
+                        self.assertTrue(g.requires_grad)
+                        with self.assertRaisesRegex(RuntimeError, "sparse_attention: double backward"):
+                            torch.autograd.grad(g.sum(), [q, k, v], allow_unused=True)
+
     def test_sparse_full_pattern_equals_exact(self):
         q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 3)
         offsets, columns = attnkit.edge_pattern("full", 6)
