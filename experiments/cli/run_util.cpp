@@ -42,6 +42,15 @@ void check_resume_flags(const char* command, const nlohmann::json& stored, const
   }
 }
 
+void add_training_options(CLI::App* cmd, double& lr, double& weight_decay, double& clip, int64_t& eval_every) {
+  cmd->add_option("--lr", lr, "AdamW learning rate (constant)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--weight-decay", weight_decay, "AdamW's decoupled weight decay")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--clip", clip, "Global gradient-norm bound (0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--eval-every", eval_every, "Steps between validation records and checkpoints")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+}
+
 void set_threads(int threads) {
   if (threads <= 0) return;
   attnkit::set_num_threads(threads);

@@ -60,6 +60,12 @@ class OpenedRun {
 void check_resume_flags(const char* command, const nlohmann::json& stored, const nlohmann::json& given,
                         const CLI::App& cmd, const char* may_change);
 
+/// The training flags `cloze` and `translate` share, with their checks:
+/// --lr (AdamW's, constant), --weight-decay, --clip (the global gradient-norm
+/// bound, 0: none) and --eval-every (steps between validation records and
+/// checkpoints); the defaults are the values the references hold.
+void add_training_options(CLI::App* cmd, double& lr, double& weight_decay, double& clip, int64_t& eval_every);
+
 /// Sets attnkit's and ATen's intra-op thread counts to `threads`; 0 leaves
 /// both at their defaults.
 void set_threads(int threads);

@@ -353,12 +353,7 @@ void add_translate_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--max-target", f->max_target, "The longest translation kept, in characters")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--lr", f->lr, "AdamW learning rate (constant)")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--weight-decay", f->weight_decay, "AdamW's decoupled weight decay")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  cmd->add_option("--clip", f->clip, "Global gradient-norm bound (0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
-  cmd->add_option("--eval-every", f->eval_every, "Steps between validation records and checkpoints")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  add_training_options(cmd, f->lr, f->weight_decay, f->clip, f->eval_every);
   cmd->add_option("--valid-examples", f->valid_examples, "Validation sources (the first of the split's fixed order)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--test-examples", f->test_examples, "Test sources, evaluated at the end (default: all)")
