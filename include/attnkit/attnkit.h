@@ -10,6 +10,7 @@
 #include <attnkit/nn/clustered_attention.h>
 #include <attnkit/nn/agglomerative_attention.h>
 #include <attnkit/nn/dense.h>
+#include <attnkit/nn/gated_linear_attention.h>
 #include <attnkit/nn/linear_attention.h>
 #include <attnkit/nn/decoding.h>
 #include <attnkit/nn/registry.h>

@@ -39,7 +39,7 @@ using testing::relative_error;
 // The kernel sums at most S + E + chunk (<= 200 here) rounded products per
 // entry, each at most about the largest entry of the result (inputs and
 // cotangent N(0, 1), or |N(0, 1)|, E <= 8): worst case about 200 u = 1.2e-5
-// (u = 2^-24), as tests/kernels/linear_attention_kernel_test.cpp argues; 2e-5 allows it.
+// (u = 2^-24), as tests/kernels/linear_attention_cases.h argues; 2e-5 allows it.
 constexpr double kTolerance = 2e-5;
 // Grouped heads against repeated ones: out and dq are the same products on
 // the same values (a state built once or per head), bitwise; dk and dv take
