@@ -4,13 +4,15 @@
 // (contiguous, transposed, stepped, expanded, offset), dtype, values (with
 // NaN, inf, huge and tiny entries), options (NaN, inf, huge, negative),
 // key/query lengths, biases and edge lists (valid, per head, malformed), and
-// whether to run backward. Invariants (fuzz_util.h's violation() aborts):
+// whether to run backward; or it builds structures: edge patterns, and block
+// masks (built, expanded and combined, then each of their tensors broken). Invariants (fuzz_util.h's violation() aborts):
 //   - an op either returns or throws a c10::Error whose message names the op;
 //     any other exception, a crash, a hang (-timeout) or a sanitizer report fails;
 //   - backward after a successful forward does not throw;
 //   - moderate input (finite, |x| <= 4.5, moderate options): finite output and
 //     gradients, and a float32 output within a stated bound of the same op run
 //     in float64 (the composite path), the "silently different result" check.
+#include <attnkit/block_mask.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>
 
@@ -383,6 +385,60 @@ void builders(FuzzedDataProvider& in) {
   }
 }
 
+/// Block masks (include/attnkit/block_mask.h): a mask built from fuzzed
+/// blocks of pairs on an awkward grid must check, expand to its pairs, and
+/// combine by and / or as the dense masks do; a mask with one tensor broken
+/// must be refused by check_block_mask with an error naming the op.
+void block_masks(FuzzedDataProvider& in) {
+  const int64_t B = awkward_int(in, 1, 2), H = awkward_int(in, 1, 3), L = awkward_int(in, 0, 40),
+                S = awkward_int(in, 0, 40), qb = awkward_int(in, 1, 20), kvb = awkward_int(in, 1, 20);
+  // Pairs from a few fuzzed words, repeated: runs of empty, full and mixed blocks.
+  std::vector<uint8_t> words = in.ConsumeBytes<uint8_t>(in.ConsumeIntegralInRange<size_t>(1, 16));
+  if (words.empty()) words.push_back(0);
+  auto pattern = [&words](int64_t b, int64_t h, int64_t q, int64_t kv) {
+    const uint8_t w = words[(b * 7 + h * 5 + q / 3 + kv / 5) % words.size()];
+    return w < 64 ? false : w >= 192 ? true : ((w >> ((q + kv) % 8)) & 1) != 0;
+  };
+  BlockMask a, b;
+  try {
+    a = create_block_mask(pattern, B, H, L, S, qb, kvb);
+    b = create_block_mask(masks::causal(L, S), 1, 1, L, S, qb, kvb);
+  } catch (const c10::Error& e) {
+    violation(std::string("create_block_mask refused a valid grid: ") + e.what_without_backtrace());
+  }
+  try {
+    check_block_mask("fuzz", a, B, H, L, S);
+    const auto dense = a.to_dense();
+    for (int64_t q = 0; q < L; ++q)
+      for (int64_t kv = 0; kv < S; ++kv)
+        if (dense[B - 1][H - 1][q][kv].item<bool>() != pattern(B - 1, H - 1, q, kv))
+          violation("create_block_mask: a pair differs from its mask function");
+    if (!torch::equal(block_mask_and(a, b).to_dense(), dense & b.to_dense()) ||
+        !torch::equal(block_mask_or(a, b).to_dense(), dense | b.to_dense()))
+      violation("block_mask_and / block_mask_or: differ from the dense masks");
+  } catch (const c10::Error& e) {
+    violation(std::string("a built block mask was refused: ") + e.what_without_backtrace());
+  }
+  // One tensor broken: refused naming the op, never a crash.
+  BlockMask broken{a.q_len, a.kv_len, a.q_block, a.kv_block, a.kinds.clone(), a.partial_index.clone(),
+                   a.bits.clone()};
+  const bool has_blocks = broken.kinds.numel() > 0;
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 0: broken.kinds = broken.kinds.to(torch::kInt); break;
+    case 1: if (has_blocks) broken.kinds.view(-1)[0] = static_cast<uint8_t>(in.ConsumeIntegralInRange<int>(3, 255)); break;
+    case 2: if (has_blocks) broken.partial_index.view(-1)[0] = in.ConsumeIntegral<int32_t>(); break;
+    case 3: if (broken.bits.numel() > 0) broken.bits.view(-1)[broken.bits.numel() - 1] = 0xFF; break;
+    case 4: broken.bits = broken.bits.narrow(1, 0, std::max<int64_t>(0, broken.bits.size(1) - 1)); break;
+    default: broken.q_len += 1; break;
+  }
+  try {
+    check_block_mask("fuzz", broken, B, H, L, S);
+  } catch (const c10::Error& e) {
+    if (std::string(e.what_without_backtrace()).find("fuzz") == std::string::npos)
+      violation(std::string("check_block_mask: an error that does not name the op: ") + e.what_without_backtrace());
+  }
+}
+
 void check_close(const Outcome& r) {
   // The bounds are float32's; bfloat16 runs the composite in its own precision.
   if (!r.expected.defined() || r.out.scalar_type() != torch::kFloat) return;
@@ -459,14 +515,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   set_num_threads(in.ConsumeBool() ? 1 : 2);
   TensorMaker tm{in, at::detail::createCPUGenerator(in.ConsumeIntegral<uint32_t>())};
-  const int which = in.ConsumeIntegralInRange<int>(0, 7);
-  if (which == 7) {
-    builders(in);
+  // The ops' cases first, then the structures' builders (edge patterns, block masks).
+  static const std::function<Run(FuzzedDataProvider&, TensorMaker&, torch::ScalarType)> cases[] = {
+      softmax_case, linear_attention_case, gated_case, agglomerative_case, clustered_case, sparse_case, dense_case};
+  static const std::function<void(FuzzedDataProvider&)> structures[] = {builders, block_masks};
+  const auto which = in.ConsumeIntegralInRange<size_t>(0, std::size(cases) + std::size(structures) - 1);
+  if (which >= std::size(cases)) {
+    structures[which - std::size(cases)](in);
     return 0;
   }
   const auto dtype = choose_dtype(in);
-  static const std::function<Run(FuzzedDataProvider&, TensorMaker&, torch::ScalarType)> cases[] = {
-      softmax_case, linear_attention_case, gated_case, agglomerative_case, clustered_case, sparse_case, dense_case};
   Run run = cases[which](in, tm, dtype);
   Outcome r;
   ++stats.calls;

@@ -1,6 +1,7 @@
 // Umbrella header: everything a C++ user of attnkit needs.
 #pragma once
 
+#include <attnkit/block_mask.h>
 #include <attnkit/dispatch.h>
 #include <attnkit/ops.h>
 #include <attnkit/runtime.h>

@@ -10,6 +10,9 @@
 * modules: ``attnkit.nn`` (MultiheadAttention with any mechanism, the zoo,
   Linear, the agglomerative and linear layers, DocumentMemory, one class per
   registry mechanism in ``attnkit.nn.registry``);
+* block masks: ``attnkit.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``,
+  ``BlockMask``, ``and_masks``, ``or_masks``, ``noop_mask`` (torch 2's
+  FlexAttention API) and the named mask_mods of ``attnkit.masks``;
 * models: ``attnkit.models.Transformer`` (the builder, generation, runs of
   ``attnkit train``);
 * ``attnkit.mechanisms()`` lists the registry (as data; its classes are
@@ -42,6 +45,7 @@ __all__ = [
     "agglomerative_attention", "clustered_attention", "sparse_attention",
     "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "attention_dropout_mask", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
+    "BlockMask", "create_block_mask", "and_masks", "or_masks", "noop_mask", "masks",
 ]
 
 softmax_attention = torch.ops.attnkit.softmax_attention
@@ -88,3 +92,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 from . import nn, models  # noqa: E402  (they need the library loaded above)
+# Block masks with torch 2's FlexAttention API; named mask_mods in attnkit.masks.
+from . import masks  # noqa: E402
+from .block_mask import BlockMask, and_masks, create_block_mask, noop_mask, or_masks  # noqa: E402
