@@ -24,6 +24,7 @@ per partial block (``BlockMask.bytes()``). The C++ type is
 docs/API.md, "Block masks".
 """
 import math
+import operator
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -44,30 +45,27 @@ def noop_mask(b, h, q_idx, kv_idx):
     return torch.ones((), dtype=torch.bool)
 
 
-def and_masks(*mask_mods: MaskMod) -> MaskMod:
-    """A mask_mod true where every one of ``mask_mods`` is."""
+def _combined(name: str, combine, mask_mods) -> MaskMod:
+    """A mask_mod folding ``mask_mods``' results with ``combine`` (& or |)."""
     if not mask_mods or not all(callable(m) for m in mask_mods):
-        raise TypeError("attnkit.and_masks: give one or more mask_mod functions")
+        raise TypeError(f"attnkit.{name}: give one or more mask_mod functions")
 
     def mask_mod(b, h, q_idx, kv_idx):
         result = mask_mods[0](b, h, q_idx, kv_idx)
         for m in mask_mods[1:]:
-            result = result & m(b, h, q_idx, kv_idx)
+            result = combine(result, m(b, h, q_idx, kv_idx))
         return result
     return mask_mod
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """A mask_mod true where every one of ``mask_mods`` is."""
+    return _combined("and_masks", operator.and_, mask_mods)
 
 
 def or_masks(*mask_mods: MaskMod) -> MaskMod:
     """A mask_mod true where any of ``mask_mods`` is."""
-    if not mask_mods or not all(callable(m) for m in mask_mods):
-        raise TypeError("attnkit.or_masks: give one or more mask_mod functions")
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        result = mask_mods[0](b, h, q_idx, kv_idx)
-        for m in mask_mods[1:]:
-            result = result | m(b, h, q_idx, kv_idx)
-        return result
-    return mask_mod
+    return _combined("or_masks", operator.or_, mask_mods)
 
 
 def _block_sizes(BLOCK_SIZE) -> Tuple[int, int]:
