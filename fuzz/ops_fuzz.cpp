@@ -390,8 +390,25 @@ void builders(FuzzedDataProvider& in) {
 /// combine by and / or as the dense masks do; a mask with one tensor broken
 /// must be refused by check_block_mask with an error naming the op.
 void block_masks(FuzzedDataProvider& in) {
-  const int64_t B = awkward_int(in, 1, 2), H = awkward_int(in, 1, 3), L = awkward_int(in, 0, 40),
-                S = awkward_int(in, 0, 40), qb = awkward_int(in, 1, 20), kvb = awkward_int(in, 1, 20);
+  // Sizes in range (a mask's memory follows them: no extremes here), then
+  // one of them made invalid, which create_block_mask must refuse.
+  int64_t sizes[6] = {in.ConsumeIntegralInRange<int64_t>(1, 2), in.ConsumeIntegralInRange<int64_t>(1, 3),
+                      in.ConsumeIntegralInRange<int64_t>(0, 40), in.ConsumeIntegralInRange<int64_t>(0, 40),
+                      in.ConsumeIntegralInRange<int64_t>(1, 20), in.ConsumeIntegralInRange<int64_t>(1, 20)};
+  {
+    int64_t bad[6] = {sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]};
+    const size_t which = in.ConsumeIntegralInRange<size_t>(0, 5);
+    bad[which] = which < 2 || which > 3 ? in.ConsumeIntegralInRange<int64_t>(-3, 0)
+                                        : in.ConsumeIntegralInRange<int64_t>(-3, -1);
+    try {
+      create_block_mask(masks::causal(1, 1), bad[0], bad[1], bad[2], bad[3], bad[4], bad[5]);
+      violation("create_block_mask: accepted a batch, head count or block size < 1, or a length < 0");
+    } catch (const c10::Error& e) {
+      if (std::string(e.what_without_backtrace()).find("create_block_mask") == std::string::npos)
+        violation(std::string("create_block_mask: an error that does not name it: ") + e.what_without_backtrace());
+    }
+  }
+  const int64_t B = sizes[0], H = sizes[1], L = sizes[2], S = sizes[3], qb = sizes[4], kvb = sizes[5];
   // Pairs from a few fuzzed words, repeated: runs of empty, full and mixed blocks.
   std::vector<uint8_t> words = in.ConsumeBytes<uint8_t>(in.ConsumeIntegralInRange<size_t>(1, 16));
   if (words.empty()) words.push_back(0);
