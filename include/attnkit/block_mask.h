@@ -82,11 +82,6 @@ struct MaskBlocks {
 };
 MaskBlocks mask_blocks(const torch::Tensor& rows, int64_t q_block, int64_t kv_block, int64_t first_partial = 0);
 
-/// Joins chunks of query blocks made by mask_blocks (in order, their partial
-/// blocks numbered consecutively) into one mask over an L x S grid.
-BlockMask join_mask_blocks(const std::vector<MaskBlocks>& chunks, int64_t L, int64_t S, int64_t q_block,
-                           int64_t kv_block);
-
 /// The pairs both masks (`block_mask_and`) or either mask (`block_mask_or`)
 /// make visible. The masks must cover the same grid with the same blocks;
 /// batch and heads broadcast (1 against n). A block whose bits come out all
@@ -96,8 +91,9 @@ BlockMask block_mask_or(const BlockMask& a, const BlockMask& b);
 
 /// Refuses (c10::Error naming `op` and what is wrong) a mask that is not
 /// well formed or does not fit a (batch, heads, L, S) problem: dtypes,
-/// shapes, kinds, partial indices in range and each partial block indexed
-/// once, batch and heads 1 or equal to the problem's.
+/// shapes, kinds, partial indices in range (-1 exactly on blocks that are
+/// not partial; blocks may share bits), no bit set outside the grid, batch
+/// and heads 1 or equal to the problem's.
 void check_block_mask(const char* op, const BlockMask& mask, int64_t batch, int64_t heads, int64_t L, int64_t S);
 
 /// Named mask functions for the common patterns, with the library's

@@ -124,14 +124,7 @@ class BlockMask:
         """The share of the (query, key) pairs in non-empty blocks: what a
         kernel over the mask visits (blocks cut by L or S counted by their
         pairs inside the grid)."""
-        if self.q_len == 0 or self.kv_len == 0:
-            return 0.0
-        rows = torch.full((self.kinds.shape[2],), self.q_block, dtype=torch.float64)
-        rows[-1] = self.q_len - (self.kinds.shape[2] - 1) * self.q_block
-        cols = torch.full((self.kinds.shape[3],), self.kv_block, dtype=torch.float64)
-        cols[-1] = self.kv_len - (self.kinds.shape[3] - 1) * self.kv_block
-        visited = ((self.kinds != 0).to(torch.float64) * rows[:, None] * cols[None, :]).sum()
-        return float(visited) / (self.kinds.shape[0] * self.kinds.shape[1] * self.q_len * self.kv_len)
+        return torch.ops.attnkit._block_mask_visited_fraction(*self._tensors(), *self._grid())
 
     def to_dense(self) -> torch.Tensor:
         """The mask as a bool tensor (B, H, L, S), True where visible: O(L S)."""

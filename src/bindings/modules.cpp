@@ -15,11 +15,11 @@
 //   * The op attnkit::module_forward(module, input0, input1?, input2?, input3?,
 //     causal, offset, training, weights) runs the module's forward on its
 //     positional inputs (None for absent ones); `weights` asks
-//     MultiheadAttention for its attention weights as a second output. An op of the dispatcher with a typed
-//     schema, it is what torch.jit.trace records and torch.jit.script
-//     compiles: a model of attnkit.nn modules exports, and the saved file
-//     runs wherever libattnkit is loaded (torch::jit::load in C++,
-//     torch.jit.load in Python).
+//     MultiheadAttention for its attention weights as a second output. An
+//     op of the dispatcher with a typed schema, it is what torch.jit.trace
+//     records and torch.jit.script compiles: a model of attnkit.nn modules
+//     exports, and the saved file runs wherever libattnkit is loaded
+//     (torch::jit::load in C++, torch.jit.load in Python).
 //   * call(method, inputs, args, training) runs any other method (generate,
 //     set_attention, features) with keyword settings `args` (a JSON object).
 //   * The class pickles (torch.jit.save) as its kind, settings and named

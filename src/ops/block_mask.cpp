@@ -1,7 +1,8 @@
 // The block-mask ops behind python/attnkit/_block_mask.py, which holds a
 // mask's tensors (include/attnkit/block_mask.h) and evaluates mask_mod
 // functions over tensors itself: the block form of a chunk of rows,
-// combining two masks, the dense form, and the mask's checks. Registered at
+// combining two masks, the dense form, the visited fraction, and the mask's
+// checks. Registered at
 // the bottom of this file.
 #include <attnkit/block_mask.h>
 #include <torch/library.h>
@@ -48,6 +49,12 @@ torch::Tensor to_dense_op(const torch::Tensor& kinds, const torch::Tensor& parti
   return mask_of("_block_mask_to_dense", kinds, partial_index, bits, q_len, kv_len, q_block, kv_block).to_dense();
 }
 
+double visited_fraction_op(const torch::Tensor& kinds, const torch::Tensor& partial_index, const torch::Tensor& bits,
+                          int64_t q_len, int64_t kv_len, int64_t q_block, int64_t kv_block) {
+  return mask_of("_block_mask_visited_fraction", kinds, partial_index, bits, q_len, kv_len, q_block, kv_block)
+      .visited_fraction();
+}
+
 void check_op(const torch::Tensor& kinds, const torch::Tensor& partial_index, const torch::Tensor& bits,
               int64_t q_len, int64_t kv_len, int64_t q_block, int64_t kv_block) {
   mask_of("BlockMask", kinds, partial_index, bits, q_len, kv_len, q_block, kv_block);
@@ -66,6 +73,9 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   m.def("_block_mask_to_dense(Tensor kinds, Tensor partial_index, Tensor bits, int q_len, int kv_len, int q_block, "
         "int kv_block) -> Tensor",
         &to_dense_op);
+  m.def("_block_mask_visited_fraction(Tensor kinds, Tensor partial_index, Tensor bits, int q_len, int kv_len, "
+        "int q_block, int kv_block) -> float",
+        &visited_fraction_op);
   m.def("_block_mask_check(Tensor kinds, Tensor partial_index, Tensor bits, int q_len, int kv_len, int q_block, "
         "int kv_block) -> ()",
         &check_op);

@@ -142,8 +142,27 @@ TEST(MultiheadTest, AttentionWeightsAreTheCompositesSoftmax) {
         EXPECT_EQ(averaged.sizes(), (std::vector<int64_t>{N, L, S}));
         EXPECT_LT(max_abs(averaged - want.mean(1)), kSameMathTol);
       }
-  // Differentiable: the weights' gradient reaches the query projection.
+  // Differentiable: the weights' gradients towards query and key match central
+  // differences (causal, L != S, per head), and reach the query projection.
   auto m = make_mha(D, 2);
+  testing::expect_gradients_match(
+      [&](const std::vector<torch::Tensor>& x) { return m->attention_weights(x[0], x[1], {}, true, false); },
+      {torch::randn({2, 3, D}, f64()), torch::randn({2, 5, D}, f64())});
+  // The float32 fast path (the exact kernel) against the float64 composite:
+  // weights in [0, 1] from scores of six-term float32 products; 1e-5 leaves
+  // room over float32's 6e-8 per operation and catches any wrong mask or scale.
+  {
+    MultiheadAttention m32(MultiheadAttentionOptions(D, 3));
+    auto m64 = std::dynamic_pointer_cast<MultiheadAttentionImpl>(m32->clone());
+    m64->to(torch::kDouble);
+    MultiheadAttention h64(m64);
+    auto q32 = torch::randn({2, 7, D}), k32 = torch::randn({2, 9, D});
+    const std::vector<int64_t> lens{9, 4};
+    const auto want = composite_weights(h64, q32.to(torch::kDouble), k32.to(torch::kDouble), lens, true);
+    const auto got = m32->attention_weights(q32, k32, i64(lens), true, false);
+    EXPECT_EQ(got.scalar_type(), torch::kFloat);
+    EXPECT_LT(max_abs(got.to(torch::kDouble) - want), 1e-5);
+  }
   auto x = torch::randn({1, 4, D}, f64());
   (m->attention_weights(x, x) * torch::randn({1, 4, 4}, f64())).sum().backward();
   ASSERT_TRUE(m->q_proj->weight.grad().defined());

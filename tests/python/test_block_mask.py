@@ -34,14 +34,16 @@ def expect_represents(mask, dense):
     qb, kvb = mask.BLOCK_SIZE
     QB, KB = math.ceil(L / qb), math.ceil(S / kvb)
     assert mask.kinds.shape == (B, H, QB, KB)
-    partial = 0
+    partial, visited = 0, 0
     for i in range(QB):
         for j in range(KB):
             block = dense[:, :, i * qb:(i + 1) * qb, j * kvb:(j + 1) * kvb].reshape(B, H, -1)
             want = block.any(-1).to(torch.uint8) * 2 - block.all(-1).to(torch.uint8)  # 0 empty, 1 full, 2 partial
             assert torch.equal(mask.kinds[:, :, i, j], want), (i, j)
             partial += int((want == 2).sum())
+            visited += int((want != 0).sum()) * block.shape[-1]  # a block cut by L or S counts its pairs in the grid
     assert mask.bits.shape[0] == partial
+    assert mask.visited_fraction() == pytest.approx(visited / (B * H * L * S) if L * S else 0.0, rel=1e-12)
     assert mask.bytes() == B * H * QB * KB * 5 + partial * qb * ((kvb + 7) // 8)
 
 
