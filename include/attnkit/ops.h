@@ -13,6 +13,7 @@
 // docs/MATH.md for every mechanism's equations, gradients and edge cases.
 #pragma once
 
+#include <attnkit/block_mask.h>
 #include <attnkit/dispatch.h>
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -75,6 +76,12 @@ struct SoftmaxAttentionFuncOptions {
   /// The mask's seed. Unset: drawn from torch's default CPU generator at the
   /// call (torch::manual_seed makes runs repeat); the backward reuses it.
   TORCH_ARG(c10::optional<int64_t>, dropout_seed) = c10::nullopt;
+  /// A block mask (attnkit/block_mask.h) over the (L, S) grid, of batch N
+  /// or 1 and heads H (query heads) or 1: it hides the pairs it does not
+  /// make visible, on top of every mask above. The kernel visits only its
+  /// non-empty blocks and applies nothing inside full ones, so its cost
+  /// follows BlockMask::visited_fraction(). Unset: none.
+  TORCH_ARG(c10::optional<BlockMask>, block_mask) = c10::nullopt;
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest

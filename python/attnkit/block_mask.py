@@ -113,6 +113,15 @@ class BlockMask:
     def _tensors(self):
         return (self.kinds, self.partial_index, self.bits)
 
+    def as_arguments(self) -> dict:
+        """The mask as keyword arguments of ``softmax_attention`` (its op
+        takes the three tensors and the block sizes; the grid is the call's
+        L x S)::
+
+            out = attnkit.softmax_attention(q, k, v, **mask.as_arguments())"""
+        return dict(block_kinds=self.kinds, block_partial_index=self.partial_index, block_bits=self.bits,
+                    block_size=[self.q_block, self.kv_block])
+
     def _grid(self):
         return (self.q_len, self.kv_len, self.q_block, self.kv_block)
 

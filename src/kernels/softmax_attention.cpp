@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -77,13 +78,15 @@ constexpr int64_t kMaxWindowBlockK = 1024;
 /// window's own mask acts on the scores (bias, ALiBi and dropout are applied
 /// row by row in the row-major path).
 bool band_by_columns(const SoftmaxAttentionParams& p) {
-  return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f);
+  return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f) && !p.block_mask.active();
 }
 
+/// A block mask's key tiles lie inside its blocks, which the band's tiles
+/// would cross: with one, a window is a mask of the dense or lane tiles.
 ForwardTiles forward_tiles(const SoftmaxAttentionParams& p) {
   const int64_t bq = band_by_columns(p) ? kColumnBlockQ : kWindowBlockQ;
   const int64_t band = (p.causal ? p.window : 2 * p.window - 1) + bq - 1;
-  if (p.window <= 0 || band > kMaxWindowBlockK) return {kForwardBlockQ, kForwardBlockK};
+  if (p.window <= 0 || band > kMaxWindowBlockK || p.block_mask.active()) return {kForwardBlockQ, kForwardBlockK};
   return {bq, round_up16(band)};
 }
 // by_lanes: a block of queries is the band kernels' 32 lanes, a tile of keys
@@ -200,6 +203,52 @@ bool needs_mask(const Visibility& visible, int64_t i0, int64_t rows, int64_t j0,
   return j0 + cols > visible(i0) || visible.first(i0 + rows - 1) > j0;
 }
 
+/// mask_block, and the block mask's hidden pairs when there is one.
+void mask_tile(const SoftmaxAttentionParams& p, const Visibility& visible, int64_t n, int64_t h, int64_t i0,
+               int64_t rows, int64_t j0, int64_t cols, float* s, int64_t lds) {
+  if (needs_mask(visible, i0, rows, j0, cols)) mask_block(visible, i0, rows, j0, cols, s, lds);
+  if (p.block_mask.active()) hide_masked(p.block_mask, n, h, i0, rows, j0, cols, s, lds);
+}
+
+/// A tile of keys [j0, j0 + cols); with a block mask, inside its key block kb.
+struct KeyTile {
+  int64_t j0, cols, kb;
+};
+
+/// Calls f(tile) for the forward's key tiles over [begin, end) of the
+/// queries [i0, i0 + rows) of head (n, h), in increasing order: without a
+/// block mask, tiles of `width` keys from `begin`; with one, the key blocks
+/// met by [begin, end) that are not empty for some of the rows' query
+/// blocks, each cut into tiles of up to `width` keys from its first key (so
+/// a tile may start before `begin`: the caller's visibility masks hide those
+/// keys) and ending at `end`. The caller skips the blocks that are empty for
+/// the rows at hand (block_kind): a key block's tiles are the same whatever
+/// other rows share the call, so results do not depend on how rows are
+/// grouped.
+template <class F>
+void for_each_key_tile(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i0, int64_t rows,
+                       int64_t begin, int64_t end, int64_t width, const F& f) {
+  const BlockMaskView& mask = p.block_mask;
+  if (!mask.active()) {
+    for (int64_t j0 = begin; j0 < end; j0 += width) f(KeyTile{j0, std::min(width, end - j0), -1});
+    return;
+  }
+  const int64_t qb_begin = i0 / mask.q_block, qb_end = ceil_div(i0 + rows, mask.q_block);
+  for (int64_t kb = begin / mask.kv_block; kb * mask.kv_block < end; ++kb) {
+    bool visited = false;
+    for (int64_t qb = qb_begin; qb < qb_end && !visited; ++qb) visited = mask.kind(n, h, qb, kb) != kEmptyBlock;
+    if (!visited) continue;
+    const int64_t first = kb * mask.kv_block, last = std::min(end, first + mask.kv_block);
+    for (int64_t j0 = first; j0 < last; j0 += width)
+      if (j0 + width > begin) f(KeyTile{j0, std::min(width, last - j0), kb});
+  }
+}
+
+/// The block mask's kind of key tile t for query row i (full without a mask).
+uint8_t block_kind(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i, const KeyTile& t) {
+  return p.block_mask.active() ? p.block_mask.kind(n, h, i / p.block_mask.q_block, t.kb) : kFullBlock;
+}
+
 // ---------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------
@@ -222,7 +271,7 @@ struct Accumulator {
 /// the thread count), so the result stays bitwise the same for any count.
 bool by_lanes(const SoftmaxAttentionParams& p) {
 #if ATTNKIT_BAND_KERNELS
-  return !p.bias && !(p.dropout_p > 0.f) && p.window == 0 && p.L >= 16;
+  return !p.bias && !(p.dropout_p > 0.f) && (p.window == 0 || p.block_mask.active()) && p.L >= 16;
 #else
   (void)p;
   return false;
@@ -287,6 +336,34 @@ void forward_band_by_columns(const SoftmaxAttentionParams& p, const QkReader& qk
 }
 
 #if ATTNKIT_BAND_KERNELS
+/// The bits of a partial block of the block mask for the band kernels
+/// (band::Block::bits): rows [i, i + rows) of query block qb (the padding
+/// rows' bits clear) over the keys [j0, j0 + cols) of key block kb, where
+/// j0 - kb kv_block is a multiple of 8 (for_each_key_tile's tiles start at a
+/// multiple of 256 into a block). Bits past the block's row are clear.
+/// Returns the first of the `cols` keys some row sees and one past the last
+/// ({0, 0}: none).
+std::pair<int64_t, int64_t> lane_bits(const BlockMaskView& mask, int64_t n, int64_t h, int64_t qb, int64_t kb,
+                                      int64_t i, int64_t rows, int64_t j0, int64_t cols, uint32_t* bits) {
+  const int64_t offset = (j0 - kb * mask.kv_block) / 8, row_bytes = mask.row_bytes();
+  int64_t first_seen = -1, seen = 0;
+  for (int64_t g = 0; g < ceil_div(cols, 32); ++g) {
+    const int64_t from = offset + 4 * g, bytes = std::clamp<int64_t>(row_bytes - from, 0, 4);
+    uint32_t any = 0;
+    for (int64_t r = 0; r < kLaneRows; ++r) {
+      uint32_t word = 0;  // little-endian, as x86: byte t holds bits 8 t to 8 t + 7
+      if (r < rows) std::memcpy(&word, mask.bit_row(n, h, qb, kb, i + r - qb * mask.q_block) + from, bytes);
+      bits[g * kLaneRows + r] = word;
+      any |= word;
+    }
+    if (cols - 32 * g < 32) any &= (1u << (cols - 32 * g)) - 1u;  // keys past cols do not count
+    if (!any) continue;
+    if (first_seen < 0) first_seen = 32 * g + __builtin_ctz(any);
+    seen = 32 * g + 32 - __builtin_clz(any);
+  }
+  return {std::max<int64_t>(first_seen, 0), seen};
+}
+
 /// a = the state of the online softmax after it joins a tile's state t (both
 /// over `rows` rows): m = max(m_a, m_t), and u and l the sums of each side's
 /// weighted by exp(m_side - m). A NaN of either side makes l NaN.
@@ -321,37 +398,66 @@ bool forward_by_lanes(const SoftmaxAttentionParams& p, const QkReader& qk, const
   const Visibility visible = visibility_of(p, n);
   const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
   const band::Scratch scratch{nullptr, nullptr, w.s, nullptr};
-  // Every block's queries transposed once, block b's at qt + b E kLaneRows.
-  for (int64_t b = 0; b < rows; b += kLaneRows)
+  // Every block's queries transposed once, block b's at qt + b E kLaneRows:
+  // when a tile first meets the block (a block mask may leave a block
+  // nothing to see), which the first 64 blocks note in `transposed`.
+  uint64_t transposed = 0;
+  for (int64_t b = 64 * kLaneRows; b < rows; b += kLaneRows)
     band::transpose_queries({q.data + b * q.ld, q.ld}, std::min(kLaneRows, rows - b), E, w.qt + b * E);
+  const auto queries = [&](int64_t b) {
+    const int64_t block = b / kLaneRows;
+    if (block < 64 && !(transposed >> block & 1)) {
+      band::transpose_queries({q.data + b * q.ld, q.ld}, std::min(kLaneRows, rows - b), E, w.qt + b * E);
+      transposed |= uint64_t{1} << block;
+    }
+    return w.qt + b * E;
+  };
   // Key tiles outer: each tile of k and v is read (and packed or rotated)
   // once for all the item's blocks, which then find it in L2.
   const int64_t span_begin = std::max(j_begin, visible.first(i0));
   const int64_t span_end = std::min(j_end, visible(i0 + rows - 1));
   alignas(64) int32_t first[kLaneRows], last[kLaneRows];
-  for (int64_t j0 = span_begin; j0 < span_end; j0 += BK) {
-    const int64_t span_cols = std::min(BK, span_end - j0);
+  alignas(64) uint32_t bits[band::kMaxKeys / 32 * kLaneRows];
+  for_each_key_tile(p, n, h, i0, rows, span_begin, span_end, BK, [&](const KeyTile& key_tile) {
+    const int64_t j0 = key_tile.j0, span_cols = key_tile.cols;
     const Rows k = qk.keys(n, h, j0, span_cols, w.k);
     const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += kLaneRows) {
       const int64_t block_rows = std::min(kLaneRows, rows - b), i = i0 + b;
       const int64_t key_end = std::min(j_end, visible(i + block_rows - 1));
       if (j0 >= key_end || j0 + span_cols <= visible.first(i)) continue;  // nothing here for the block
-      const int64_t cols = std::min(span_cols, key_end - j0);
-      // Row r sees the tile's keys [first, last) (padding rows none).
+      const uint8_t kind = block_kind(p, n, h, i, key_tile);
+      if (kind == kEmptyBlock) continue;
+      int64_t cols = std::min(span_cols, key_end - j0);
+      // A partial block's bits: the block's rows see keys in [skip, seen)
+      // of the tile at most, so only those are computed (a causal
+      // diagonal's lane blocks, a few global keys), from a whole word of bits.
+      int64_t skip = 0;
+      const bool partial = kind == kPartialBlock;
+      if (partial) {
+        const int64_t qb = i / p.block_mask.q_block;
+        const auto [first_seen, seen] = lane_bits(p.block_mask, n, h, qb, key_tile.kb, i, block_rows, j0, cols, bits);
+        if (seen == 0) continue;  // no row of the block sees a key of the tile
+        skip = first_seen / 32 * 32;
+        cols = seen;
+      }
+      const int64_t js = j0 + skip;
+      cols -= skip;
+      // Row r sees the keys [first, last) from js (padding rows none).
       std::fill(first, first + kLaneRows, 0);
       std::fill(last, last + kLaneRows, 0);
       for (int64_t r = 0; r < block_rows; ++r) {
-        first[r] = static_cast<int32_t>(std::clamp<int64_t>(visible.first(i + r) - j0, 0, cols));
-        last[r] = static_cast<int32_t>(std::clamp<int64_t>(visible(i + r) - j0, first[r], cols));
+        first[r] = static_cast<int32_t>(std::clamp<int64_t>(visible.first(i + r) - js, 0, cols));
+        last[r] = static_cast<int32_t>(std::clamp<int64_t>(visible(i + r) - js, first[r], cols));
       }
       band::Block tile{block_rows, cols, first, last};
-      if (p.alibi_slopes) tile.slope = p.alibi_slopes[h], tile.from = i + p.S - p.L - j0;
-      band::forward_transposed(tile, w.qt + b * E, {k.data, k.ld}, {v.data, v.ld}, E, M, p.scale, scratch, w.tile.u,
-                               w.tile.m, w.tile.l);
+      if (p.alibi_slopes) tile.slope = p.alibi_slopes[h], tile.from = i + p.S - p.L - js;
+      if (partial) tile.bits = bits + skip / 32 * kLaneRows;
+      band::forward_transposed(tile, queries(b), {k.data + skip * k.ld, k.ld}, {v.data + skip * v.ld, v.ld}, E, M,
+                               p.scale, scratch, w.tile.u, w.tile.m, w.tile.l);
       join_tile({a.u + b * M, a.m + b, a.l + b}, w.tile, block_rows, M);
     }
-  }
+  });
   return true;
 }
 #endif
@@ -387,22 +493,24 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
   if (band_by_columns(p) && rows <= kColumnBlockQ && span_end - span_begin <= BK &&
       span_end <= std::numeric_limits<int32_t>::max())
     return forward_band_by_columns(p, qk, q, n, h, i0, rows, span_begin, span_end - span_begin, w, a);
-  for (int64_t j0 = span_begin; j0 < span_end; j0 += BK) {
-    const int64_t span_cols = std::min(BK, span_end - j0);
+  for_each_key_tile(p, n, h, i0, rows, span_begin, span_end, BK, [&](const KeyTile& key_tile) {
+    const int64_t j0 = key_tile.j0, span_cols = key_tile.cols;
     const Rows k = qk.keys(n, h, j0, span_cols, w.k);
     const Rows v = rows_of(vh, j0, span_cols, M, w.v);
     for (int64_t b = 0; b < rows; b += BQ) {
       const int64_t block_rows = std::min(BQ, rows - b);
       const int64_t key_end = std::min(j_end, visible(i0 + b + block_rows - 1));
       if (j0 >= key_end || j0 + span_cols <= visible.first(i0 + b)) continue;
-      const int64_t cols = std::min(BK, key_end - j0);
+      // (Rows of one query block of a block mask: spans are its blocks.)
+      if (block_kind(p, n, h, i0 + b, key_tile) == kEmptyBlock) continue;
+      const int64_t cols = std::min(span_cols, key_end - j0);
       float* o = a.u + b * M;
       float* m = a.m + b;
       float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
       add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
-      if (needs_mask(visible, i0 + b, block_rows, j0, cols)) mask_block(visible, i0 + b, block_rows, j0, cols, w.s, BK);
+      mask_tile(p, visible, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
 
       // Online softmax: P = exp(s - m_new), l = l * exp(m - m_new) + rowsum(P),
       // and the accumulator rescaled by the same factor.
@@ -423,7 +531,7 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
       }
       sgemm(false, false, block_rows, M, cols, 1.f, w.s, BK, v.data, v.ld, 1.f, o, M);
     }
-  }
+  });
 }
 
 /// Writes row i of head (n, h): out_i = u / l and lse_i = m + log l. l >= 1
@@ -486,7 +594,9 @@ struct KeySplit {
 KeySplit key_split(const SoftmaxAttentionParams& p) {
   const int64_t items = p.N * p.H * ceil_div(p.L, forward_tiles(p).q);
   const int64_t chunks = std::min(ceil_div(kSplitItems, items), p.S / kSplitMinKeys);
-  if (items >= kSplitItems || chunks < 2) return {p.S, 1};
+  // A block mask's work items are its query blocks, whose chunks would cut
+  // its key blocks: not split.
+  if (items >= kSplitItems || chunks < 2 || p.block_mask.active()) return {p.S, 1};
   // Whole key blocks; S >= 2 kSplitMinKeys keeps at least two chunks.
   const int64_t chunk = ceil_div(ceil_div(p.S, chunks), kForwardBlockK) * kForwardBlockK;
   return {chunk, ceil_div(p.S, chunk)};
@@ -580,7 +690,7 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
   const int64_t BK = kBackwardBlockK;
   sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
   add_score_terms(p, n, h, i0, rows, j0, cols, prob, BK);
-  if (needs_mask(visible, i0, rows, j0, cols)) mask_block(visible, i0, rows, j0, cols, prob, BK);
+  mask_tile(p, visible, n, h, i0, rows, j0, cols, prob, BK);
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = prob + r * BK;
     if (x.lse[r] == -kInf)  // a row with no visible key: P = 0, not NaN
@@ -665,18 +775,22 @@ bool bias_grad_per_head(const SoftmaxAttentionBackwardParams& p) {
 /// N H = 1 uses every core; one when N H is large, since each extra part
 /// costs an L x E dQ buffer and its sum. A dbias slice of the head's own that
 /// sums over the keys (Sb = 1) would be shared by the parts: then one part.
+/// The unit of the backward's key parts: its key tile, or a block mask's key block.
+int64_t part_unit(const SoftmaxAttentionBackwardParams& p) {
+  return p.block_mask.active() ? p.block_mask.kv_block : kBackwardBlockK;
+}
+
 int64_t backward_parts(const SoftmaxAttentionBackwardParams& p) {
   if (p.dbias) return 1;
   const int64_t parts = ceil_div(kMinSplitItems, p.N * p.H);
-  return std::max<int64_t>(1, std::min(parts, ceil_div(p.S, kBackwardBlockK)));
+  return std::max<int64_t>(1, std::min(parts, ceil_div(p.S, part_unit(p))));
 }
 
-/// The keys [j_begin, j_end) of part `part` of `parts`: whole key blocks.
+/// The keys [j_begin, j_end) of part `part` of `parts`: whole units (part_unit).
 std::pair<int64_t, int64_t> part_keys(const SoftmaxAttentionBackwardParams& p, int64_t parts,
                                       int64_t part) {
-  const int64_t blocks = ceil_div(p.S, kBackwardBlockK);
-  return {std::min(p.S, part * blocks / parts * kBackwardBlockK),
-          std::min(p.S, (part + 1) * blocks / parts * kBackwardBlockK)};
+  const int64_t unit = part_unit(p), blocks = ceil_div(p.S, unit);
+  return {std::min(p.S, part * blocks / parts * unit), std::min(p.S, (part + 1) * blocks / parts * unit)};
 }
 
 /// The backward reads a whole head of q, k, v and dout once per key or query
@@ -708,6 +822,29 @@ struct BackwardScratch {
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
 };
 
+/// Calls f(i0, rows) for the backward's query tiles of the key tile from j0
+/// (inside one key block of a block mask) over the queries [begin, end) of
+/// head (n, h): tiles of kBackwardBlockQ rows from the one holding `begin`,
+/// or with a block mask, of up to kBackwardBlockQ rows inside each query block
+/// whose block at j0 is not empty.
+template <class F>
+void for_each_query_tile(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t j0, int64_t begin, int64_t end,
+                         const F& f) {
+  const int64_t BQ = kBackwardBlockQ;
+  const BlockMaskView& mask = p.block_mask;
+  if (!mask.active()) {
+    for (int64_t i0 = begin / BQ * BQ; i0 < end; i0 += BQ) f(i0, std::min(BQ, p.L - i0));
+    return;
+  }
+  const int64_t kb = j0 / mask.kv_block;
+  for (int64_t qb = begin / mask.q_block; qb * mask.q_block < end; ++qb) {
+    if (mask.kind(n, h, qb, kb) == kEmptyBlock) continue;
+    const int64_t last = std::min(p.L, (qb + 1) * mask.q_block);
+    for (int64_t i0 = qb * mask.q_block; i0 < last; i0 += BQ)
+      if (i0 + BQ > begin) f(i0, std::min(BQ, last - i0));
+  }
+}
+
 /// dk, dv of the keys [j_begin, j_end) of head (n, h), these keys' terms of dq
 /// added into `dq` (L x E, zeroed by the caller), and the head's dbias slice
 /// when it has its own (then the keys are [0, S): one part). Key blocks outer
@@ -730,16 +867,20 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
 
   // Keys at or past key_end are invisible to every query: zero gradients.
   const int64_t key_end = std::max(j_begin, std::min(j_end, visible(L - 1)));
-  for (int64_t j0 = j_begin; j0 < key_end; j0 += BK) {
-    const int64_t cols = std::min(BK, key_end - j0);
+  // Key tiles of BK keys, or with a block mask each key block's (part_keys
+  // starts parts at a block).
+  const int64_t key_block = p.block_mask.active() ? p.block_mask.kv_block : key_end - j_begin;
+  for (int64_t j0 = j_begin; j0 < key_end;) {
+    const int64_t block_end = std::min(key_end, j_begin + ((j0 - j_begin) / key_block + 1) * key_block);
+    const int64_t cols = std::min(BK, block_end - j0);
     std::fill(w.dk, w.dk + cols * E, 0.f);
     std::fill(w.dv, w.dv + cols * M, 0.f);
     // Causal: queries before the first that sees key j0 see none of these
     // keys; start at the query block holding it. With a window, queries from
     // the end of the last key's window on see none either.
+    const int64_t query_begin = visible.first_query(j0, L);
     const int64_t query_end = std::min(L, visible.end_query(j0 + cols - 1, L));
-    for (int64_t i0 = visible.first_query(j0, L) / BQ * BQ; i0 < query_end; i0 += BQ) {
-      const int64_t rows = std::min(BQ, L - i0);
+    for_each_query_tile(p, n, h, j0, query_begin, query_end, [&](int64_t i0, int64_t rows) {
       const TileInputs x{{q.row(i0), q.ld}, {dout.row(i0), dout.ld}, {k.row(j0), k.ld},
                          {v.row(j0), v.ld}, lse + i0,                w.d + i0};
       tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
@@ -748,12 +889,13 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
       sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, x.q.data, x.q.ld, 1.f, w.dk, E);
       sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, dq + i0 * E,
             E);
-    }
+    });
     qk.unrotate_keys(w.dk, j0, cols);
     store(w.dk, cols, E, head_of(p.dk, p.dk_stride, n, h) + j0 * p.dk_stride[2], p.dk_stride[2],
           p.dk_stride[3]);
     store(w.dv, cols, M, head_of(p.dv, p.dv_stride, n, h) + j0 * p.dv_stride[2], p.dv_stride[2],
           p.dv_stride[3]);
+    j0 += cols;
   }
   store_zeros(j_end - key_end, E, head_of(p.dk, p.dk_stride, n, h) + key_end * p.dk_stride[2],
               p.dk_stride[2], p.dk_stride[3]);
@@ -861,7 +1003,7 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
 /// Returns false when p is not such a call.
 bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
   if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0 ||
-      p.dropout_p > 0)
+      p.dropout_p > 0 || p.block_mask.active())
     return false;
   const int64_t G = p.kv_group;
   rows = p;
@@ -881,11 +1023,18 @@ void softmax_attention_forward(const SoftmaxAttentionParams& p) {
   if (split.chunks > 1) return forward_split(p, qk, split);
   // Fewer blocks per span when there would be under 4 spans per thread to
   // balance. How rows are grouped into spans does not change any result.
-  const int64_t heads = p.N * p.H, BQ = forward_tiles(p).q, blocks = ceil_div(p.L, BQ);
+  // With a block mask, spans are made of its query blocks. The lane tiles
+  // may group them (each lane block then finds its own kind of each key
+  // block), when no lane block crosses two; the sgemm tiles take one.
+  const bool masked = p.block_mask.active();
+  const int64_t heads = p.N * p.H;
+  const int64_t BQ = masked ? p.block_mask.q_block : forward_tiles(p).q, blocks = ceil_div(p.L, BQ);
   // With a window each query block reads its own band of keys, from its first
   // row's window on: spans of one block, whatever the thread count (the key
   // tiles then start where the band does, so grouping would change them).
-  int64_t group = p.window > 0 ? 1 : kForwardGroup;
+  // A block mask's tiles start where its blocks do, window or not.
+  int64_t group = p.window > 0 && !masked ? 1 : kForwardGroup;
+  if (masked && !(by_lanes(p) && BQ % kLaneRows == 0)) group = 1;
   while (group > 1 && heads * ceil_div(blocks, group) < 4 * num_threads()) group /= 2;
   const int64_t span = group * BQ, spans = ceil_div(p.L, span);
   // Consecutive items share a head, so its keys and values stay in cache.

@@ -15,7 +15,12 @@
 // causal, j <= i + S - L (bottom-right aligned; see docs/MATH.md, Masks and
 // visibility), and, with a window W, j > i + S - L - W (and j < i + S - L + W
 // when not causal); a bias entry of -inf hides a key too. A window's tiles
-// outside the band are skipped: the cost is O(L (W + block)), not O(L S). A row with no visible key
+// outside the band are skipped: the cost is O(L (W + block)), not O(L S). A
+// block mask hides more pairs: the passes visit only its non-empty blocks
+// (each tile inside one block), take nothing from it inside full blocks and
+// hide the clear bits of partial ones, so the cost follows the non-empty
+// blocks; it takes the sgemm or lane tiles (not a window's band tiles), and
+// no key split or grouped decoding rows. A row with no visible key
 // gets out = 0, lse = -inf and zero gradients. A NaN score of a visible key
 // (from q, k or the bias) makes its row's out and lse NaN, as torch's softmax.
 //
@@ -36,6 +41,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/block_mask_view.h"
 #include "kernels/common/params.h"
 
 namespace attnkit::kernels {
@@ -66,6 +72,9 @@ struct SoftmaxAttentionParams : QkvParams {
   double dropout_p = 0.0;                // in [0, 1); 0: no dropout
   uint64_t dropout_seed = 0;
   int64_t dropout_batch_offset = 0;      // the draw's batch index of n = 0
+  // A block mask (kernels/common/block_mask_view.h) over the (L, S) grid,
+  // indexed by query head; it hides pairs on top of every mask above.
+  BlockMaskView block_mask;
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

@@ -576,6 +576,35 @@ void sub_alibi_keys(const Block& b, float* st) {
     vec::sub_distance(st + c * kRows, kRows, static_cast<float>(c - b.from), b.slope);
 }
 
+/// A block mask's clear bits (Block::bits) on a block's transposed scores st
+/// (keys x 32): -inf in the lanes of the rows that do not see key c.
+void hide_keys(const Block& b, float* st) {
+  if (!b.bits) return;
+  for (int64_t g = 0; g * 32 < b.keys; ++g) {
+    const uint32_t* words = b.bits + g * kRows;
+#ifdef __AVX512F__
+    const __m512i w0 = _mm512_load_si512(words), w1 = _mm512_load_si512(words + 16);
+    const __m512 hidden = _mm512_set1_ps(-kInf);
+    for (int64_t c = 32 * g; c < std::min<int64_t>(b.keys, 32 * g + 32); ++c) {
+      const __m512i bit = _mm512_set1_epi32(static_cast<int>(1u << (c % 32)));
+      _mm512_mask_store_ps(st + c * kRows, static_cast<__mmask16>(~_mm512_test_epi32_mask(w0, bit)), hidden);
+      _mm512_mask_store_ps(st + c * kRows + 16, static_cast<__mmask16>(~_mm512_test_epi32_mask(w1, bit)), hidden);
+    }
+#else
+    const __m256 hidden = _mm256_set1_ps(-kInf);
+    for (int64_t c = 32 * g; c < std::min<int64_t>(b.keys, 32 * g + 32); ++c) {
+      const __m256i bit = _mm256_set1_epi32(static_cast<int>(1u << (c % 32)));
+      for (int j = 0; j < kRows / 8; ++j) {
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(words + 8 * j));
+        const __m256 kept = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(w, bit), bit));
+        float* sc = st + c * kRows + 8 * j;
+        _mm256_store_ps(sc, _mm256_blendv_ps(hidden, _mm256_load_ps(sc), kept));
+      }
+    }
+#endif
+  }
+}
+
 }  // namespace
 
 void transpose_queries(Rows q, int64_t rows, int64_t E, float* qt) { transpose_rows(q.data, q.ld, rows, E, qt); }
@@ -584,6 +613,7 @@ void forward_transposed(const Block& b, const float* qt, Rows k, Rows v, int64_t
                         const Scratch& w, float* u, float* m, float* l) {
   score_all_keys(k.data, k.ld, b.keys, qt, E, scale, w.s);  // keys x 32
   sub_alibi_keys(b, w.s);
+  hide_keys(b, w.s);
   softmax_keys(b, w.s, m, l);
   // u = P v: output rows r, summed over the keys (P^T is w.s: key c's row).
   weigh_all<Sum::keys>(w.s, b.rows, b.keys, v.data, v.ld, M, 1.f, false, u, M);
@@ -604,6 +634,7 @@ void backward(const Block& b, Rows q, Rows k, Rows v, Rows dout, int64_t E, int6
   float* dst = w.ds;  // keys x 32: dP, then dS
   score_all_keys(k.data, k.ld, b.keys, w.qt, E, scale, pt);
   sub_alibi_keys(b, pt);
+  hide_keys(b, pt);
   score_all_keys(v.data, v.ld, b.keys, w.dot, M, 1.f, dst);
   alignas(64) float lse_rows[kRows] = {}, d_rows[kRows] = {};  // padding rows: 0
   std::copy(lse, lse + b.rows, lse_rows);

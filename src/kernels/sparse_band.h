@@ -51,6 +51,11 @@ struct Block {
   /// both passes. slope 0: none.
   float slope = 0.f;
   int64_t from = 0;
+  /// A block mask's bits over the block, transposed for the lanes: bit c % 32
+  /// of bits[(c / 32) * kRows + r] is set when row r sees key c, which it
+  /// then does only inside its run too. nullptr: every key of the runs.
+  /// Applied in both passes, as a score of -inf. 64-byte aligned.
+  const uint32_t* bits = nullptr;
 };
 
 /// The caller's scratch: qt (E x kRows) and dot (M x kRows) for the queries

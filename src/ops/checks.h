@@ -28,6 +28,12 @@ inline std::string shape_str(const torch::Tensor& t) {
   return s + ")";
 }
 
+/// t.size(d), or 0 when t is undefined or has no dimension d (for sizes
+/// read before t is validated).
+inline int64_t size_or_zero(const torch::Tensor& t, int64_t d) {
+  return t.defined() && t.dim() > d ? t.size(d) : 0;
+}
+
 /// A dense (strided) tensor: kernels and composites read strides, and sparse or
 /// mkldnn tensors have none.
 inline void check_strided(const char* op, const char* name, const torch::Tensor& t) {

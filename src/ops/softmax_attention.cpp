@@ -71,6 +71,8 @@ void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(options.window() >= 0, kSoftmaxOp, ": option 'window' must be >= 0 (0: no window), got ",
               options.window());
   detail::check_dropout(kSoftmaxOp, options.dropout_p());
+  if (options.block_mask())
+    check_block_mask(kSoftmaxOp, *options.block_mask(), q.size(0), q.size(1), q.size(2), k.size(2));
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -86,6 +88,7 @@ struct SoftmaxConstants {
   int64_t window;              // 0: no window
   double dropout_p;            // 0: no dropout
   int64_t dropout_seed;        // drawn (or given) once per call: the backward's mask is the forward's
+  c10::optional<BlockMask> block_mask;  // checked against the problem
 };
 
 /// c's numbers as saved_data (its tensors go through save_for_backward),
@@ -98,14 +101,29 @@ void save_constants(AutogradContext* ctx, const SoftmaxConstants& c) {
   ctx->saved_data["window"] = c.window;
   ctx->saved_data["dropout_p"] = c.dropout_p;
   ctx->saved_data["dropout_seed"] = c.dropout_seed;
+  ctx->saved_data["block_size"] = c.block_mask ? std::vector<int64_t>{c.block_mask->q_block, c.block_mask->kv_block}
+                                               : std::vector<int64_t>{};
 }
 
+/// The block mask's tensors for save_for_backward (undefined without one).
+std::vector<torch::Tensor> block_mask_tensors(const SoftmaxConstants& c) {
+  if (!c.block_mask) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  return {c.block_mask->kinds, c.block_mask->partial_index, c.block_mask->bits};
+}
+
+/// `mask` the saved block mask's tensors (block_mask_tensors), of a problem
+/// of L queries and S keys.
 SoftmaxConstants saved_constants(AutogradContext* ctx, const torch::Tensor& key_lengths,
-                                 const torch::Tensor& alibi_slopes) {
+                                 const torch::Tensor& alibi_slopes, const torch::Tensor* mask = nullptr,
+                                 int64_t L = 0, int64_t S = 0) {
   const auto& d = ctx->saved_data;
-  return {key_lengths, d.at("scale").toDouble(), d.at("causal").toBool(), alibi_slopes,
-          d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt(),
-          d.at("dropout_p").toDouble(), d.at("dropout_seed").toInt()};
+  SoftmaxConstants c{key_lengths, d.at("scale").toDouble(), d.at("causal").toBool(), alibi_slopes,
+                     d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt(),
+                     d.at("dropout_p").toDouble(), d.at("dropout_seed").toInt()};
+  const auto block_size = d.at("block_size").toIntVector();
+  if (mask && !block_size.empty())
+    c.block_mask = BlockMask{L, S, block_size[0], block_size[1], mask[0], mask[1], mask[2]};
+  return c;
 }
 
 /// The kernel reads strides, so views of q, k, v, out and a broadcast bias
@@ -132,6 +150,15 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.dropout_p = c.dropout_p;
   p.dropout_seed = static_cast<uint64_t>(c.dropout_seed);
   p.dropout_batch_offset = batch;
+  if (c.block_mask) {
+    const BlockMask& m = *c.block_mask;
+    p.block_mask.kinds = m.kinds.data_ptr<uint8_t>();
+    p.block_mask.partial_index = m.partial_index.data_ptr<int32_t>();
+    p.block_mask.bits = m.bits.data_ptr<uint8_t>();
+    p.block_mask.batch = m.batch(), p.block_mask.heads = m.heads();
+    p.block_mask.q_block = m.q_block, p.block_mask.kv_block = m.kv_block;
+    p.block_mask.q_blocks = m.q_blocks(), p.block_mask.kv_blocks = m.kv_blocks();
+  }
   if (bias.defined()) {
     // stride 0 on broadcast dimensions: no copy of a broadcast bias
     const auto full = bias.expand({p.N, p.H, p.L, p.S});
@@ -163,6 +190,7 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   if (options.rotary_dim() > 0) return "rotary positions";
   if (options.window() > 0) return "a window";
   if (options.dropout_p() > 0) return "attention dropout";
+  if (options.block_mask()) return "a block mask";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -187,17 +215,22 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
 // everything again that the kernels rely on: a few microseconds.
 // ---------------------------------------------------------------------------
 
+// A block mask as op arguments: attnkit::BlockMask's three tensors and its
+// block sizes (its grid is the problem's L x S), all or none given.
+#define ATTNKIT_BLOCK_MASK_ARGUMENTS \
+  "Tensor? block_kinds=None, Tensor? block_partial_index=None, Tensor? block_bits=None, int[] block_size=[128, 128]"
+
 constexpr const char* kSoftmaxForwardOp = "_softmax_attention_forward";
 constexpr const char* kSoftmaxBackwardOp = "_softmax_attention_backward";
 constexpr const char* kSoftmaxForwardSchema =
     "_softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, "
     "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
-    "float dropout_p, int dropout_seed) -> (Tensor out, Tensor lse)";
+    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> (Tensor out, Tensor lse)";
 constexpr const char* kSoftmaxBackwardSchema =
     "_softmax_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? bias, Tensor? key_lengths, Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, "
-    "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad) "
-    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)";
+    "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad, "
+    ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)";
 
 using detail::OptionalTensor;
 using SoftmaxForwardResult = std::tuple<torch::Tensor, torch::Tensor>;
@@ -205,16 +238,33 @@ using SoftmaxBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Te
 using SoftmaxForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                      const OptionalTensor&, const OptionalTensor&,
                                                      const OptionalTensor&, double, bool, int64_t, double, int64_t,
-                                                     double, int64_t);
+                                                     double, int64_t, const OptionalTensor&, const OptionalTensor&,
+                                                     const OptionalTensor&, c10::IntArrayRef);
 using SoftmaxBackwardSignature = SoftmaxBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const OptionalTensor&, const OptionalTensor&,
                                                        const OptionalTensor&, double, bool, int64_t, double, int64_t,
-                                                       double, int64_t, bool);
+                                                       double, int64_t, bool, const OptionalTensor&,
+                                                       const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef);
+
+/// The block mask of op arguments (ATTNKIT_BLOCK_MASK_ARGUMENTS) over an
+/// L x S grid: none when no tensor is given, refused when only some are.
+c10::optional<BlockMask> block_mask_of(const char* op, const OptionalTensor& kinds, const OptionalTensor& partial_index,
+                                       const OptionalTensor& bits, c10::IntArrayRef block_size, int64_t L,
+                                       int64_t S) {
+  const int given = kinds.has_value() + partial_index.has_value() + bits.has_value();
+  if (given == 0) return c10::nullopt;
+  TORCH_CHECK(given == 3, op, ": a block mask needs all of block_kinds, block_partial_index and block_bits, got ",
+              given, " of them");
+  TORCH_CHECK(block_size.size() == 2, op, ": argument 'block_size' must be (q_block, kv_block), got ",
+              block_size.size(), " values");
+  return BlockMask{L, S, block_size[0], block_size[1], *kinds, *partial_index, *bits};
+}
 
 SoftmaxConstants softmax_constants(const OptionalTensor& key_lengths, const OptionalTensor& alibi_slopes, double scale,
                                    bool causal, int64_t rotary_dim, double rotary_base, int64_t window,
-                                   double dropout_p, int64_t dropout_seed) {
+                                   double dropout_p, int64_t dropout_seed,
+                                   c10::optional<BlockMask> block_mask = c10::nullopt) {
   return {key_lengths.value_or(torch::Tensor()),
           scale,
           causal,
@@ -223,7 +273,8 @@ SoftmaxConstants softmax_constants(const OptionalTensor& key_lengths, const Opti
           rotary_base,
           window,
           dropout_p,
-          dropout_seed};
+          dropout_seed,
+          std::move(block_mask)};
 }
 
 /// The checks of softmax_attention on a kernel op's arguments, and what the
@@ -240,7 +291,8 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
                            .rotary_dim(c.rotary_dim)
                            .rotary_base(c.rotary_base)
                            .window(c.window)
-                           .dropout_p(c.dropout_p);
+                           .dropout_p(c.dropout_p)
+                           .block_mask(c.block_mask);
   check_arguments(q, k, v, options);
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, op,
               ": the kernels take float32 or bfloat16, got ", detail::dtype_name(q.scalar_type()));
@@ -267,9 +319,12 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
                                          const OptionalTensor& bias, const OptionalTensor& key_lengths,
                                          const OptionalTensor& alibi_slopes, double scale, bool causal,
                                          int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
-                                         int64_t dropout_seed) {
-  const auto c = softmax_constants(key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p,
-                                   dropout_seed);
+                                         int64_t dropout_seed, const OptionalTensor& block_kinds,
+                                         const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
+                                         c10::IntArrayRef block_size) {
+  const auto c = softmax_constants(
+      key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
+      block_mask_of(kSoftmaxForwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   const auto b = bias.value_or(torch::Tensor());
   check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c);
   auto [out, lse] = softmax_forward_outputs(q, v);
@@ -282,7 +337,8 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
 
 SoftmaxForwardResult softmax_forward_meta(const torch::Tensor& q, const torch::Tensor& /*k*/, const torch::Tensor& v,
                                           const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
-                                          bool, int64_t, double, int64_t, double, int64_t) {
+                                          bool, int64_t, double, int64_t, double, int64_t, const OptionalTensor&,
+                                          const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef) {
   return softmax_forward_outputs(q, v);
 }
 
@@ -292,7 +348,8 @@ SoftmaxBackwardResult softmax_backward_meta(const torch::Tensor& /*grad_out*/, c
                                             const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor&,
                                             const torch::Tensor&, const OptionalTensor& bias, const OptionalTensor&,
                                             const OptionalTensor&, double, bool, int64_t, double, int64_t, double,
-                                            int64_t, bool bias_grad) {
+                                            int64_t, bool bias_grad, const OptionalTensor&, const OptionalTensor&,
+                                            const OptionalTensor&, c10::IntArrayRef) {
   auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
   return {like(q), like(k), like(v),
           bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options())};
@@ -303,9 +360,12 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
                                            const torch::Tensor& lse, const OptionalTensor& bias_given,
                                            const OptionalTensor& key_lengths, const OptionalTensor& alibi_slopes,
                                            double scale, bool causal, int64_t rotary_dim, double rotary_base,
-                                           int64_t window, double dropout_p, int64_t dropout_seed, bool bias_grad) {
-  const auto c = softmax_constants(key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p,
-                                   dropout_seed);
+                                           int64_t window, double dropout_p, int64_t dropout_seed, bool bias_grad,
+                                           const OptionalTensor& block_kinds, const OptionalTensor& block_partial_index,
+                                           const OptionalTensor& block_bits, c10::IntArrayRef block_size) {
+  const auto c = softmax_constants(
+      key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
+      block_mask_of(kSoftmaxBackwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   const auto bias = bias_given.value_or(torch::Tensor());
   check_softmax_kernel_arguments(kSoftmaxBackwardOp, q, k, v, bias, c);
   const auto [N, H, L, M] = std::array<int64_t, 4>{q.size(0), q.size(1), q.size(2), v.size(3)};
@@ -349,13 +409,21 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
   return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias};
 }
 
+/// The block sizes argument of the kernel ops (the schema's default without a mask).
+std::vector<int64_t> block_size_of(const SoftmaxConstants& c) {
+  if (!c.block_mask) return {128, 128};
+  return {c.block_mask->q_block, c.block_mask->kv_block};
+}
+
 /// The two ops through the dispatcher (their handles found once).
 SoftmaxForwardResult call_softmax_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                           const torch::Tensor& bias, const SoftmaxConstants& c) {
   static const auto op = detail::kernel_op<SoftmaxForwardSignature>("attnkit::_softmax_attention_forward");
+  const auto mask = block_mask_tensors(c);
   return op.call(q, k, v, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
-                 c.dropout_p, c.dropout_seed);
+                 c.dropout_p, c.dropout_seed, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
+                 detail::as_optional(mask[2]), block_size_of(c));
 }
 
 SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -363,9 +431,11 @@ SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const
                                             const torch::Tensor& lse, const torch::Tensor& bias,
                                             const SoftmaxConstants& c, bool bias_grad) {
   static const auto op = detail::kernel_op<SoftmaxBackwardSignature>("attnkit::_softmax_attention_backward");
+  const auto mask = block_mask_tensors(c);
   return op.call(grad_out, q, k, v, out, lse, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
-                 c.dropout_p, c.dropout_seed, bias_grad);
+                 c.dropout_p, c.dropout_seed, bias_grad, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
+                 detail::as_optional(mask[2]), block_size_of(c));
 }
 
 /// Exact attention by the tiled kernels, through the two ops above. Two
@@ -389,7 +459,7 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto &bias = saved[5], &key_lengths = saved[6];
-    const SoftmaxConstants c = saved_constants(ctx, key_lengths, saved[7]);
+    const SoftmaxConstants c = saved_constants(ctx, key_lengths, saved[7], &saved[8], q.size(2), k.size(2));
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const bool bias_grad = has_bias && ctx->needs_input_grad(3);
     auto [dq, dk, dv, dbias] = call_softmax_backward(grads[0], q, k, v, out, lse, bias, c, bias_grad);
@@ -408,7 +478,8 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
   static torch::Tensor run(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
     auto [out, lse] = call_softmax_forward(q, k, v, bias, c);
-    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes});
+    const auto mask = block_mask_tensors(c);
+    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes, mask[0], mask[1], mask[2]});
     save_constants(ctx, c);
     ctx->saved_data["has_bias"] = bias.defined();
     return out;
@@ -446,6 +517,10 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> check_varlen_arguments(
   TORCH_CHECK(!o.bias().defined(), op,
               ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
               "and call softmax_attention");
+  TORCH_CHECK(!o.block_mask(), op,
+              ": option 'block_mask' is not taken (its grid is one sequence's); for packed documents, give "
+              "softmax_attention the packed sequence as one batch entry and the block mask of "
+              "masks::documents(cu_seqlens), which may be combined with any other block mask");
   detail::check_scale(op, o.scale(), q.scalar_type());
   detail::check_alibi_slopes(op, o.alibi_slopes(), q.size(1));
   detail::check_rotary(op, "rotary_dim", o.rotary_dim(), "rotary_base", o.rotary_base(), q.size(2));
@@ -684,7 +759,8 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
                            options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
-                           options.window(), options.dropout_p(), options.dropout_seed().value_or(0)};
+                           options.window(), options.dropout_p(), options.dropout_seed().value_or(0),
+                           options.block_mask()};
   if (q.scalar_type() == torch::kBFloat16) {
     if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionFunction::apply(q, k, v, c);
     // The float32 kernel on converted inputs; autograd converts the gradients back.
@@ -733,7 +809,9 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                    const c10::optional<torch::Tensor>& bias,
                                    const c10::optional<torch::Tensor>& alibi_slopes,
                                    int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
-                                   c10::optional<int64_t> dropout_seed) {
+                                   c10::optional<int64_t> dropout_seed, const OptionalTensor& block_kinds,
+                                   const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
+                                   c10::IntArrayRef block_size) {
   return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
@@ -744,7 +822,10 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .rotary_base(rotary_base)
                                         .window(window)
                                         .dropout_p(dropout_p)
-                                        .dropout_seed(dropout_seed));
+                                        .dropout_seed(dropout_seed)
+                                        .block_mask(block_mask_of(kSoftmaxOp, block_kinds, block_partial_index,
+                                                                  block_bits, block_size, detail::size_or_zero(q, 2),
+                                                                  detail::size_or_zero(k, 2))));
 }
 
 torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -775,7 +856,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
          "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
          std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
          ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
-         ", int? dropout_seed=None) -> Tensor")
+         ", int? dropout_seed=None, " ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> Tensor")
             .c_str(),
         &softmax_attention_op);
   m.def(("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "

@@ -30,6 +30,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     const auto query_at = torch::arange(L, torch::kLong).add(S - L).view({L, 1});
     visible = visible & ((query_at - torch::arange(S, torch::kLong).view({1, S})).abs() < o.window());
   }
+  if (o.block_mask()) visible = visible & o.block_mask()->to_dense();
   auto a = detail::masked_softmax(scores, visible);
   // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a
   // visible key makes its row NaN, as torch's softmax (and the kernel) do.

@@ -171,3 +171,55 @@ def test_a_torch_block_mask_converts_by_evaluating_its_mask_mod():
     assert torch.equal(ours.to_dense(), flex.create_mask(sliding, 1, 2, 300, 300, device="cpu"))
     with pytest.raises(TypeError, match="expected a torch BlockMask"):
         attnkit.BlockMask.from_torch(object())
+
+
+def attention_f64(q, k, v, visible):
+    """Exact attention in float64 with a bool (B, H, L, S) mask written here,
+    independently of the kernel: a row with nothing visible gives 0."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return weights @ v
+
+
+@pytest.mark.parametrize("L, S, block", [(300, 300, 128), (1, 77, 128), (129, 100, (16, 24)), (700, 650, (200, 300))])
+def test_softmax_attention_over_a_block_mask_matches_float64(L, S, block):
+    """The kernel through the op (BlockMask.as_arguments) against attention_f64
+    over the mask_mod's own grid, values and gradients of q, k, v (1e-5,
+    relative to the largest entry): named masks, an and of two, and a random
+    mask per head with rows that see nothing."""
+    torch.manual_seed(L)
+    table = torch.rand(2, L, S) < 0.3
+    table[:, : L // 3, : S // 2] = True
+    table[:, L // 2:, S // 2:] = False
+    table[1, -1] = False  # a fully masked row
+    mask_mods = [("causal", masks.causal(L, S), None),
+                 ("dilated 3 & window 50", attnkit.and_masks(masks.dilated(L, S, 3), masks.sliding_window(L, S, 50)),
+                  None),
+                 ("random per head", lambda b, h, q, kv: table[h][q, kv], 2)]
+    for name, mask_mod, heads in mask_mods:
+        mask = attnkit.create_block_mask(mask_mod, None, heads, L, S, BLOCK_SIZE=block)
+        dense = torch.stack([grid(mask_mod, L, S, h=h) for h in range(heads or 1)])[None]
+        q = torch.randn(2, 2, L, 16, requires_grad=True)
+        k = torch.randn(2, 2, S, 16, requires_grad=True)
+        v = torch.randn(2, 2, S, 8, requires_grad=True)
+        out = attnkit.softmax_attention(q, k, v, **mask.as_arguments())
+        grad = torch.randn_like(out)
+        got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        want_out = attention_f64(q64, k64, v64, dense)
+        want = [want_out, *torch.autograd.grad(want_out, (q64, k64, v64), grad.double())]
+        for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            error = float((g.double() - w).abs().max() / w.abs().max().clamp_min(1e-30))
+            assert error <= 1e-5, (name, what, error)
+        if heads:
+            assert torch.equal(out[:, 1, -1], torch.zeros_like(out[:, 1, -1])), name
+
+
+def test_as_arguments_refuses_a_mask_of_another_problem():
+    mask = attnkit.create_block_mask(masks.causal(20, 20), None, 3, 20, 20, BLOCK_SIZE=8)
+    q = torch.randn(1, 2, 20, 8)
+    with pytest.raises(RuntimeError, match="head count is 3"):
+        attnkit.softmax_attention(q, q, q, **mask.as_arguments())
+    with pytest.raises(RuntimeError, match="needs all of block_kinds, block_partial_index and block_bits"):
+        attnkit.softmax_attention(q, q, q, block_kinds=mask.kinds)
