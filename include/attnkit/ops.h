@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace attnkit {
@@ -82,6 +83,13 @@ struct SoftmaxAttentionFuncOptions {
   /// non-empty blocks and applies nothing inside full ones, so its cost
   /// follows BlockMask::visited_fraction(). Unset: none.
   TORCH_ARG(c10::optional<BlockMask>, block_mask) = c10::nullopt;
+  /// Attention sinks (as gpt-oss): floating (H), one logit per query head
+  /// that joins every row's softmax without a value,
+  ///   out_i = sum_j exp(s_ij - lse_i) v_j,  lse_i = log(sum_j exp(s_ij) + exp(sink_h)),
+  /// so that a row can give little weight to every key. Learnable: it gets a
+  /// gradient when it requires one. A row with no visible key gives 0, and
+  /// lse_i = sink_h. Undefined: none.
+  TORCH_ARG(torch::Tensor, sinks) = {};
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest
@@ -116,6 +124,21 @@ torch::Tensor attention_dropout_mask(int64_t N, int64_t H, int64_t L, int64_t S,
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v,
                                 const SoftmaxAttentionFuncOptions& options = {});
+/// softmax_attention and each row's log-sum-exp lse (N, H, L), float32 (the
+/// kernels' row statistic; float64 inputs give float64), both
+/// differentiable: lse_i = log sum_j exp(s_ij) over the visible keys (and the
+/// sink), -inf for a row that sees nothing (without sinks). With
+/// merge_attention, attention over disjoint key sets combines exactly.
+std::tuple<torch::Tensor, torch::Tensor> softmax_attention_with_lse(const torch::Tensor& q, const torch::Tensor& k,
+                                                                    const torch::Tensor& v,
+                                                                    const SoftmaxAttentionFuncOptions& options = {});
+/// Attention over the union of disjoint key sets from attention over each:
+/// outputs[t] (N, H, L, M) and lses[t] (N, H, L) as softmax_attention_with_lse
+/// gives them; out = sum_t w_t outputs[t] with w_t = exp(lses[t] - lse) and
+/// lse = log sum_t exp(lses[t]) (a row no part sees stays 0, lse -inf).
+/// Differentiable in every output and lse. Returns (out, lse).
+std::tuple<torch::Tensor, torch::Tensor> merge_attention(const std::vector<torch::Tensor>& outputs,
+                                                         const std::vector<torch::Tensor>& lses);
 /// Which backend softmax_attention runs for these arguments (validated as by
 /// the op): the float32 kernel when q, k and v are float32 (with or without a
 /// bias, which may require grad); for bfloat16 the kernel too, its reason

@@ -40,7 +40,8 @@ if machine_isa() == "below baseline":
                       "(x86-64-v2: SSE4.2, SSSE3, POPCNT, CMPXCHG16B)")
 
 __all__ = [
-    "scaled_dot_product_attention", "softmax_attention", "linear_attention", "gated_linear_attention",
+    "scaled_dot_product_attention", "softmax_attention", "softmax_attention_with_lse", "merge_attention",
+    "linear_attention", "gated_linear_attention",
     "varlen_attention", "varlen_linear_attention",
     "agglomerative_attention", "clustered_attention", "sparse_attention",
     "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "attention_dropout_mask", "library_path", "mechanisms", "nn", "models",
@@ -49,6 +50,11 @@ __all__ = [
 ]
 
 softmax_attention = torch.ops.attnkit.softmax_attention
+# (out, lse): softmax_attention and each row's log-sum-exp, both
+# differentiable; merge_attention(outputs, lses) -> (out, lse) combines
+# attention over disjoint key sets exactly. docs/API.md.
+softmax_attention_with_lse = torch.ops.attnkit.softmax_attention_with_lse
+merge_attention = torch.ops.attnkit.merge_attention
 linear_attention = torch.ops.attnkit.linear_attention
 # Packed variable-length batches (q (Tq, H, E), k and v (Tk, Hkv, .), int64
 # offsets cu_seqlens_q and cu_seqlens_k of B + 1 entries): docs/API.md.

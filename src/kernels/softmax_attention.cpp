@@ -542,7 +542,21 @@ void write_row(const SoftmaxAttentionParams& p, int64_t n, int64_t h, int64_t i,
                float m, float l) {
   const int64_t* os = p.out_stride;
   float* out = p.out + n * os[0] + h * os[1] + i * os[2];
-  const float inv = l == 0.f ? 0.f : 1.f / l;
+  float scale = 1.f;  // of u: exp(m - m') when a sink raises the maximum to m'
+  if (p.sinks) {
+    // The sink joins the row as one more term exp(sink) without a value: the
+    // log-sum-exp rule as between two tiles (a NaN l stays NaN).
+    const float sink = p.sinks[h];
+    if (l == 0.f) {  // no visible key: only the sink, so out = 0 and lse = sink
+      m = sink, l = 1.f, scale = 0.f;
+    } else {
+      const float top = std::max(m, sink);
+      scale = vec::exp(m - top);
+      l = l * scale + vec::exp(sink - top);
+      m = top;
+    }
+  }
+  const float inv = l == 0.f ? 0.f : scale / l;
   for (int64_t c = 0; c < p.M; ++c) out[c * os[3]] = u[c] * inv;
   p.lse[(n * p.H + h) * p.L + i] = l == 0.f ? -kInf : m + std::log(l);
 }
@@ -713,9 +727,9 @@ void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
   }
 }
 
-/// d[r] = D_i = dout_i . out_i for the rows [i0, i0 + rows) of head (n, h),
-/// given those rows of dout.
-void row_deltas(const SoftmaxAttentionParams& p, int64_t n, int64_t h, const Rows& dout, int64_t i0,
+/// d[r] = D_i = dout_i . out_i (- dlse_i when given) for the rows [i0, i0 +
+/// rows) of head (n, h), given those rows of dout.
+void row_deltas(const SoftmaxAttentionBackwardParams& p, int64_t n, int64_t h, const Rows& dout, int64_t i0,
                 int64_t rows, float* d) {
   const Strided out = head_matrix(p.out, p.out_stride, n, h);
   for (int64_t r = 0; r < rows; ++r) {
@@ -728,6 +742,10 @@ void row_deltas(const SoftmaxAttentionParams& p, int64_t n, int64_t h, const Row
       for (int64_t c = 0; c < p.M; ++c) sum += gi[c] * oi[c * out.cs];
       d[r] = sum;
     }
+  }
+  if (p.dlse) {
+    const float* dlse = p.dlse + (n * p.H + h) * p.L + i0;
+    for (int64_t r = 0; r < rows; ++r) d[r] -= dlse[r];
   }
 }
 
@@ -987,6 +1005,42 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
       });
 }
 
+// ---------------------------------------------------------------------------
+// Attention sinks' gradient
+// ---------------------------------------------------------------------------
+
+struct SinkScratch {
+  float *dout, *d;  // a block of dout rows (packed when the strides need it), its D
+
+  SinkScratch(const SoftmaxAttentionBackwardParams& p, Slicer& slicer)
+      : dout(slicer.take(kBackwardBlockQ * p.M)), d(slicer.take(kBackwardBlockQ)) {}
+};
+
+/// p.dsinks: d sink_h = -sum_(n, i) exp(sink_h - lse_i) D_i, each (n, h)
+/// summed by one item in row order, then the batch in order.
+void sink_grads(const SoftmaxAttentionBackwardParams& p) {
+  Buffer<float> per_head(static_cast<std::size_t>(p.N * p.H));
+  parallel_for_scratch(
+      p.N * p.H, [&](Slicer& s) { return SinkScratch(p, s); },
+      [&](int64_t nh, const SinkScratch& w) {
+        const int64_t n = nh / p.H, h = nh % p.H;
+        const Strided dout = head_matrix(p.dout, p.dout_stride, n, h);
+        const float* lse = p.lse + nh * p.L;
+        double sum = 0.0;
+        for (int64_t i0 = 0; i0 < p.L; i0 += kBackwardBlockQ) {
+          const int64_t rows = std::min(kBackwardBlockQ, p.L - i0);
+          row_deltas(p, n, h, rows_of(dout, i0, rows, p.M, w.dout), i0, rows, w.d);
+          for (int64_t r = 0; r < rows; ++r) sum += std::exp(static_cast<double>(p.sinks[h]) - lse[i0 + r]) * w.d[r];
+        }
+        per_head[nh] = static_cast<float>(-sum);
+      });
+  for (int64_t h = 0; h < p.H; ++h) {
+    float total = 0.f;
+    for (int64_t n = 0; n < p.N; ++n) total += per_head[n * p.H + h];
+    p.dsinks[h] = total;
+  }
+}
+
 }  // namespace
 
 /// Decoding with grouped-query heads: one query (L = 1) per head, and the
@@ -1003,7 +1057,7 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
 /// Returns false when p is not such a call.
 bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
   if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0 ||
-      p.dropout_p > 0 || p.block_mask.active())
+      p.dropout_p > 0 || p.block_mask.active() || p.sinks)
     return false;
   const int64_t G = p.kv_group;
   rows = p;
@@ -1056,6 +1110,10 @@ int64_t softmax_attention_forward_key_chunks(const SoftmaxAttentionParams& p) {
 }
 
 void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
+  if (p.sinks && p.dsinks) {
+    std::fill(p.dsinks, p.dsinks + p.H, 0.f);
+    if (p.N > 0 && p.L > 0) sink_grads(p);
+  }
   if (p.N == 0 || p.H == 0) {
     if (p.dbias) {  // an empty batch contributes nothing to a bias that is not empty
       const int64_t* b = p.dbias_shape;

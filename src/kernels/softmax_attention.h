@@ -75,6 +75,12 @@ struct SoftmaxAttentionParams : QkvParams {
   // A block mask (kernels/common/block_mask_view.h) over the (L, S) grid,
   // indexed by query head; it hides pairs on top of every mask above.
   BlockMaskView block_mask;
+  // Attention sinks (gpt-oss): (H) one logit per query head that joins every
+  // row's softmax without a value, so that a row may put weight on nothing:
+  // lse_i = log(sum_j exp(s_ij) + exp(sink_h)), out_i = sum_j exp(s_ij -
+  // lse_i) v_j. A row with no visible key then gives out = 0 and lse = sink_h.
+  // nullptr: none.
+  const float* sinks = nullptr;
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the
@@ -88,6 +94,13 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
   /// nullptr: not computed (then dbias_shape is ignored).
   float* dbias = nullptr;
   int64_t dbias_shape[4] = {};  // each 1 or the full size of (N, H, L, S)
+  /// The gradient of lse, (N, H, L) contiguous, when the caller's loss reads
+  /// lse too (merging attention over key sets): it adds dlse_i P_ij to the
+  /// scores' gradient, D_i = dout_i . out_i - dlse_i. nullptr: none.
+  const float* dlse = nullptr;
+  /// (H), written when sinks are given: d sink_h = -sum_(n, i) P_sink D_i with
+  /// P_sink = exp(sink_h - lse_i), summed over n in order. nullptr: not computed.
+  float* dsinks = nullptr;
 };
 
 /// Writes out and lse. Threads: num_threads() over (batch, head, query block).

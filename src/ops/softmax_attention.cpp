@@ -59,6 +59,13 @@ void check_bias(const char* op, const torch::Tensor& bias, const torch::Tensor& 
               detail::shape_str(bias));
 }
 
+void check_sinks(const char* op, const torch::Tensor& sinks, int64_t H) {
+  if (!sinks.defined()) return;
+  TORCH_CHECK(sinks.device().is_cpu() && sinks.is_floating_point() && sinks.dim() == 1 && sinks.size(0) == H, op,
+              ": argument 'sinks' must be a floating CPU tensor of shape (H) = (", H, "), got ",
+              detail::dtype_name(sinks.scalar_type()), " ", detail::shape_str(sinks), " on ", sinks.device());
+}
+
 void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const SoftmaxAttentionFuncOptions& options) {
   detail::check_qkv(kSoftmaxOp, q, k, v, /*grouped_heads=*/true);
@@ -73,6 +80,7 @@ void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch
   detail::check_dropout(kSoftmaxOp, options.dropout_p());
   if (options.block_mask())
     check_block_mask(kSoftmaxOp, *options.block_mask(), q.size(0), q.size(1), q.size(2), k.size(2));
+  check_sinks(kSoftmaxOp, options.sinks(), q.size(1));
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -191,6 +199,7 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   if (options.window() > 0) return "a window";
   if (options.dropout_p() > 0) return "attention dropout";
   if (options.block_mask()) return "a block mask";
+  if (options.sinks().defined()) return "attention sinks";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -225,27 +234,29 @@ constexpr const char* kSoftmaxBackwardOp = "_softmax_attention_backward";
 constexpr const char* kSoftmaxForwardSchema =
     "_softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, "
     "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
-    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> (Tensor out, Tensor lse)";
+    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None) -> (Tensor out, Tensor lse)";
 constexpr const char* kSoftmaxBackwardSchema =
     "_softmax_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? bias, Tensor? key_lengths, Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, "
     "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad, "
-    ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)";
+    ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, Tensor? grad_lse=None) "
+    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks)";
 
 using detail::OptionalTensor;
 using SoftmaxForwardResult = std::tuple<torch::Tensor, torch::Tensor>;
-using SoftmaxBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
+using SoftmaxBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
 using SoftmaxForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                      const OptionalTensor&, const OptionalTensor&,
                                                      const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                      double, int64_t, const OptionalTensor&, const OptionalTensor&,
-                                                     const OptionalTensor&, c10::IntArrayRef);
+                                                     const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&);
 using SoftmaxBackwardSignature = SoftmaxBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const OptionalTensor&, const OptionalTensor&,
                                                        const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                        double, int64_t, bool, const OptionalTensor&,
-                                                       const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef);
+                                                       const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
+                                                       const OptionalTensor&, const OptionalTensor&);
 
 /// The block mask of op arguments (ATTNKIT_BLOCK_MASK_ARGUMENTS) over an
 /// L x S grid: none when no tensor is given, refused when only some are.
@@ -281,7 +292,8 @@ SoftmaxConstants softmax_constants(const OptionalTensor& key_lengths, const Opti
 /// kernels assume besides: float32 (bias and slopes too), or bfloat16 with
 /// nothing the AMX kernel does not take; contiguous key lengths.
 void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, const torch::Tensor& k,
-                                    const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
+                                    const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c,
+                                    const torch::Tensor& sinks = {}) {
   const auto options = SoftmaxAttentionFuncOptions()
                            .scale(c.scale)
                            .causal(c.causal)
@@ -292,7 +304,8 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
                            .rotary_base(c.rotary_base)
                            .window(c.window)
                            .dropout_p(c.dropout_p)
-                           .block_mask(c.block_mask);
+                           .block_mask(c.block_mask)
+                           .sinks(sinks);
   check_arguments(q, k, v, options);
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, op,
               ": the kernels take float32 or bfloat16, got ", detail::dtype_name(q.scalar_type()));
@@ -306,6 +319,8 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
       op, ": argument 'alibi_slopes' must be contiguous float32");
   TORCH_CHECK(!c.key_lengths.defined() || c.key_lengths.is_contiguous(), op,
               ": argument 'key_lengths' must be contiguous");
+  TORCH_CHECK(!sinks.defined() || (sinks.scalar_type() == torch::kFloat && sinks.is_contiguous()), op,
+              ": argument 'sinks' must be contiguous float32");
 }
 
 /// out (N, H, L, M) in q's dtype and the rows' log-sum-exp lse (N, H, L) in
@@ -321,24 +336,29 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
                                          int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
                                          int64_t dropout_seed, const OptionalTensor& block_kinds,
                                          const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
-                                         c10::IntArrayRef block_size) {
+                                         c10::IntArrayRef block_size, const OptionalTensor& sinks_given) {
   const auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxForwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   const auto b = bias.value_or(torch::Tensor());
-  check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c);
+  const auto sinks = sinks_given.value_or(torch::Tensor());
+  check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c, sinks);
   auto [out, lse] = softmax_forward_outputs(q, v);
-  if (q.scalar_type() == torch::kBFloat16)
+  if (q.scalar_type() == torch::kBFloat16) {
     kernels::softmax_attention_forward_bf16(bf16_params(q, k, v, c, out, lse));
-  else
-    kernels::softmax_attention_forward(make_params(q, k, v, b, c.key_lengths, c, out, lse));
+  } else {
+    auto p = make_params(q, k, v, b, c.key_lengths, c, out, lse);
+    if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
+    kernels::softmax_attention_forward(p);
+  }
   return {out, lse};
 }
 
 SoftmaxForwardResult softmax_forward_meta(const torch::Tensor& q, const torch::Tensor& /*k*/, const torch::Tensor& v,
                                           const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
                                           bool, int64_t, double, int64_t, double, int64_t, const OptionalTensor&,
-                                          const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef) {
+                                          const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
+                                          const OptionalTensor&) {
   return softmax_forward_outputs(q, v);
 }
 
@@ -349,10 +369,12 @@ SoftmaxBackwardResult softmax_backward_meta(const torch::Tensor& /*grad_out*/, c
                                             const torch::Tensor&, const OptionalTensor& bias, const OptionalTensor&,
                                             const OptionalTensor&, double, bool, int64_t, double, int64_t, double,
                                             int64_t, bool bias_grad, const OptionalTensor&, const OptionalTensor&,
-                                            const OptionalTensor&, c10::IntArrayRef) {
+                                            const OptionalTensor&, c10::IntArrayRef, const OptionalTensor& sinks,
+                                            const OptionalTensor&) {
   auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
   return {like(q), like(k), like(v),
-          bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options())};
+          bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options()),
+          sinks ? torch::empty(sinks->sizes(), sinks->options()) : torch::empty({0}, q.options())};
 }
 
 SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -362,12 +384,15 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
                                            double scale, bool causal, int64_t rotary_dim, double rotary_base,
                                            int64_t window, double dropout_p, int64_t dropout_seed, bool bias_grad,
                                            const OptionalTensor& block_kinds, const OptionalTensor& block_partial_index,
-                                           const OptionalTensor& block_bits, c10::IntArrayRef block_size) {
+                                           const OptionalTensor& block_bits, c10::IntArrayRef block_size,
+                                           const OptionalTensor& sinks_given, const OptionalTensor& grad_lse_given) {
   const auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxBackwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   const auto bias = bias_given.value_or(torch::Tensor());
-  check_softmax_kernel_arguments(kSoftmaxBackwardOp, q, k, v, bias, c);
+  const auto sinks = sinks_given.value_or(torch::Tensor());
+  const auto grad_lse = grad_lse_given.value_or(torch::Tensor());
+  check_softmax_kernel_arguments(kSoftmaxBackwardOp, q, k, v, bias, c, sinks);
   const auto [N, H, L, M] = std::array<int64_t, 4>{q.size(0), q.size(1), q.size(2), v.size(3)};
   for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor*>{"grad_out", &grad_out}, {"out", &out}}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->sizes() == torch::IntArrayRef({N, H, L, M}),
@@ -379,12 +404,19 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
               kSoftmaxBackwardOp, ": argument 'lse' must be contiguous float32 of shape (", N, ", ", H, ", ", L,
               "), got ", detail::dtype_name(lse.scalar_type()), " ", detail::shape_str(lse));
   TORCH_CHECK(!bias_grad || bias.defined(), kSoftmaxBackwardOp, ": bias_grad=True needs a bias");
+  TORCH_CHECK(!grad_lse.defined() || (grad_lse.scalar_type() == torch::kFloat &&
+                                      grad_lse.sizes() == torch::IntArrayRef({N, H, L}) && grad_lse.is_contiguous()),
+              kSoftmaxBackwardOp, ": argument 'grad_lse' must be contiguous float32 of shape (", N, ", ", H, ", ", L,
+              "), got ", detail::dtype_name(grad_lse.scalar_type()), " ", detail::shape_str(grad_lse));
   if (q.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(!grad_lse.defined(), kSoftmaxBackwardOp,
+                ": the bfloat16 kernel takes no gradient of lse (softmax_attention_with_lse converts bfloat16 "
+                "inputs to float32)");
     kernels::SoftmaxAttentionBf16BackwardParams p;
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = bf16_params(q, k, v, c, out, lse);
     auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grad_out);
     kernels::softmax_attention_backward_bf16(p);
-    return {dq, dk, dv, torch::empty({0}, q.options())};
+    return {dq, dk, dv, torch::empty({0}, q.options()), torch::empty({0}, q.options())};
   }
   kernels::SoftmaxAttentionBackwardParams p;
   static_cast<kernels::SoftmaxAttentionParams&>(p) = make_params(q, k, v, bias, c.key_lengths, c, out, lse);
@@ -401,12 +433,15 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
     p.dbias = dbias.data_ptr<float>();
     std::copy(shape.begin(), shape.end(), p.dbias_shape);
   }
+  torch::Tensor dsinks = torch::empty({sinks.defined() ? H : 0}, q.options());
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>(), p.dsinks = dsinks.data_ptr<float>();
+  if (grad_lse.defined()) p.dlse = grad_lse.data_ptr<float>();
   kernels::softmax_attention_backward(p);
   if (p.kv_group > 1) {
     dk = detail::sum_over_groups(dk, p.kv_group);
     dv = detail::sum_over_groups(dv, p.kv_group);
   }
-  return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias};
+  return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias, dsinks};
 }
 
 /// The block sizes argument of the kernel ops (the schema's default without a mask).
@@ -417,40 +452,55 @@ std::vector<int64_t> block_size_of(const SoftmaxConstants& c) {
 
 /// The two ops through the dispatcher (their handles found once).
 SoftmaxForwardResult call_softmax_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                          const torch::Tensor& bias, const SoftmaxConstants& c) {
+                                          const torch::Tensor& bias, const torch::Tensor& sinks,
+                                          const SoftmaxConstants& c) {
   static const auto op = detail::kernel_op<SoftmaxForwardSignature>("attnkit::_softmax_attention_forward");
   const auto mask = block_mask_tensors(c);
   return op.call(q, k, v, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
-                 detail::as_optional(mask[2]), block_size_of(c));
+                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks));
 }
 
 SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                                             const torch::Tensor& lse, const torch::Tensor& bias,
+                                            const torch::Tensor& sinks, const torch::Tensor& grad_lse,
                                             const SoftmaxConstants& c, bool bias_grad) {
   static const auto op = detail::kernel_op<SoftmaxBackwardSignature>("attnkit::_softmax_attention_backward");
   const auto mask = block_mask_tensors(c);
   return op.call(grad_out, q, k, v, out, lse, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, bias_grad, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
-                 detail::as_optional(mask[2]), block_size_of(c));
+                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks),
+                 detail::as_optional(grad_lse));
 }
 
-/// Exact attention by the tiled kernels, through the two ops above. Two
-/// forms: without and with a bias (an argument of apply, so that autograd
-/// can give it a gradient).
+/// Exact attention by the tiled kernels, through the two ops above: out and
+/// lse, both differentiable. bias and sinks are arguments of apply so that
+/// autograd can give them a gradient; apply takes no undefined tensor, so a
+/// missing one is passed as absent() (run() does both).
 class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttentionFunction> {
  public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const SoftmaxConstants& c) {
-    return run(ctx, q, k, v, torch::Tensor(), c);
+  /// out and lse; bias and sinks may be undefined.
+  static tensor_list run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& bias, const torch::Tensor& sinks, const SoftmaxConstants& c) {
+    return apply(q, k, v, bias.defined() ? bias : absent(), sinks.defined() ? sinks : absent(), bias.defined(),
+                 sinks.defined(), c);
   }
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& bias,
-                               const SoftmaxConstants& c) {
-    return run(ctx, q, k, v, bias, c);
+
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                             const torch::Tensor& v, const torch::Tensor& bias_or_absent,
+                             const torch::Tensor& sinks_or_absent, bool has_bias, bool has_sinks,
+                             const SoftmaxConstants& c) {
+    const auto bias = has_bias ? bias_or_absent : torch::Tensor();
+    const auto sinks = has_sinks ? sinks_or_absent : torch::Tensor();
+    auto [out, lse] = call_softmax_forward(q, k, v, bias, sinks, c);
+    const auto mask = block_mask_tensors(c);
+    ctx->save_for_backward(
+        {q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes, mask[0], mask[1], mask[2], sinks});
+    save_constants(ctx, c);
+    return {out, lse};
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -458,32 +508,27 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     // forward and backward raises instead of changing the gradients.
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const auto &bias = saved[5], &key_lengths = saved[6];
+    const auto &bias = saved[5], &key_lengths = saved[6], &sinks = saved[11];
     const SoftmaxConstants c = saved_constants(ctx, key_lengths, saved[7], &saved[8], q.size(2), k.size(2));
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const bool bias_grad = has_bias && ctx->needs_input_grad(3);
-    auto [dq, dk, dv, dbias] = call_softmax_backward(grads[0], q, k, v, out, lse, bias, c, bias_grad);
-    tensor_list result = {dq, dk, dv};
-    if (has_bias) result.push_back(bias_grad ? dbias : torch::Tensor());
-    result.push_back(torch::Tensor());  // the constants
+    const bool bias_grad = bias.defined() && ctx->needs_input_grad(3);
+    // A loss that reads lse alone leaves out's gradient undefined: zeros.
+    const auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(out);
+    const auto grad_lse = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    auto [dq, dk, dv, dbias, dsinks] = call_softmax_backward(grad_out, q, k, v, out, lse, bias, sinks, grad_lse, c,
+                                                             bias_grad);
+    tensor_list result = {dq, dk, dv, bias_grad ? dbias : torch::Tensor(),
+                          sinks.defined() && ctx->needs_input_grad(4) ? dsinks : torch::Tensor(),
+                          torch::Tensor(), torch::Tensor(), torch::Tensor()};  // the flags and constants
     if (q.scalar_type() != torch::kBFloat16)
-      return detail::once_differentiable(kSoftmaxOp, std::move(result), {q, k, v, bias, grads[0]});
+      return detail::once_differentiable(kSoftmaxOp, std::move(result), {q, k, v, bias, sinks, grad_out});
     return detail::once_differentiable(
-        kSoftmaxOp, std::move(result), {q, k, v, grads[0]},
+        kSoftmaxOp, std::move(result), {q, k, v, grad_out},
         "double backward (the gradient of a gradient) is not supported by the bfloat16 kernel; "
         "use float64 inputs, which take the differentiable composite path");
   }
 
  private:
-  static torch::Tensor run(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                           const torch::Tensor& v, const torch::Tensor& bias, const SoftmaxConstants& c) {
-    auto [out, lse] = call_softmax_forward(q, k, v, bias, c);
-    const auto mask = block_mask_tensors(c);
-    ctx->save_for_backward({q, k, v, out, lse, bias, c.key_lengths, c.alibi_slopes, mask[0], mask[1], mask[2]});
-    save_constants(ctx, c);
-    ctx->saved_data["has_bias"] = bias.defined();
-    return out;
-  }
+  static torch::Tensor absent() { return torch::empty({0}); }
 };
 
 // ---------------------------------------------------------------------------
@@ -746,6 +791,28 @@ Dispatch softmax_attention_dispatch(const torch::Tensor& q, const torch::Tensor&
   return Dispatch::kernel();
 }
 
+namespace {
+
+/// The sinks as the kernel reads them (float32, contiguous; autograd converts
+/// their gradient back), or undefined.
+torch::Tensor float_sinks(const SoftmaxAttentionFuncOptions& options) {
+  const auto& sinks = options.sinks();
+  return sinks.defined() ? sinks.to(torch::kFloat).contiguous() : sinks;
+}
+
+/// The kernel's constants of validated options (with dropout's seed set).
+SoftmaxConstants kernel_constants(const torch::Tensor& q, const SoftmaxAttentionFuncOptions& options) {
+  auto key_lengths = options.key_lengths();
+  if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
+  auto slopes = options.alibi_slopes();
+  if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
+  return {key_lengths, detail::scale_or_default(options.scale(), q.size(3)), options.causal(), slopes,
+          options.rotary_dim(), options.rotary_base(), options.window(), options.dropout_p(),
+          options.dropout_seed().value_or(0), options.block_mask()};
+}
+
+}  // namespace
+
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& given) {
   // Validated (by the dispatch) before dropout's seed is drawn: a refused
@@ -753,16 +820,10 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   const bool kernel = softmax_attention_dispatch(q, k, v, given).uses_kernel();
   const SoftmaxAttentionFuncOptions options = with_dropout_seed(kSoftmaxOp, q, given);
   if (!kernel) return reference::softmax_attention(q, k, v, options);
-  auto key_lengths = options.key_lengths();
-  if (key_lengths.defined()) key_lengths = key_lengths.contiguous();
-  auto slopes = options.alibi_slopes();
-  if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
-  const SoftmaxConstants c{key_lengths, detail::scale_or_default(options.scale(), q.size(3)),
-                           options.causal(), slopes, options.rotary_dim(), options.rotary_base(),
-                           options.window(), options.dropout_p(), options.dropout_seed().value_or(0),
-                           options.block_mask()};
+  const SoftmaxConstants c = kernel_constants(q, options);
   if (q.scalar_type() == torch::kBFloat16) {
-    if (bf16_fallback_reason(q, k, options).empty()) return SoftmaxAttentionFunction::apply(q, k, v, c);
+    if (bf16_fallback_reason(q, k, options).empty())
+      return SoftmaxAttentionFunction::run(q, k, v, torch::Tensor(), torch::Tensor(), c)[0];
     // The float32 kernel on converted inputs; autograd converts the gradients back.
     auto converted = options;
     converted.scale(c.scale);
@@ -770,8 +831,58 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     return softmax_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), converted)
         .to(torch::kBFloat16);
   }
-  if (options.bias().defined()) return SoftmaxAttentionFunction::apply(q, k, v, options.bias(), c);
-  return SoftmaxAttentionFunction::apply(q, k, v, c);
+  return SoftmaxAttentionFunction::run(q, k, v, options.bias(), float_sinks(options), c)[0];
+}
+
+std::tuple<torch::Tensor, torch::Tensor> softmax_attention_with_lse(const torch::Tensor& q, const torch::Tensor& k,
+                                                                    const torch::Tensor& v,
+                                                                    const SoftmaxAttentionFuncOptions& given) {
+  const bool kernel = softmax_attention_dispatch(q, k, v, given).uses_kernel();
+  const SoftmaxAttentionFuncOptions options = with_dropout_seed(kSoftmaxOp, q, given);
+  if (!kernel) {
+    torch::Tensor lse;
+    auto out = reference::softmax_attention(q, k, v, options, nullptr, 0, &lse);
+    return {out, lse};
+  }
+  if (q.scalar_type() == torch::kBFloat16) {  // the float32 kernel: lse keeps float32
+    auto converted = options;
+    converted.scale(detail::scale_or_default(options.scale(), q.size(3)));
+    if (options.bias().defined()) converted.bias(options.bias().to(torch::kFloat));
+    auto [out, lse] =
+        softmax_attention_with_lse(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), converted);
+    return {out.to(torch::kBFloat16), lse};
+  }
+  auto result = SoftmaxAttentionFunction::run(q, k, v, options.bias(), float_sinks(options),
+                                              kernel_constants(q, options));
+  return {result[0], result[1]};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> merge_attention(const std::vector<torch::Tensor>& outputs,
+                                                         const std::vector<torch::Tensor>& lses) {
+  constexpr const char* op = "merge_attention";
+  TORCH_CHECK(!outputs.empty() && outputs.size() == lses.size(), op,
+              ": give one lse per output and at least one of each, got ", outputs.size(), " outputs and ",
+              lses.size(), " lses");
+  for (size_t t = 0; t < outputs.size(); ++t) {
+    TORCH_CHECK(outputs[t].dim() == 4 && outputs[t].sizes() == outputs[0].sizes(), op, ": outputs[", t,
+                "] must be (N, H, L, M) as outputs[0] ", detail::shape_str(outputs[0]), ", got ",
+                detail::shape_str(outputs[t]));
+    TORCH_CHECK(lses[t].sizes() == outputs[0].sizes().slice(0, 3), op, ": lses[", t, "] must be (N, H, L) = ",
+                detail::shape_str(outputs[0].narrow(3, 0, 0).squeeze(3)), ", got ", detail::shape_str(lses[t]));
+    TORCH_CHECK(outputs[t].is_floating_point() && lses[t].is_floating_point(), op,
+                ": outputs and lses must be floating, got ", outputs[t].scalar_type(), " and ", lses[t].scalar_type());
+  }
+  // lse = log sum_t exp(lse_t), by the largest one: rows no part sees keep
+  // -inf and weights of 0 (never NaN: -inf - -inf is replaced by -inf).
+  const auto stacked = torch::stack(lses);  // (T, N, H, L)
+  const auto top = std::get<0>(stacked.max(0)).detach();
+  const auto finite_top = top.masked_fill(torch::isinf(top) & (top < 0), 0.0);
+  const auto weights = torch::exp(stacked - finite_top);  // exp(-inf) = 0
+  const auto total = weights.sum(0);
+  const auto lse = torch::log(total) + finite_top;
+  const auto share = (weights / total.clamp_min(std::numeric_limits<float>::min())).unsqueeze(-1);
+  auto out = (share.to(outputs[0].scalar_type()) * torch::stack(outputs)).sum(0);
+  return {out, lse};
 }
 
 torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -803,16 +914,16 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 namespace {
 
-torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& k,
-                                   const torch::Tensor& v, c10::optional<double> scale,
-                                   bool causal, const c10::optional<torch::Tensor>& key_lengths,
-                                   const c10::optional<torch::Tensor>& bias,
-                                   const c10::optional<torch::Tensor>& alibi_slopes,
-                                   int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
-                                   c10::optional<int64_t> dropout_seed, const OptionalTensor& block_kinds,
-                                   const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
-                                   c10::IntArrayRef block_size) {
-  return softmax_attention(q, k, v, SoftmaxAttentionFuncOptions()
+/// The options of softmax_attention's schema (and softmax_attention_with_lse's).
+SoftmaxAttentionFuncOptions options_of(const torch::Tensor& q, const torch::Tensor& k, c10::optional<double> scale,
+                                       bool causal, const c10::optional<torch::Tensor>& key_lengths,
+                                       const c10::optional<torch::Tensor>& bias,
+                                       const c10::optional<torch::Tensor>& alibi_slopes, int64_t rotary_dim,
+                                       double rotary_base, int64_t window, double dropout_p,
+                                       c10::optional<int64_t> dropout_seed, const OptionalTensor& block_kinds,
+                                       const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
+                                       c10::IntArrayRef block_size, const OptionalTensor& sinks) {
+  return SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
                                         .key_lengths(key_lengths.value_or(torch::Tensor()))
@@ -825,8 +936,27 @@ torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& 
                                         .dropout_seed(dropout_seed)
                                         .block_mask(block_mask_of(kSoftmaxOp, block_kinds, block_partial_index,
                                                                   block_bits, block_size, detail::size_or_zero(q, 2),
-                                                                  detail::size_or_zero(k, 2))));
+                                                                  detail::size_or_zero(k, 2)))
+                                        .sinks(sinks.value_or(torch::Tensor()));
 }
+
+template <class... Args>
+torch::Tensor softmax_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   Args... args) {
+  return softmax_attention(q, k, v, options_of(q, k, args...));
+}
+
+template <class... Args>
+std::tuple<torch::Tensor, torch::Tensor> softmax_attention_with_lse_op(const torch::Tensor& q, const torch::Tensor& k,
+                                                                       const torch::Tensor& v, Args... args) {
+  return softmax_attention_with_lse(q, k, v, options_of(q, k, args...));
+}
+
+/// The argument types of softmax_attention's schema after q, k, v.
+#define ATTNKIT_SOFTMAX_OP_TYPES                                                                                 \
+  c10::optional<double>, bool, const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,       \
+      const c10::optional<torch::Tensor>&, int64_t, double, int64_t, double, c10::optional<int64_t>,           \
+      const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&
 
 torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
@@ -852,13 +982,17 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
   // The schemas' defaults are the SoftmaxAttentionFuncOptions' (ops.h), written once there.
   using detail::schema_float;
   const SoftmaxAttentionFuncOptions soft;
-  m.def(("softmax_attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
-         "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
-         std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
-         ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
-         ", int? dropout_seed=None, " ATTNKIT_BLOCK_MASK_ARGUMENTS ") -> Tensor")
-            .c_str(),
-        &softmax_attention_op);
+  const std::string softmax_arguments =
+      "(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
+      "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
+      std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
+      ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
+      ", int? dropout_seed=None, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None)";
+  m.def(("softmax_attention" + softmax_arguments + " -> Tensor").c_str(),
+        &softmax_attention_op<ATTNKIT_SOFTMAX_OP_TYPES>);
+  m.def(("softmax_attention_with_lse" + softmax_arguments + " -> (Tensor out, Tensor lse)").c_str(),
+        &softmax_attention_with_lse_op<ATTNKIT_SOFTMAX_OP_TYPES>);
+  m.def("merge_attention(Tensor[] outputs, Tensor[] lses) -> (Tensor out, Tensor lse)", &merge_attention);
   m.def(("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, "
          "float? scale=None, bool causal=False, Tensor? alibi_slopes=None, int rotary_dim=" +
          std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +

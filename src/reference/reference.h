@@ -21,10 +21,13 @@ using detail::visibility;
 /// "Exact softmax attention". Also the attention matrix when `weights` is
 /// non-null (after dropout, as torch's multi-head attention returns it).
 /// With dropout o.dropout_seed() must be set; batch n draws the mask of batch
-/// n + dropout_batch_offset (a packed batch's sequences).
+/// n + dropout_batch_offset (a packed batch's sequences). `lse`, when
+/// non-null, gets each row's log-sum-exp (N, H, L) over its visible keys and
+/// the sink (-inf for a row that sees nothing, with a zero gradient there).
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
-                                torch::Tensor* weights = nullptr, int64_t dropout_batch_offset = 0);
+                                torch::Tensor* weights = nullptr, int64_t dropout_batch_offset = 0,
+                                torch::Tensor* lse = nullptr);
 
 /// "Attention dropout": the keep mask Z, bool (N, H, L, S), entry by entry
 /// from the scalar definition of the draw (kernels/common/dropout.h), batch n

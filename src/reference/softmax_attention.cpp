@@ -9,7 +9,7 @@ namespace attnkit::reference {
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const SoftmaxAttentionFuncOptions& o,
-                                torch::Tensor* weights, int64_t dropout_batch_offset) {
+                                torch::Tensor* weights, int64_t dropout_batch_offset, torch::Tensor* lse) {
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
   const double scale = o.scale() ? *o.scale() : 1.0 / std::sqrt(static_cast<double>(E));
   // Grouped-query heads: query head h reads key and value head h / (H / Hkv).
@@ -31,7 +31,23 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     visible = visible & ((query_at - torch::arange(S, torch::kLong).view({1, S})).abs() < o.window());
   }
   if (o.block_mask()) visible = visible & o.block_mask()->to_dense();
-  auto a = detail::masked_softmax(scores, visible);
+  visible = visible.expand_as(scores);
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  // A row with nothing visible takes scores of 0 where the log-sum-exp is
+  // formed (finite, so its gradient is 0, not NaN), then -inf.
+  const auto seen = visible.any(-1, /*keepdim=*/true);
+  const auto hidden = scores.masked_fill(visible.logical_not(), -kInf).masked_fill(seen.logical_not(), 0.0);
+  torch::Tensor a;
+  if (o.sinks().defined()) {
+    // The sink: one more column of the softmax, without a value.
+    const auto sink = o.sinks().to(scores.scalar_type()).view({1, -1, 1, 1}).expand({N, q.size(1), L, 1});
+    const auto all = torch::cat({scores.masked_fill(visible.logical_not(), -kInf), sink}, -1);
+    a = torch::softmax(all, -1).narrow(-1, 0, S);
+    if (lse) *lse = torch::logsumexp(all, -1);
+  } else {
+    a = detail::masked_softmax(scores, visible);
+    if (lse) *lse = torch::logsumexp(hidden, -1).masked_fill(seen.squeeze(-1).logical_not(), -kInf);
+  }
   // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a
   // visible key makes its row NaN, as torch's softmax (and the kernel) do.
   const auto nan_row = (torch::isnan(scores) & visible).any(-1, /*keepdim=*/true);
