@@ -47,6 +47,7 @@ __all__ = [
     "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "attention_dropout_mask", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
     "BlockMask", "create_block_mask", "and_masks", "or_masks", "noop_mask", "masks",
+    "flex_attention", "flex_attention_dispatch",
 ]
 
 softmax_attention = torch.ops.attnkit.softmax_attention
@@ -101,3 +102,4 @@ from . import nn, models  # noqa: E402  (they need the library loaded above)
 # Block masks with torch 2's FlexAttention API; named mask_mods in attnkit.masks.
 from . import masks  # noqa: E402
 from .block_mask import BlockMask, and_masks, create_block_mask, noop_mask, or_masks  # noqa: E402
+from .flex import flex_attention, flex_attention_dispatch  # noqa: E402

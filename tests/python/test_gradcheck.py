@@ -100,6 +100,14 @@ def _op_cases():
         leaf(2, 1, 1, 3), leaf(2, 1, 3, 3), leaf(2, 1, 3, 1))
     add("softmax strided", lambda q, k, v: ops.softmax_attention(T(q), T(k), T(v), causal=True),
         transposed(1, 2, 3, 3), transposed(1, 2, 4, 3), transposed(1, 2, 4, 5))
+    add("softmax with lse and sinks, causal L>S (empty rows)",
+        lambda q, k, v, s: ops.softmax_attention_with_lse(q, k, v, causal=True, sinks=s),
+        leaf(1, 2, 5, 3), leaf(1, 2, 3, 3), leaf(1, 2, 3, 2), leaf(2))
+    add("softmax with lse, key_lengths",
+        lambda q, k, v: ops.softmax_attention_with_lse(q, k, v, key_lengths=lengths(2, 4)),
+        leaf(2, 1, 3, 3), leaf(2, 1, 4, 3), leaf(2, 1, 4, 2))
+    add("merge_attention", lambda o1, o2, l1, l2: ops.merge_attention([o1, o2], [l1, l2]),
+        leaf(1, 2, 3, 2), leaf(1, 2, 3, 2), leaf(1, 2, 3), leaf(1, 2, 3))
     add("softmax alibi causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True,
                                                                        alibi_slopes=ops.alibi_slopes(2)),
         leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
@@ -238,7 +246,8 @@ def _op_cases():
 @pytest.mark.parametrize("fn, inputs", _op_cases())
 def test_op_gradcheck_float64(fn, inputs):
     out = fn(*inputs)
-    assert out.dtype == f64 and torch.isfinite(out).all()
+    for x in out if isinstance(out, tuple) else (out,):  # (out, lse) of the ops that return both
+        assert x.dtype == f64 and torch.isfinite(x).all()
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -246,8 +255,9 @@ def test_gradcheck_covers_every_op():
     """A new op must get cases above: the list of ops is closed."""
     tested = {"softmax_attention", "scaled_dot_product_attention", "linear_attention", "gated_linear_attention", "agglomerative_attention",
               "clustered_attention", "sparse_attention", "linear", "rotary_embedding", "varlen_attention",
-              "varlen_linear_attention"}
+              "varlen_linear_attention", "softmax_attention_with_lse", "merge_attention"}
     untensored = {"edge_pattern", "alibi_slopes", "attention_dropout_mask", "isa", "isa_description", "machine_isa", "set_max_isa"}
+    # flex_attention and flex_attention_dispatch are Python over the ops above (tests/python/test_flex.py).
     assert set(attnkit.__all__) & {n for n in dir(ops) if not n.startswith("_")} == tested | untensored
 
 
