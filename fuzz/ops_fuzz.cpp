@@ -454,6 +454,36 @@ void block_masks(FuzzedDataProvider& in) {
     if (std::string(e.what_without_backtrace()).find("fuzz") == std::string::npos)
       violation(std::string("check_block_mask: an error that does not name the op: ") + e.what_without_backtrace());
   }
+  // The exact kernel over the mask against the float64 composite (which
+  // expands it), values and that the gradients are finite; the broken mask,
+  // or the mask given to a call with one head more, refused naming the op.
+  const int64_t E = in.ConsumeIntegralInRange<int64_t>(1, 9), M = in.ConsumeIntegralInRange<int64_t>(1, 9);
+  const auto q = torch::randn({B, H, L, E}), k = torch::randn({B, H, S, E}), v = torch::randn({B, H, S, M});
+  const auto options = SoftmaxAttentionFuncOptions().block_mask(a).causal(in.ConsumeBool());
+  try {
+    const auto leaf = q.clone().requires_grad_();
+    const auto out = softmax_attention(leaf, k, v, options);
+    const auto want = softmax_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), options);
+    if (out.numel() > 0 && !((out.to(torch::kDouble) - want).abs().max().item<double>() <= 1e-4))
+      violation("softmax_attention over a block mask: float32 differs from the float64 composite");
+    out.sum().backward();
+    if (!torch::isfinite(leaf.grad()).all().item<bool>())
+      violation("softmax_attention over a block mask: a gradient that is not finite");
+  } catch (const c10::Error& e) {
+    violation(std::string("softmax_attention refused a fitting block mask: ") + e.what_without_backtrace());
+  }
+  for (const auto& [mask, heads] : {std::pair<const BlockMask*, int64_t>{&broken, H}, {&a, H + 1}}) {
+    if (mask == &a && a.heads() == 1) continue;  // a mask of one head fits any head count
+    try {
+      softmax_attention(torch::randn({B, heads, L, E}), torch::randn({B, heads, S, E}), torch::randn({B, heads, S, M}),
+                        SoftmaxAttentionFuncOptions().block_mask(*mask));
+      if (mask == &a) violation("softmax_attention: accepted a block mask of another head count");
+    } catch (const c10::Error& e) {
+      if (std::string(e.what_without_backtrace()).find("softmax_attention") == std::string::npos)
+        violation(std::string("softmax_attention: a block mask error that does not name it: ") +
+                  e.what_without_backtrace());
+    }
+  }
 }
 
 void check_close(const Outcome& r) {
