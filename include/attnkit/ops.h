@@ -90,6 +90,10 @@ struct SoftmaxAttentionFuncOptions {
   /// gradient when it requires one. A row with no visible key gives 0, and
   /// lse_i = sink_h. Undefined: none.
   TORCH_ARG(torch::Tensor, sinks) = {};
+  /// Soft-capping of the scores (Gemma 2): > 0 turns s = scale q k^T into
+  /// softcap tanh(s / softcap), before the bias, ALiBi and the masks (the
+  /// order of docs/MATH.md, "Masks and visibility"). Finite, >= 0; 0: none.
+  TORCH_ARG(double, softcap) = 0.0;
 };
 /// ALiBi's slopes for `heads` heads: 2^(-8 h / heads), h = 1..heads, when
 /// heads is a power of two; otherwise the paper's rule (those of the largest

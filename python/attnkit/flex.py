@@ -17,8 +17,9 @@ Two paths, and ``flex_attention_dispatch`` says which one a call takes:
   eager flex_attention. Tracing a score_mod into the kernel (issue 48 item 3)
   is not built yet.
 
-Beyond torch's signature: ``sinks`` (H), attention sinks as
-``softmax_attention``'s. Rows that see nothing give 0 and lse -inf (with
+Beyond torch's signature: ``sinks`` (H), attention sinks, and ``softcap``,
+soft-capping of the scaled scores (``softcap * tanh(score / softcap)``, before
+the score_mod and the mask), both as ``softmax_attention``'s. Rows that see nothing give 0 and lse -inf (with
 sinks: lse = the sink), on both paths.
 """
 import math
@@ -77,12 +78,14 @@ def flex_attention_dispatch(query, key, value, score_mod: Optional[ScoreMod] = N
     return "kernel" + (" over the block mask's non-empty blocks" if block_mask is not None else "")
 
 
-def _composite(query, key, value, score_mod, block_mask, scale, sinks):
+def _composite(query, key, value, score_mod, block_mask, scale, sinks, softcap):
     B, H, L, _ = query.shape
     S = key.shape[2]
     group = H // key.shape[1]
     keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     if score_mod is not None:
         b = torch.arange(B).view(B, 1, 1, 1)
         h = torch.arange(H).view(1, H, 1, 1)
@@ -112,7 +115,8 @@ def _composite(query, key, value, score_mod, block_mask, scale, sinks):
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Optional[ScoreMod] = None, block_mask=None, scale: Optional[float] = None,
-                   enable_gqa: bool = False, return_lse: bool = False, *, sinks: Optional[torch.Tensor] = None):
+                   enable_gqa: bool = False, return_lse: bool = False, *, sinks: Optional[torch.Tensor] = None,
+                   softcap: float = 0.0):
     """torch 2's ``flex_attention`` (see the module's docstring): query (B, H, L,
     E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, H, L, Ev), and with
     ``return_lse`` the rows' log-sum-exp (B, H, L) too, both differentiable.
@@ -120,13 +124,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for 1 / sqrt(E)."""
     block_mask = _as_block_mask(block_mask)
     _check(query, key, value, score_mod, block_mask, enable_gqa, sinks)
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"attnkit.flex_attention: softcap must be finite and >= 0 (0: none), got {softcap}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if flex_attention_dispatch(query, key, value, score_mod, block_mask).startswith("kernel"):
         arguments = block_mask.as_arguments() if block_mask is not None else {}
         out, lse = torch.ops.attnkit.softmax_attention_with_lse(query, key, value, scale=float(scale), sinks=sinks,
-                                                                **arguments)
+                                                                softcap=float(softcap), **arguments)
     else:
-        out, lse = _composite(query, key, value, score_mod, block_mask, scale, sinks)
+        out, lse = _composite(query, key, value, score_mod, block_mask, scale, sinks, softcap)
         out = out.to(query.dtype)
     return (out, lse) if return_lse else out

@@ -78,7 +78,8 @@ constexpr int64_t kMaxWindowBlockK = 1024;
 /// window's own mask acts on the scores (bias, ALiBi and dropout are applied
 /// row by row in the row-major path).
 bool band_by_columns(const SoftmaxAttentionParams& p) {
-  return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f) && !p.block_mask.active();
+  return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f) && !p.block_mask.active() &&
+         !(p.softcap > 0.f);
 }
 
 /// A block mask's key tiles lie inside its blocks, which the band's tiles
@@ -452,6 +453,7 @@ bool forward_by_lanes(const SoftmaxAttentionParams& p, const QkReader& qk, const
       }
       band::Block tile{block_rows, cols, first, last};
       if (p.alibi_slopes) tile.slope = p.alibi_slopes[h], tile.from = i + p.S - p.L - js;
+      tile.softcap = p.softcap;
       if (partial) tile.bits = bits + skip / 32 * kLaneRows;
       band::forward_transposed(tile, queries(b), {k.data + skip * k.ld, k.ld}, {v.data + skip * v.ld, v.ld}, E, M,
                                p.scale, scratch, w.tile.u, w.tile.m, w.tile.l);
@@ -509,6 +511,8 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
       float* l = a.l + b;
       sgemm(false, true, block_rows, cols, E, p.scale, q.data + b * q.ld, q.ld, k.data, k.ld,
             0.f, w.s, BK);
+      if (p.softcap > 0.f)
+        for (int64_t r = 0; r < block_rows; ++r) vec::softcap(w.s + r * BK, cols, p.softcap);
       add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
       mask_tile(p, visible, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
 
@@ -695,14 +699,20 @@ struct TileInputs {
   const float *lse, *d;
 };
 
-/// prob = P and ds = dS of the tile (rows x cols, row stride kBackwardBlockK);
+/// prob = P and ds = dS of the tile (rows x cols, row stride kBackwardBlockK),
+/// dS the gradient of the scores after soft-capping (what the bias adds to);
+/// with soft-capping, softcap_slope (when given, the same layout) gets each
+/// score's 1 - tanh^2, which takes dS back through the cap (softcap_back);
 /// with dropout prob = P o Z / (1 - p), what multiplies v (and dv's factor),
 /// and ds = P o (dP - D) with dP = (dO V^T) o Z / (1 - p).
 void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
                       const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                      const TileInputs& x, float* prob, float* ds) {
+                      const TileInputs& x, float* prob, float* ds, float* softcap_slope = nullptr) {
   const int64_t BK = kBackwardBlockK;
   sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
+  if (p.softcap > 0.f)
+    for (int64_t r = 0; r < rows; ++r)
+      vec::softcap(prob + r * BK, cols, p.softcap, softcap_slope ? softcap_slope + r * BK : nullptr);
   add_score_terms(p, n, h, i0, rows, j0, cols, prob, BK);
   mask_tile(p, visible, n, h, i0, rows, j0, cols, prob, BK);
   for (int64_t r = 0; r < rows; ++r) {
@@ -823,6 +833,7 @@ struct BackwardScratch {
   float *dq;                // dQ accumulator of the head: L x E (one part per head)
   float *dk, *dv;           // dK, dV accumulators of one key block
   float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
+  float *slope;             // soft-capping's 1 - tanh^2, the same size (none without it)
 
   BackwardScratch(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, Slicer& slicer)
       : q(slicer.take(qk.rotates() || needs_compact({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E
@@ -837,8 +848,19 @@ struct BackwardScratch {
         dk(slicer.take(kBackwardBlockK * p.E)),
         dv(slicer.take(kBackwardBlockK * p.M)),
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
-        ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
+        ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
+        slope(slicer.take(p.softcap > 0.f ? kBackwardBlockQ * kBackwardBlockK : 0)) {}
 };
+
+/// ds *= slope over a tile's rows x cols (row stride kBackwardBlockK): the
+/// gradient of the scores before soft-capping from the one after it.
+void softcap_back(float* ds, const float* slope, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = ds + r * kBackwardBlockK;
+    const float* s = slope + r * kBackwardBlockK;
+    for (int64_t c = 0; c < cols; ++c) d[c] *= s[c];
+  }
+}
 
 /// Calls f(i0, rows) for the backward's query tiles of the key tile from j0
 /// (inside one key block of a block mask) over the queries [begin, end) of
@@ -901,8 +923,9 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
     for_each_query_tile(p, n, h, j0, query_begin, query_end, [&](int64_t i0, int64_t rows) {
       const TileInputs x{{q.row(i0), q.ld}, {dout.row(i0), dout.ld}, {k.row(j0), k.ld},
                          {v.row(j0), v.ld}, lse + i0,                w.d + i0};
-      tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
+      tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds, w.slope);
       if (dbias) bias_grad.add(i0, rows, j0, cols, w.ds, BK);
+      if (p.softcap > 0.f) softcap_back(w.ds, w.slope, rows, cols);
       sgemm(true, false, cols, M, rows, 1.f, w.prob, BK, x.dout.data, x.dout.ld, 1.f, w.dv, M);
       sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, x.q.data, x.q.ld, 1.f, w.dk, E);
       sgemm(false, false, rows, E, cols, p.scale, w.ds, BK, x.k.data, x.k.ld, 1.f, dq + i0 * E,

@@ -81,6 +81,10 @@ struct SoftmaxAttentionParams : QkvParams {
   // lse_i) v_j. A row with no visible key then gives out = 0 and lse = sink_h.
   // nullptr: none.
   const float* sinks = nullptr;
+  // Soft-capping (Gemma 2): > 0 makes the scores scale q k^T into
+  // softcap tanh(scale q k^T / softcap) before the bias, ALiBi and the masks
+  // act; the backward multiplies their gradient by 1 - tanh^2. 0: none.
+  float softcap = 0.f;
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the

@@ -612,6 +612,7 @@ void transpose_queries(Rows q, int64_t rows, int64_t E, float* qt) { transpose_r
 void forward_transposed(const Block& b, const float* qt, Rows k, Rows v, int64_t E, int64_t M, float scale,
                         const Scratch& w, float* u, float* m, float* l) {
   score_all_keys(k.data, k.ld, b.keys, qt, E, scale, w.s);  // keys x 32
+  if (b.softcap > 0.f) vec::softcap(w.s, b.keys * kRows, b.softcap);
   sub_alibi_keys(b, w.s);
   hide_keys(b, w.s);
   softmax_keys(b, w.s, m, l);

@@ -56,6 +56,10 @@ struct Block {
   /// then does only inside its run too. nullptr: every key of the runs.
   /// Applied in both passes, as a score of -inf. 64-byte aligned.
   const uint32_t* bits = nullptr;
+  /// Soft-capping of the scores (SoftmaxAttentionParams::softcap) before ALiBi
+  /// and the bits, in forward_transposed and forward; `backward` requires 0
+  /// (sparse attention's only caller has no soft-capping). 0: none.
+  float softcap = 0.f;
 };
 
 /// The caller's scratch: qt (E x kRows) and dot (M x kRows) for the queries

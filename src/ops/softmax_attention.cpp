@@ -81,6 +81,8 @@ void check_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch
   if (options.block_mask())
     check_block_mask(kSoftmaxOp, *options.block_mask(), q.size(0), q.size(1), q.size(2), k.size(2));
   check_sinks(kSoftmaxOp, options.sinks(), q.size(1));
+  TORCH_CHECK(std::isfinite(options.softcap()) && options.softcap() >= 0, kSoftmaxOp,
+              ": option 'softcap' must be finite and >= 0 (0: none), got ", options.softcap());
 }
 
 /// What the kernel needs besides q, k, v (and the bias): constants of the
@@ -97,6 +99,7 @@ struct SoftmaxConstants {
   double dropout_p;            // 0: no dropout
   int64_t dropout_seed;        // drawn (or given) once per call: the backward's mask is the forward's
   c10::optional<BlockMask> block_mask;  // checked against the problem
+  double softcap = 0.0;                 // 0: none
 };
 
 /// c's numbers as saved_data (its tensors go through save_for_backward),
@@ -109,6 +112,7 @@ void save_constants(AutogradContext* ctx, const SoftmaxConstants& c) {
   ctx->saved_data["window"] = c.window;
   ctx->saved_data["dropout_p"] = c.dropout_p;
   ctx->saved_data["dropout_seed"] = c.dropout_seed;
+  ctx->saved_data["softcap"] = c.softcap;
   ctx->saved_data["block_size"] = c.block_mask ? std::vector<int64_t>{c.block_mask->q_block, c.block_mask->kv_block}
                                                : std::vector<int64_t>{};
 }
@@ -128,6 +132,7 @@ SoftmaxConstants saved_constants(AutogradContext* ctx, const torch::Tensor& key_
   SoftmaxConstants c{key_lengths, d.at("scale").toDouble(), d.at("causal").toBool(), alibi_slopes,
                      d.at("rotary_dim").toInt(), d.at("rotary_base").toDouble(), d.at("window").toInt(),
                      d.at("dropout_p").toDouble(), d.at("dropout_seed").toInt()};
+  c.softcap = d.at("softcap").toDouble();
   const auto block_size = d.at("block_size").toIntVector();
   if (mask && !block_size.empty())
     c.block_mask = BlockMask{L, S, block_size[0], block_size[1], mask[0], mask[1], mask[2]};
@@ -158,6 +163,7 @@ kernels::SoftmaxAttentionParams make_params(const torch::Tensor& q, const torch:
   p.dropout_p = c.dropout_p;
   p.dropout_seed = static_cast<uint64_t>(c.dropout_seed);
   p.dropout_batch_offset = batch;
+  p.softcap = static_cast<float>(c.softcap);
   if (c.block_mask) {
     const BlockMask& m = *c.block_mask;
     p.block_mask.kinds = m.kinds.data_ptr<uint8_t>();
@@ -200,6 +206,7 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
   if (options.dropout_p() > 0) return "attention dropout";
   if (options.block_mask()) return "a block mask";
   if (options.sinks().defined()) return "attention sinks";
+  if (options.softcap() > 0) return "soft-capping";
   if (k.size(1) != q.size(1)) return "grouped-query heads";
   if (kernels::bf16_float32_forced()) return "ATTNKIT_BF16_GEMM=float32";
   // The level is below amx when the CPU lacks AMX, when Linux did not grant
@@ -234,12 +241,13 @@ constexpr const char* kSoftmaxBackwardOp = "_softmax_attention_backward";
 constexpr const char* kSoftmaxForwardSchema =
     "_softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, "
     "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
-    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None) -> (Tensor out, Tensor lse)";
+    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, float softcap=0.) "
+    "-> (Tensor out, Tensor lse)";
 constexpr const char* kSoftmaxBackwardSchema =
     "_softmax_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? bias, Tensor? key_lengths, Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, "
     "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad, "
-    ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, Tensor? grad_lse=None) "
+    ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, Tensor? grad_lse=None, float softcap=0.) "
     "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks)";
 
 using detail::OptionalTensor;
@@ -249,14 +257,15 @@ using SoftmaxForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const
                                                      const OptionalTensor&, const OptionalTensor&,
                                                      const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                      double, int64_t, const OptionalTensor&, const OptionalTensor&,
-                                                     const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&);
+                                                     const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&,
+                                                     double);
 using SoftmaxBackwardSignature = SoftmaxBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const OptionalTensor&, const OptionalTensor&,
                                                        const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                        double, int64_t, bool, const OptionalTensor&,
                                                        const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
-                                                       const OptionalTensor&, const OptionalTensor&);
+                                                       const OptionalTensor&, const OptionalTensor&, double);
 
 /// The block mask of op arguments (ATTNKIT_BLOCK_MASK_ARGUMENTS) over an
 /// L x S grid: none when no tensor is given, refused when only some are.
@@ -305,7 +314,8 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
                            .window(c.window)
                            .dropout_p(c.dropout_p)
                            .block_mask(c.block_mask)
-                           .sinks(sinks);
+                           .sinks(sinks)
+                           .softcap(c.softcap);
   check_arguments(q, k, v, options);
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, op,
               ": the kernels take float32 or bfloat16, got ", detail::dtype_name(q.scalar_type()));
@@ -336,10 +346,12 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
                                          int64_t rotary_dim, double rotary_base, int64_t window, double dropout_p,
                                          int64_t dropout_seed, const OptionalTensor& block_kinds,
                                          const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
-                                         c10::IntArrayRef block_size, const OptionalTensor& sinks_given) {
-  const auto c = softmax_constants(
+                                         c10::IntArrayRef block_size, const OptionalTensor& sinks_given,
+                                         double softcap) {
+  auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxForwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
+  c.softcap = softcap;
   const auto b = bias.value_or(torch::Tensor());
   const auto sinks = sinks_given.value_or(torch::Tensor());
   check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c, sinks);
@@ -358,7 +370,7 @@ SoftmaxForwardResult softmax_forward_meta(const torch::Tensor& q, const torch::T
                                           const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
                                           bool, int64_t, double, int64_t, double, int64_t, const OptionalTensor&,
                                           const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
-                                          const OptionalTensor&) {
+                                          const OptionalTensor&, double) {
   return softmax_forward_outputs(q, v);
 }
 
@@ -370,7 +382,7 @@ SoftmaxBackwardResult softmax_backward_meta(const torch::Tensor& /*grad_out*/, c
                                             const OptionalTensor&, double, bool, int64_t, double, int64_t, double,
                                             int64_t, bool bias_grad, const OptionalTensor&, const OptionalTensor&,
                                             const OptionalTensor&, c10::IntArrayRef, const OptionalTensor& sinks,
-                                            const OptionalTensor&) {
+                                            const OptionalTensor&, double) {
   auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
   return {like(q), like(k), like(v),
           bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options()),
@@ -385,10 +397,12 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
                                            int64_t window, double dropout_p, int64_t dropout_seed, bool bias_grad,
                                            const OptionalTensor& block_kinds, const OptionalTensor& block_partial_index,
                                            const OptionalTensor& block_bits, c10::IntArrayRef block_size,
-                                           const OptionalTensor& sinks_given, const OptionalTensor& grad_lse_given) {
-  const auto c = softmax_constants(
+                                           const OptionalTensor& sinks_given, const OptionalTensor& grad_lse_given,
+                                           double softcap) {
+  auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxBackwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
+  c.softcap = softcap;
   const auto bias = bias_given.value_or(torch::Tensor());
   const auto sinks = sinks_given.value_or(torch::Tensor());
   const auto grad_lse = grad_lse_given.value_or(torch::Tensor());
@@ -459,7 +473,7 @@ SoftmaxForwardResult call_softmax_forward(const torch::Tensor& q, const torch::T
   return op.call(q, k, v, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
-                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks));
+                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks), c.softcap);
 }
 
 SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -473,7 +487,7 @@ SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, bias_grad, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
                  detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks),
-                 detail::as_optional(grad_lse));
+                 detail::as_optional(grad_lse), c.softcap);
 }
 
 /// Exact attention by the tiled kernels, through the two ops above: out and
@@ -562,6 +576,9 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> check_varlen_arguments(
   TORCH_CHECK(!o.bias().defined(), op,
               ": option 'bias' is not taken (a bias has no packed layout); for a bias, pad the batch "
               "and call softmax_attention");
+  TORCH_CHECK(!o.sinks().defined() && o.softcap() == 0, op,
+              ": options 'sinks' and 'softcap' are not taken by packed batches; pad the batch and call "
+              "softmax_attention");
   TORCH_CHECK(!o.block_mask(), op,
               ": option 'block_mask' is not taken (its grid is one sequence's); for packed documents, give "
               "softmax_attention the packed sequence as one batch entry and the block mask of "
@@ -808,7 +825,7 @@ SoftmaxConstants kernel_constants(const torch::Tensor& q, const SoftmaxAttention
   if (slopes.defined()) slopes = slopes.to(torch::kFloat).contiguous();
   return {key_lengths, detail::scale_or_default(options.scale(), q.size(3)), options.causal(), slopes,
           options.rotary_dim(), options.rotary_base(), options.window(), options.dropout_p(),
-          options.dropout_seed().value_or(0), options.block_mask()};
+          options.dropout_seed().value_or(0), options.block_mask(), options.softcap()};
 }
 
 }  // namespace
@@ -922,7 +939,7 @@ SoftmaxAttentionFuncOptions options_of(const torch::Tensor& q, const torch::Tens
                                        double rotary_base, int64_t window, double dropout_p,
                                        c10::optional<int64_t> dropout_seed, const OptionalTensor& block_kinds,
                                        const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
-                                       c10::IntArrayRef block_size, const OptionalTensor& sinks) {
+                                       c10::IntArrayRef block_size, const OptionalTensor& sinks, double softcap) {
   return SoftmaxAttentionFuncOptions()
                                         .scale(scale)
                                         .causal(causal)
@@ -937,7 +954,8 @@ SoftmaxAttentionFuncOptions options_of(const torch::Tensor& q, const torch::Tens
                                         .block_mask(block_mask_of(kSoftmaxOp, block_kinds, block_partial_index,
                                                                   block_bits, block_size, detail::size_or_zero(q, 2),
                                                                   detail::size_or_zero(k, 2)))
-                                        .sinks(sinks.value_or(torch::Tensor()));
+                                        .sinks(sinks.value_or(torch::Tensor()))
+                                        .softcap(softcap);
 }
 
 template <class... Args>
@@ -956,7 +974,8 @@ std::tuple<torch::Tensor, torch::Tensor> softmax_attention_with_lse_op(const tor
 #define ATTNKIT_SOFTMAX_OP_TYPES                                                                                 \
   c10::optional<double>, bool, const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,       \
       const c10::optional<torch::Tensor>&, int64_t, double, int64_t, double, c10::optional<int64_t>,           \
-      const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&
+      const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&,  \
+      double
 
 torch::Tensor varlen_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
@@ -987,7 +1006,8 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
       "Tensor? key_lengths=None, Tensor? bias=None, Tensor? alibi_slopes=None, int rotary_dim=" +
       std::to_string(soft.rotary_dim()) + ", float rotary_base=" + schema_float(soft.rotary_base()) +
       ", int window=" + std::to_string(soft.window()) + ", float dropout_p=" + schema_float(soft.dropout_p()) +
-      ", int? dropout_seed=None, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None)";
+      ", int? dropout_seed=None, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, float softcap=" +
+      schema_float(soft.softcap()) + ")";
   m.def(("softmax_attention" + softmax_arguments + " -> Tensor").c_str(),
         &softmax_attention_op<ATTNKIT_SOFTMAX_OP_TYPES>);
   m.def(("softmax_attention_with_lse" + softmax_arguments + " -> (Tensor out, Tensor lse)").c_str(),

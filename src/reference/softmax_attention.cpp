@@ -22,6 +22,7 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                                          .offset(offset));
   };
   auto scores = torch::matmul(rotate(q, S - L), rotate(keys, 0).transpose(-2, -1)) * scale;
+  if (o.softcap() > 0) scores = torch::tanh(scores / o.softcap()) * o.softcap();
   if (o.bias().defined()) scores = scores + o.bias();
   if (o.alibi_slopes().defined()) scores = scores + detail::alibi_penalty(o.alibi_slopes(), L, S, q.options());
   auto visible = detail::visibility(N, L, S, o.causal(), o.key_lengths());

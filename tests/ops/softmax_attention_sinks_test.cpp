@@ -1,4 +1,5 @@
-// Attention sinks (SoftmaxAttentionFuncOptions::sinks), the log-sum-exp out
+// Attention sinks (SoftmaxAttentionFuncOptions::sinks), soft-capping
+// (::softcap: c tanh(s / c) before ALiBi and the masks), the log-sum-exp out
 // (softmax_attention_with_lse) with its gradient, and merge_attention.
 // Checked against a float64 formula written here (a softmax over the visible
 // scores and one more column holding the head's sink, which has no value):
@@ -6,7 +7,8 @@
 //   through lse, on L != S both ways, causal, key lengths with a row that
 //   sees nothing (out 0, lse = sink), grouped heads (decoding too: L = 1),
 //   a block mask, ALiBi, the forward's key split (L = 1 over 2100 keys) and
-//   the backward's key parts;
+//   the backward's key parts; soft-capping on the lane tiles, the sgemm
+//   tiles and the key split, alone and with sinks, ALiBi and a block mask;
 // - the float64 op (the composite) against the same formula;
 // - lse without sinks: -inf on a row that sees nothing, with zero gradients;
 // - merge_attention of attention over three disjoint key sets == attention
@@ -44,6 +46,7 @@ struct Case {
   bool causal = false;
   std::vector<int64_t> key_lengths;  // empty: none
   bool sinks = true, alibi = false, block_mask = false;
+  double softcap = 0.0;  // soft-capping too when > 0
 };
 
 std::vector<Case> cases() {
@@ -57,6 +60,10 @@ std::vector<Case> cases() {
       {"backward key parts, 300 x 300, ALiBi", 1, 2, 2, 300, 300, 16, 8, true, {}, true, true},
       {"a block mask", 1, 2, 2, 200, 260, 8, 8, false, {}, true, false, true},
       {"no sinks: lse alone", 2, 2, 2, 9, 5, 8, 6, true, {5, 2}, false},
+      {"soft-capping 2 (scores well past it), lane tiles", 1, 2, 2, 100, 300, 16, 8, true, {}, false, false, false, 2.0},
+      {"soft-capping with sinks, ALiBi, a block mask", 2, 2, 2, 150, 150, 16, 8, false, {}, true, true, true, 1.5},
+      {"soft-capping, decoding: L = 1 over 2100 keys (key split)", 1, 2, 2, 1, 2100, 8, 4, true, {}, false, false, false, 3.0},
+      {"soft-capping, sgemm tiles (L < 16), grouped heads", 1, 4, 2, 9, 40, 8, 8, true, {}, true, false, false, 1.0},
   };
 }
 
@@ -81,6 +88,7 @@ SoftmaxAttentionFuncOptions options(const Case& c, const Inputs& x, const torch:
   auto o = SoftmaxAttentionFuncOptions().causal(c.causal).key_lengths(x.key_lengths).block_mask(x.block_mask);
   if (c.sinks) o.sinks(sinks);
   if (c.alibi) o.alibi_slopes(attnkit::alibi_slopes(c.H).to(torch::kDouble));
+  o.softcap(c.softcap);
   return o;
 }
 
@@ -91,6 +99,7 @@ std::tuple<torch::Tensor, torch::Tensor> formula(const Case& c, const Inputs& x,
   const int64_t G = c.H / c.Hkv;
   const auto keys = k.repeat_interleave(G, 1), values = v.repeat_interleave(G, 1);
   auto scores = torch::matmul(q, keys.transpose(-1, -2)) / std::sqrt(static_cast<double>(c.E));
+  if (c.softcap > 0) scores = c.softcap * torch::tanh(scores / c.softcap);
   const auto i = torch::arange(c.L, torch::kLong).view({c.L, 1}), j = torch::arange(c.S, torch::kLong).view({1, c.S});
   if (c.alibi)
     scores = scores - attnkit::alibi_slopes(c.H).to(torch::kDouble).view({1, c.H, 1, 1}) *
@@ -227,7 +236,18 @@ TEST(SoftmaxAttentionSinks, DispatchAndRefusals) {
   const auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
   EXPECT_EQ(attnkit::softmax_attention_dispatch(bf(q), bf(k), bf(v), o).reason,
             "bf16 converted to float32 (attention sinks)");
+  EXPECT_EQ(attnkit::softmax_attention_dispatch(bf(q), bf(k), bf(v), SoftmaxAttentionFuncOptions().softcap(5)).reason,
+            "bf16 converted to float32 (soft-capping)");
   using attnkit::testing::expect_error;
+  expect_error([&] { attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().softcap(-1)); },
+               {"softmax_attention", "option 'softcap' must be finite and >= 0 (0: none), got -1"});
+  const auto cu = torch::tensor(std::vector<int64_t>{0, 3});
+  expect_error(
+      [&] {
+        attnkit::varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1).slice(0, 0, 3),
+                                  v[0].transpose(0, 1).slice(0, 0, 3), cu, cu, SoftmaxAttentionFuncOptions().softcap(5));
+      },
+      {"varlen_attention", "'sinks' and 'softcap' are not taken"});
   expect_error([&] { attnkit::softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().sinks(torch::zeros({3}))); },
                {"softmax_attention", "argument 'sinks' must be a floating CPU tensor of shape (H) = (4)"});
   expect_error([&] { attnkit::merge_attention({q}, {}); }, {"merge_attention", "one lse per output"});

@@ -109,6 +109,25 @@ def test_the_composite_path_takes_score_mods_and_gradients_into_captured_tensors
             assert error(g, w) <= 1e-5, score_mod.__name__
 
 
+def test_the_softcap_option_equals_the_softcap_score_mod():
+    """The kernel's soft-capping against the same cap as a score_mod (the
+    composite path), values and gradients, over a causal block mask."""
+    torch.manual_seed(7)
+    q = torch.randn(1, 2, 150, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 150, 16, requires_grad=True), torch.randn(1, 2, 150, 8, requires_grad=True)
+    mask = attnkit.create_block_mask(masks.causal(150, 150), None, None, 150, 150, BLOCK_SIZE=64)
+    kernel = attnkit.flex_attention(q, k, v, block_mask=mask, softcap=1.5)
+    composite = attnkit.flex_attention(q, k, v, block_mask=mask,
+                                       score_mod=lambda s, b, h, i, j: 1.5 * torch.tanh(s / 1.5))
+    cot = torch.randn_like(kernel)
+    got, want = (torch.autograd.grad((o * cot).sum(), (q, k, v)) for o in (kernel, composite))
+    assert error(kernel, composite.double()) <= 1e-5
+    for g, w in zip(got, want):
+        assert error(g, w.double()) <= 1e-5
+    with pytest.raises(ValueError, match="softcap must be finite"):
+        attnkit.flex_attention(q, k, v, softcap=-1.0)
+
+
 def test_merge_attention_of_split_keys_is_attention_over_all_of_them():
     torch.manual_seed(9)
     q, k, v = torch.randn(1, 2, 30, 8), torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 4)

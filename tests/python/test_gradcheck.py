@@ -106,6 +106,8 @@ def _op_cases():
     add("softmax with lse, key_lengths",
         lambda q, k, v: ops.softmax_attention_with_lse(q, k, v, key_lengths=lengths(2, 4)),
         leaf(2, 1, 3, 3), leaf(2, 1, 4, 3), leaf(2, 1, 4, 2))
+    add("softmax softcap causal", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, softcap=0.7),
+        leaf(1, 2, 3, 3), leaf(1, 2, 5, 3), leaf(1, 2, 5, 2))
     add("merge_attention", lambda o1, o2, l1, l2: ops.merge_attention([o1, o2], [l1, l2]),
         leaf(1, 2, 3, 2), leaf(1, 2, 3, 2), leaf(1, 2, 3), leaf(1, 2, 3))
     add("softmax alibi causal L<S", lambda q, k, v: ops.softmax_attention(q, k, v, causal=True,

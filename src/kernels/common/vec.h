@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <limits>
 
@@ -603,6 +604,83 @@ inline void sub_distance(float* x, int64_t n, float from, float slope) {
 #else
   for (int64_t i = 0; i < n; ++i) x[i] -= slope * std::fabs(from - static_cast<float>(i));
 #endif
+}
+
+// tanh for soft-capping: an odd Taylor polynomial to x^9 below |x| = 1/4
+// (truncation under 1e-8 relative there), 1 - 2 / (exp(2|x|) + 1) above it
+// (a few ulp: the subtraction costs at most two bits at |x| = 1/4), the sign
+// put back. +-inf give +-1, NaN stays NaN.
+#ifdef __AVX512F__
+inline __m512 tanh16(__m512 x) {
+  const __m512 a = _mm512_abs_ps(x), x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(62.f / 2835.f);
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-17.f / 315.f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.f / 15.f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-1.f / 3.f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, x2), x, x);
+  const __m512 e = exp16(_mm512_add_ps(a, a));
+  const __m512 large = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                                     _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const __m512 signed_large = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(large), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ), signed_large, small);
+}
+#elif ATTNKIT_AVX2
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign, x), x2 = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(62.f / 2835.f);
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.f / 315.f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.f / 15.f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.f / 3.f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), x, x);
+  const __m256 e = exp8(_mm256_add_ps(a, a));
+  const __m256 large =
+      _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  const __m256 signed_large = _mm256_or_ps(large, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(signed_large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+}
+#endif
+
+/// tanh of one float, the vector code's where it exists.
+inline float tanh(float x) {
+#ifdef __AVX512F__
+  return _mm512_cvtss_f32(tanh16(_mm512_set1_ps(x)));
+#elif ATTNKIT_AVX2
+  return _mm256_cvtss_f32(tanh8(_mm256_set1_ps(x)));
+#else
+  const float a = std::fabs(x), x2 = x * x;
+  if (a < 0.25f) return x + x * x2 * (-1.f / 3.f + x2 * (2.f / 15.f + x2 * (-17.f / 315.f + x2 * (62.f / 2835.f))));
+  return std::copysign(1.f - 2.f / (std::exp(2.f * a) + 1.f), x);
+#endif
+}
+
+/// Soft-capping (Gemma 2): x[i] = cap tanh(x[i] / cap), and when `slope` is
+/// given, slope[i] = 1 - tanh^2, the derivative of the new x[i] by the old.
+inline void softcap(float* x, int64_t n, float cap, float* slope = nullptr) {
+  const float inv = 1.f / cap;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 c = _mm512_set1_ps(cap), ic = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+  for (; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16{0xFFFF} : tail_mask(n - i);
+    const __m512 t = tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), ic));
+    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(t, c));
+    if (slope) _mm512_mask_storeu_ps(slope + i, k, _mm512_fnmadd_ps(t, t, one));
+  }
+#elif ATTNKIT_AVX2
+  const __m256 c = _mm256_set1_ps(cap), ic = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 t = tanh8(_mm256_mul_ps(_mm256_loadu_ps(x + i), ic));
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(t, c));
+    if (slope) _mm256_storeu_ps(slope + i, _mm256_fnmadd_ps(t, t, one));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float t = tanh(x[i] * inv);
+    x[i] = cap * t;
+    if (slope) slope[i] = 1.f - t * t;
+  }
 }
 
 }  // namespace vec
