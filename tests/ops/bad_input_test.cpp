@@ -361,34 +361,36 @@ TEST(BadInputDispatcher, SoftmaxThroughTorchOps) {
                                      int64_t, double, int64_t, double, c10::optional<int64_t>,
                                      const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
                                      const c10::optional<torch::Tensor>&, c10::IntArrayRef,
-                                     const c10::optional<torch::Tensor>&)>();
+                                     const c10::optional<torch::Tensor>&, double)>();
   const std::vector<int64_t> blocks{128, 128};  // the schema's default block_size
   auto q = Q(), k = K(), v = V();
-  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt);
+  auto good = op.call(q, k, v, c10::nullopt, true, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0);
   EXPECT_TRUE(torch::equal(good, softmax_attention(q, k, v, SoftmaxAttentionFuncOptions().causal(true))));
-  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k.narrow(3, 0, 4), v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "'k'", "feature size"});
-  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, kNaN, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "scale"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, i64({1, S + 1}), c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "key_lengths"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1}), 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, torch::ones({q.size(1) + 1}), 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "'alibi_slopes'", "shape (H)"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 3, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 3, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "'rotary_dim'", "even number"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, -1, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, -1, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "'window' must be >= 0"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 1.0, 3, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 1.0, 3, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "'dropout_p' must be in [0, 1)"});
   const auto mask = attnkit::create_block_mask(attnkit::masks::causal(q.size(2), k.size(2)), 1, 1, q.size(2), k.size(2));
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, c10::nullopt, mask.bits, blocks, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, c10::nullopt, mask.bits, blocks, c10::nullopt, 0.0); },
                {"softmax_attention", "needs all of block_kinds, block_partial_index and block_bits, got 2"});
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, mask.partial_index, mask.bits, {128}, c10::nullopt); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, mask.partial_index, mask.bits, {128}, c10::nullopt, 0.0); },
                {"softmax_attention", "'block_size' must be (q_block, kv_block), got 1 values"});
-  const auto masked = op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, mask.partial_index, mask.bits, blocks, c10::nullopt);
+  const auto masked = op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, mask.kinds, mask.partial_index, mask.bits, blocks, c10::nullopt, 0.0);
   EXPECT_TRUE(torch::allclose(masked, good, 1e-5, 1e-6));
-  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, torch::zeros({q.size(1) + 1})); },
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, torch::zeros({q.size(1) + 1}), 0.0); },
                {"softmax_attention", "argument 'sinks' must be a floating CPU tensor of shape (H)"});
+  expect_error([&] { op.call(q, k, v, c10::nullopt, false, c10::nullopt, c10::nullopt, c10::nullopt, 0, 10000.0, 0, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, blocks, c10::nullopt, -2.0); },
+               {"softmax_attention", "option 'softcap' must be finite and >= 0"});
 }
 
 TEST(BadInputDispatcher, ClusteredAndSparseAndLinearThroughTorchOps) {
