@@ -12,22 +12,11 @@ the same thing).
 """
 import argparse
 import os
-import statistics
-import time
 
 import torch
 
 import attnkit
-
-
-def timed(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from block_mask_bench import timed  # bench/, the script's own directory
 
 
 def main():
