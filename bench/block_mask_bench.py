@@ -58,15 +58,15 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def forward_and_backward(q, k, v, grad, bias=None, mask=None):
+def forward_and_backward(q, k, v, grad, bias=None, mask=None, causal=False, softcap=0.0):
     """The kernel's forward and forward + backward as callables, through its
     two ops (torch.ops.attnkit._softmax_attention_forward / _backward): what
     autograd runs, without autograd's own work (allocating and accumulating
     the gradients), which does not follow the mask."""
     forward_op = torch.ops.attnkit._softmax_attention_forward
     backward_op = torch.ops.attnkit._softmax_attention_backward
-    constants = (None, None, q.shape[-1] ** -0.5, False, 0, 10000.0, 0, 0.0, 0)
-    blocks = mask.as_arguments() if mask is not None else {}
+    constants = (None, None, q.shape[-1] ** -0.5, causal, 0, 10000.0, 0, 0.0, 0)
+    blocks = dict(mask.as_arguments() if mask is not None else {}, softcap=softcap)
 
     def forward():
         return forward_op(q, k, v, bias, *constants, **blocks)
@@ -82,6 +82,9 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dense-max", type=int, default=4096)
+    parser.add_argument("--softcap", type=float, default=0.0,
+                        help="instead of the patterns: the unmasked kernel with soft-capping at this cap against "
+                             "without, not causal and causal")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"attnkit {attnkit.isa()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
@@ -89,6 +92,17 @@ def main():
     torch.manual_seed(0)
     for L in args.lengths:
         q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
+        if args.softcap > 0:
+            grad = torch.randn(1, 8, L, 64)
+            for causal in (False, True):
+                plain, capped = ([timed(f, args.repeats) for f in
+                                  forward_and_backward(q, k, v, grad, causal=causal, softcap=cap)]
+                                 for cap in (0.0, args.softcap))
+                print(f"L = {L}, causal {causal}: forward {plain[0] * 1e3:.1f} / {capped[0] * 1e3:.1f} ms "
+                      f"(x{capped[0] / plain[0]:.2f}), forward + backward {plain[1] * 1e3:.1f} / "
+                      f"{capped[1] * 1e3:.1f} ms (x{capped[1] / plain[1]:.2f}) without / with softcap "
+                      f"{args.softcap}", flush=True)
+            continue
         grad = torch.randn(1, 8, L, 64)
         base_f, base_b = (timed(f, args.repeats) for f in forward_and_backward(q, k, v, grad))
         print(f"L = {L}: unmasked forward {base_f * 1e3:.1f} ms, forward + backward {base_b * 1e3:.1f} ms")

@@ -36,8 +36,6 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
   constexpr double kInf = std::numeric_limits<double>::infinity();
   // A row with nothing visible takes scores of 0 where the log-sum-exp is
   // formed (finite, so its gradient is 0, not NaN), then -inf.
-  const auto seen = visible.any(-1, /*keepdim=*/true);
-  const auto hidden = scores.masked_fill(visible.logical_not(), -kInf).masked_fill(seen.logical_not(), 0.0);
   torch::Tensor a;
   if (o.sinks().defined()) {
     // The sink: one more column of the softmax, without a value.
@@ -47,7 +45,11 @@ torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
     if (lse) *lse = torch::logsumexp(all, -1);
   } else {
     a = detail::masked_softmax(scores, visible);
-    if (lse) *lse = torch::logsumexp(hidden, -1).masked_fill(seen.squeeze(-1).logical_not(), -kInf);
+    if (lse) {
+      const auto seen = visible.any(-1, /*keepdim=*/true);
+      const auto hidden = scores.masked_fill(visible.logical_not(), -kInf).masked_fill(seen.logical_not(), 0.0);
+      *lse = torch::logsumexp(hidden, -1).masked_fill(seen.squeeze(-1).logical_not(), -kInf);
+    }
   }
   // masked_softmax hides NaN scores with the -inf ones; here a NaN score of a
   // visible key makes its row NaN, as torch's softmax (and the kernel) do.
