@@ -472,7 +472,10 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
                   int64_t i0, int64_t rows, int64_t j_begin, int64_t j_end,
                   const ForwardScratch& w, const Accumulator& a) {
   const SubnormalsAsZero subnormals_as_zero;  // kernels/common/denormals.h says why
-  const auto [BQ, BK] = forward_tiles(p);
+  // Plain names, not a structured binding: the tile lambdas below capture
+  // them, which C++17 allows only for variables (clang refuses bindings).
+  const ForwardTiles tiles = forward_tiles(p);
+  const int64_t BQ = tiles.q, BK = tiles.k;
   const int64_t E = p.E, M = p.M;
   const Visibility visible = visibility_of(p, n);
   const Strided vh = head_matrix(p.v, p.v_stride, n, p.kv_head(h));
@@ -893,7 +896,7 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
                    int64_t h, int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
   const SubnormalsAsZero subnormals_as_zero;  // as in the forward
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
-  const int64_t BQ = kBackwardBlockQ, BK = kBackwardBlockK;
+  const int64_t BK = kBackwardBlockK;
   const Visibility visible = visibility_of(p, n);
   const Rows q = qk.queries(n, h, 0, L, w.q, /*compact=*/true);
   const Rows k = qk.keys(n, h, 0, S, w.k, /*compact=*/true);
