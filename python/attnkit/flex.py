@@ -5,28 +5,36 @@ return_lse=False)``, on attnkit's exact kernel, for torch 1.13 and 2.x alike
 
 Two paths, and ``flex_attention_dispatch`` says which one a call takes:
 
-- **The kernel** when there is no ``score_mod``: the block mask's non-empty
-  blocks only, nothing applied inside full blocks, forward and backward, at
-  tile speed (``softmax_attention_with_lse`` with the mask's arguments).
-- **The composite** when there is one: the scores are formed as an
-  (B, H, L, S) tensor, ``score_mod(score, b, h, q_idx, kv_idx)`` is called
+- **The kernel**: the block mask's non-empty blocks only, nothing applied
+  inside full blocks, forward and backward, at tile speed. A ``score_mod`` is
+  traced once (``attnkit.score_mods.trace``: torch.fx, no compiler) into a
+  program the kernel runs on each tile row, and differentiates, gradients
+  into captured tensors that require grad included.
+- **The composite** when the kernel cannot take the call (a score_mod outside
+  the traced op set, whose op the dispatch reason names; inputs neither
+  float32 nor bfloat16; bfloat16 with a score_mod): the scores are formed as
+  an (B, H, L, S) tensor, ``score_mod(score, b, h, q_idx, kv_idx)`` is called
   once on all of them with broadcasting index tensors (``b`` (B, 1, 1, 1),
   ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, L, 1), ``kv_idx`` (1, 1, 1, S), int64),
-  the mask and the softmax follow, and autograd differentiates it all,
-  captured tensors that require grad included. O(L S) memory, as torch's own
-  eager flex_attention. Tracing a score_mod into the kernel (issue 48 item 3)
-  is not built yet.
+  the mask and the softmax follow, and autograd differentiates it all. O(L S)
+  memory, as torch's own eager flex_attention.
 
 Beyond torch's signature: ``sinks`` (H), attention sinks, and ``softcap``,
 soft-capping of the scaled scores (``softcap * tanh(score / softcap)``, before
-the score_mod and the mask), both as ``softmax_attention``'s. Rows that see nothing give 0 and lse -inf (with
+the score_mod and the mask), both as ``softmax_attention``'s.
+
+A traced program is kept per function (and the values its closure holds),
+so a score_mod called again is not traced again; captured tensors are read
+at each call, so a table an optimizer updates in place is seen. Rows that see nothing give 0 and lse -inf (with
 sinks: lse = the sink), on both paths.
 """
 import math
-from typing import Callable, Optional
+import weakref
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from . import score_mods as _score_mods
 from .block_mask import BlockMask
 
 __all__ = ["flex_attention", "flex_attention_dispatch"]
@@ -68,14 +76,95 @@ def _check(query, key, value, score_mod, block_mask, enable_gqa, sinks):
         raise ValueError(f"attnkit.flex_attention: sinks must be a tensor of shape (H) = ({H},)")
 
 
+# Traced programs by function, with the closure values they were traced with.
+_programs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _closure_key(fn) -> Tuple:
+    cells = getattr(fn, "__closure__", None) or ()
+    key = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            value = None
+        key.append(value if isinstance(value, (bool, int, float, str, type(None))) else id(value))
+    return tuple(key)
+
+
+def _program(score_mod) -> Union["_score_mods.ScoreModProgram", str]:
+    """score_mod's program, or why it has none (ScoreModUnsupported's message)."""
+    key = _closure_key(score_mod)
+    try:
+        cached = _programs.get(score_mod)
+    except TypeError:  # not weak-referenceable: traced each call
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        program = _score_mods.trace(score_mod)
+    except _score_mods.ScoreModUnsupported as e:
+        program = str(e)
+    try:
+        _programs[score_mod] = (key, program)
+    except TypeError:
+        pass
+    return program
+
+
 def flex_attention_dispatch(query, key, value, score_mod: Optional[ScoreMod] = None, block_mask=None) -> str:
     """Which path flex_attention takes for these arguments, and why."""
-    if score_mod is not None:
-        return ("composite: a score_mod is evaluated over the whole (B, H, L, S) score tensor "
-                "(tracing score_mods into the kernel is not built yet)")
     if query.dtype not in (torch.float32, torch.bfloat16):
         return f"composite: {query.dtype} inputs (the kernel takes float32 and bfloat16)"
-    return "kernel" + (" over the block mask's non-empty blocks" if block_mask is not None else "")
+    where = " over the block mask's non-empty blocks" if block_mask is not None else ""
+    if score_mod is None:
+        return "kernel" + where
+    if query.dtype != torch.float32:
+        return f"composite: {query.dtype} inputs with a score_mod (the kernel runs score_mods on float32)"
+    program = _program(score_mod)
+    if isinstance(program, str):
+        return "composite: " + program
+    return f"kernel{where}, with the score_mod traced into {len(program)} instructions"
+
+
+class _ScoreModAttention(torch.autograd.Function):
+    """The kernel ops with a traced score_mod: out and lse, gradients for q,
+    k, v, the sinks and the program's flat tables."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, tables, program, scale, softcap, mask):
+        out, lse = torch.ops.attnkit._softmax_attention_forward(
+            query, key, value, None, None, None, scale, False, 0, 10000.0, 0, 0.0, 0, *mask, sinks, softcap,
+            program.code, program.values, tables)
+        ctx.save_for_backward(query, key, value, out, lse, sinks, tables, *mask[:3])
+        ctx.program, ctx.scale, ctx.softcap, ctx.block_size = program, scale, softcap, mask[3]
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, sinks, tables, kinds, partial_index, bits = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        program = ctx.program
+        dq, dk, dv, _, dsinks, dtables = torch.ops.attnkit._softmax_attention_backward(
+            grad_out, query, key, value, out, lse, None, None, None, ctx.scale, False, 0, 10000.0, 0, 0.0, 0,
+            False, kinds, partial_index, bits, ctx.block_size, sinks,
+            grad_lse.contiguous() if grad_lse is not None else None, ctx.softcap, program.code, program.values,
+            tables)
+        return (dq, dk, dv, dsinks if sinks is not None and ctx.needs_input_grad[3] else None,
+                dtables if tables is not None and ctx.needs_input_grad[4] else None, None, None, None, None)
+
+
+def _kernel_with_score_mod(query, key, value, program, block_mask, scale, sinks, softcap):
+    if block_mask is not None:
+        arguments = block_mask.as_arguments()
+        mask = (arguments["block_kinds"], arguments["block_partial_index"], arguments["block_bits"],
+                list(arguments["block_size"]))
+    else:
+        mask = (None, None, None, [128, 128])
+    return _ScoreModAttention.apply(query, key, value, sinks, program.flat_tables(), program, float(scale),
+                                    float(softcap), mask)
 
 
 def _composite(query, key, value, score_mod, block_mask, scale, sinks, softcap):
@@ -128,7 +217,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"attnkit.flex_attention: softcap must be finite and >= 0 (0: none), got {softcap}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    if flex_attention_dispatch(query, key, value, score_mod, block_mask).startswith("kernel"):
+    path = flex_attention_dispatch(query, key, value, score_mod, block_mask)
+    if path.startswith("kernel") and score_mod is not None:
+        out, lse = _kernel_with_score_mod(query, key, value, _program(score_mod), block_mask, scale, sinks, softcap)
+    elif path.startswith("kernel"):
         arguments = block_mask.as_arguments() if block_mask is not None else {}
         out, lse = torch.ops.attnkit.softmax_attention_with_lse(query, key, value, scale=float(scale), sinks=sinks,
                                                                 softcap=float(softcap), **arguments)

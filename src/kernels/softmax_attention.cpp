@@ -19,6 +19,7 @@
 #include "kernels/common/strided.h"
 #include "kernels/common/vec.h"
 #include "kernels/common/visibility.h"
+#include "kernels/score_mod.h"
 #include "kernels/sparse_band.h"
 
 ATTNKIT_KERNELS_BEGIN
@@ -79,7 +80,7 @@ constexpr int64_t kMaxWindowBlockK = 1024;
 /// row by row in the row-major path).
 bool band_by_columns(const SoftmaxAttentionParams& p) {
   return p.window > 0 && !p.bias && !p.alibi_slopes && !(p.dropout_p > 0.f) && !p.block_mask.active() &&
-         !(p.softcap > 0.f);
+         !(p.softcap > 0.f) && !p.score_mod.active();
 }
 
 /// A block mask's key tiles lie inside its blocks, which the band's tiles
@@ -272,7 +273,9 @@ struct Accumulator {
 /// the thread count), so the result stays bitwise the same for any count.
 bool by_lanes(const SoftmaxAttentionParams& p) {
 #if ATTNKIT_BAND_KERNELS
-  return !p.bias && !(p.dropout_p > 0.f) && (p.window == 0 || p.block_mask.active()) && p.L >= 16;
+  // A score modifier runs on row-major tiles (score_mod.h).
+  return !p.bias && !(p.dropout_p > 0.f) && (p.window == 0 || p.block_mask.active()) && p.L >= 16 &&
+         !p.score_mod.active();
 #else
   (void)p;
   return false;
@@ -287,6 +290,7 @@ struct ForwardScratch {
   // tile's state (u: 32 x M, m and l) before it joins acc.
   float* qt = nullptr;
   Accumulator tile{};
+  float* regs;  // a score modifier's registers: its size x one key tile
 
   /// Scratch for work items of up to `rows` query rows.
   ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer, int64_t rows)
@@ -294,7 +298,8 @@ struct ForwardScratch {
         k(slicer.take(forward_tiles(p).k * p.E)),
         v(slicer.take(forward_tiles(p).k * p.M)),
         s(slicer.take(forward_tiles(p).q * forward_tiles(p).k)),
-        acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)} {
+        acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)},
+        regs(slicer.take(p.score_mod.size * forward_tiles(p).k)) {
     if (!by_lanes(p)) return;
     qt = slicer.take(ceil_div(rows, kLaneRows) * kLaneRows * p.E);
     tile = {slicer.take(kLaneRows * p.M), slicer.take(kLaneRows), slicer.take(kLaneRows)};
@@ -516,6 +521,9 @@ void forward_keys(const SoftmaxAttentionParams& p, const QkReader& qk, int64_t n
             0.f, w.s, BK);
       if (p.softcap > 0.f)
         for (int64_t r = 0; r < block_rows; ++r) vec::softcap(w.s + r * BK, cols, p.softcap);
+      if (p.score_mod.active())
+        for (int64_t r = 0; r < block_rows; ++r)
+          score_mod::apply(p.score_mod, {n, h, i0 + b + r, j0, cols}, w.s + r * BK, w.regs, BK);
       add_score_terms(p, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
       mask_tile(p, visible, n, h, i0 + b, block_rows, j0, cols, w.s, BK);
 
@@ -697,6 +705,12 @@ void forward_split(const SoftmaxAttentionParams& p, const QkReader& qk, const Ke
 
 /// The inputs of one tile: q and dout at its first query, k and v at its first
 /// key, lse and D at its first query.
+/// A score modifier's scratch in the backward: its two register files (its
+/// size x kBackwardBlockK each) and a tile of the scores it was given.
+struct ScoreModScratch {
+  float *regs = nullptr, *adj = nullptr, *raw = nullptr;
+};
+
 struct TileInputs {
   Rows q, dout, k, v;
   const float *lse, *d;
@@ -708,14 +722,23 @@ struct TileInputs {
 /// score's 1 - tanh^2, which takes dS back through the cap (softcap_back);
 /// with dropout prob = P o Z / (1 - p), what multiplies v (and dv's factor),
 /// and ds = P o (dP - D) with dP = (dO V^T) o Z / (1 - p).
+/// With a score modifier, its registers are in mod.regs, and mod.raw (when
+/// given, the tile's layout) keeps the scores it was given (score_mod_back).
 void tile_scores_grad(const SoftmaxAttentionParams& p, int64_t n, int64_t h,
                       const Visibility& visible, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                      const TileInputs& x, float* prob, float* ds, float* softcap_slope = nullptr) {
+                      const TileInputs& x, float* prob, float* ds, float* softcap_slope = nullptr,
+                      const ScoreModScratch& mod = {}) {
   const int64_t BK = kBackwardBlockK;
   sgemm(false, true, rows, cols, p.E, p.scale, x.q.data, x.q.ld, x.k.data, x.k.ld, 0.f, prob, BK);
   if (p.softcap > 0.f)
     for (int64_t r = 0; r < rows; ++r)
       vec::softcap(prob + r * BK, cols, p.softcap, softcap_slope ? softcap_slope + r * BK : nullptr);
+  if (p.score_mod.active())
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = prob + r * BK;
+      if (mod.raw) std::copy(s, s + cols, mod.raw + r * BK);
+      score_mod::apply(p.score_mod, {n, h, i0 + r, j0, cols}, s, mod.regs, BK);
+    }
   add_score_terms(p, n, h, i0, rows, j0, cols, prob, BK);
   mask_tile(p, visible, n, h, i0, rows, j0, cols, prob, BK);
   for (int64_t r = 0; r < rows; ++r) {
@@ -837,6 +860,7 @@ struct BackwardScratch {
   float *dk, *dv;           // dK, dV accumulators of one key block
   float *prob, *ds;         // P and dS: kBackwardBlockQ x kBackwardBlockK
   float *slope;             // soft-capping's 1 - tanh^2, the same size (none without it)
+  ScoreModScratch mod;      // a score modifier's (none without it)
 
   BackwardScratch(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, Slicer& slicer)
       : q(slicer.take(qk.rotates() || needs_compact({p.q, p.q_stride[2], p.q_stride[3]}, p.L, p.E) ? p.L * p.E
@@ -852,7 +876,9 @@ struct BackwardScratch {
         dv(slicer.take(kBackwardBlockK * p.M)),
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
-        slope(slicer.take(p.softcap > 0.f ? kBackwardBlockQ * kBackwardBlockK : 0)) {}
+        slope(slicer.take(p.softcap > 0.f ? kBackwardBlockQ * kBackwardBlockK : 0)),
+        mod{slicer.take(p.score_mod.size * kBackwardBlockK), slicer.take(p.score_mod.size * kBackwardBlockK),
+            slicer.take(p.score_mod.active() ? kBackwardBlockQ * kBackwardBlockK : 0)} {}
 };
 
 /// ds *= slope over a tile's rows x cols (row stride kBackwardBlockK): the
@@ -893,7 +919,8 @@ void for_each_query_tile(const SoftmaxAttentionParams& p, int64_t n, int64_t h, 
 /// when it has its own (then the keys are [0, S): one part). Key blocks outer
 /// (each owns its dK, dV rows), query blocks inner.
 void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, int64_t n,
-                   int64_t h, int64_t j_begin, int64_t j_end, float* dq, const BackwardScratch& w) {
+                   int64_t h, int64_t j_begin, int64_t j_end, float* dq, float* dtables,
+                   const BackwardScratch& w) {
   const SubnormalsAsZero subnormals_as_zero;  // as in the forward
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M;
   const int64_t BK = kBackwardBlockK;
@@ -926,8 +953,12 @@ void backward_keys(const SoftmaxAttentionBackwardParams& p, const QkReader& qk, 
     for_each_query_tile(p, n, h, j0, query_begin, query_end, [&](int64_t i0, int64_t rows) {
       const TileInputs x{{q.row(i0), q.ld}, {dout.row(i0), dout.ld}, {k.row(j0), k.ld},
                          {v.row(j0), v.ld}, lse + i0,                w.d + i0};
-      tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds, w.slope);
+      tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds, w.slope, w.mod);
       if (dbias) bias_grad.add(i0, rows, j0, cols, w.ds, BK);
+      if (p.score_mod.active())
+        for (int64_t r = 0; r < rows; ++r)
+          score_mod::backward(p.score_mod, {n, h, i0 + r, j0, cols}, w.mod.raw + r * BK, w.ds + r * BK,
+                              w.mod.regs, w.mod.adj, BK, dtables);
       if (p.softcap > 0.f) softcap_back(w.ds, w.slope, rows, cols);
       sgemm(true, false, cols, M, rows, 1.f, w.prob, BK, x.dout.data, x.dout.ld, 1.f, w.dv, M);
       sgemm(true, false, cols, E, rows, p.scale, w.ds, BK, x.q.data, x.q.ld, 1.f, w.dk, E);
@@ -955,6 +986,7 @@ struct BiasScratch {
   float *q, *dout, *k, *v;  // packed blocks when the strides need it
   float *d;                 // D of a query block
   float *prob, *ds;         // kBackwardBlockQ x kBackwardBlockK
+  ScoreModScratch mod;      // a score modifier's registers (its raw scores are not needed here)
 
   BiasScratch(const SoftmaxAttentionBackwardParams& p, Slicer& slicer)
       : q(slicer.take(kBackwardBlockQ * p.E)),
@@ -963,7 +995,8 @@ struct BiasScratch {
         v(slicer.take(kBackwardBlockK * p.M)),
         d(slicer.take(kBackwardBlockQ)),
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
-        ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)) {}
+        ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
+        mod{slicer.take(p.score_mod.size * kBackwardBlockK)} {}
 };
 
 /// The part of dbias one work item owns: slice (nb, hb), queries [i_begin,
@@ -1003,7 +1036,7 @@ void bias_part_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& qk,
           if (j0 + cols <= visible.first(i0)) continue;  // before every row's window
           x.k = qk.keys(n, h, j0, cols, w.k);
           x.v = rows_of(v, j0, cols, p.M, w.v);
-          tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds);
+          tile_scores_grad(p, n, h, visible, i0, rows, j0, cols, x, w.prob, w.ds, nullptr, w.mod);
           first.add(i0, rows, j0, cols, w.ds, BK);
         }
       }
@@ -1030,6 +1063,38 @@ void shared_bias_grad(const SoftmaxAttentionBackwardParams& p, const QkReader& q
         bias_part_grad(p, qk, part, w);
       });
 }
+
+// ---------------------------------------------------------------------------
+// A score modifier's captured tensors' gradient
+// ---------------------------------------------------------------------------
+
+/// One gradient buffer of the flat tables per backward work item, each
+/// item's share summed by itself in its fixed order, then the items in
+/// order: the same bits on any thread count (the items depend on the shape
+/// alone). Empty when the gradient is not asked for.
+class TableGrads {
+ public:
+  TableGrads(const SoftmaxAttentionBackwardParams& p, int64_t items)
+      : numel_(p.dscore_tables && p.score_mod.active() ? p.score_mod.tables_numel : 0),
+        items_(numel_ > 0 ? items : 0),
+        buffer_(static_cast<std::size_t>(items_ * numel_)) {
+    std::fill(buffer_.data(), buffer_.data() + items_ * numel_, 0.f);
+  }
+
+  /// Item t's buffer, nullptr when none is kept.
+  float* item(int64_t t) const { return numel_ > 0 ? buffer_.data() + t * numel_ : nullptr; }
+
+  /// out (numel) = the items' sum; nothing when out is nullptr.
+  void sum_into(float* out) const {
+    if (!out) return;
+    std::fill(out, out + numel_, 0.f);
+    for (int64_t t = 0; t < items_; ++t) vec::add(out, item(t), numel_);
+  }
+
+ private:
+  int64_t numel_, items_;
+  mutable Buffer<float> buffer_;
+};
 
 // ---------------------------------------------------------------------------
 // Attention sinks' gradient
@@ -1083,7 +1148,7 @@ void sink_grads(const SoftmaxAttentionBackwardParams& p) {
 /// Returns false when p is not such a call.
 bool as_grouped_rows(const SoftmaxAttentionParams& p, SoftmaxAttentionParams& rows) {
   if (p.L != 1 || p.kv_group <= 1 || p.bias || p.alibi_slopes || p.rotary_dim > 0 || p.window > 0 ||
-      p.dropout_p > 0 || p.block_mask.active() || p.sinks)
+      p.dropout_p > 0 || p.block_mask.active() || p.sinks || p.score_mod.active())
     return false;
   const int64_t G = p.kv_group;
   rows = p;
@@ -1140,6 +1205,8 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
     std::fill(p.dsinks, p.dsinks + p.H, 0.f);
     if (p.N > 0 && p.L > 0) sink_grads(p);
   }
+  if (p.dscore_tables && p.score_mod.active())  // an empty problem's gradient; otherwise overwritten below
+    std::fill(p.dscore_tables, p.dscore_tables + p.score_mod.tables_numel, 0.f);
   if (p.N == 0 || p.H == 0) {
     if (p.dbias) {  // an empty batch contributes nothing to a bias that is not empty
       const int64_t* b = p.dbias_shape;
@@ -1149,17 +1216,19 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
   }
   const QkReader qk(p);
   const int64_t parts = backward_parts(p), L = p.L, E = p.E;
+  const TableGrads table_grads(p, p.N * p.H * parts);
   if (parts == 1) {
     parallel_for_scratch(
         p.N * p.H, [&](Slicer& s) { return BackwardScratch(p, qk, s); },
         [&](int64_t nh, const BackwardScratch& w) {
           const int64_t n = nh / p.H, h = nh % p.H;
           std::fill(w.dq, w.dq + L * E, 0.f);
-          backward_keys(p, qk, n, h, 0, p.S, w.dq, w);
+          backward_keys(p, qk, n, h, 0, p.S, w.dq, table_grads.item(nh), w);
           qk.unrotate_queries(w.dq, 0, L);
           store(w.dq, L, E, head_of(p.dq, p.dq_stride, n, h), p.dq_stride[2], p.dq_stride[3]);
         });
     if (p.dbias && !bias_grad_per_head(p)) shared_bias_grad(p, qk);
+    table_grads.sum_into(p.dscore_tables);
     return;
   }
   // Parts of heads, then each head's dQ summed over its parts in order, per
@@ -1172,8 +1241,9 @@ void softmax_attention_backward(const SoftmaxAttentionBackwardParams& p) {
         float* dq = dq_parts.data() + t * L * E;
         std::fill(dq, dq + L * E, 0.f);
         const auto [j_begin, j_end] = part_keys(p, parts, part);
-        backward_keys(p, qk, nh / p.H, nh % p.H, j_begin, j_end, dq, w);
+        backward_keys(p, qk, nh / p.H, nh % p.H, j_begin, j_end, dq, table_grads.item(t), w);
       });
+  table_grads.sum_into(p.dscore_tables);
   const int64_t blocks = ceil_div(L, kBackwardBlockQ);
   parallel_for(p.N * p.H * blocks, 0, [&](int64_t t, float*) {
     const int64_t nh = t / blocks, i0 = t % blocks * kBackwardBlockQ;

@@ -43,6 +43,7 @@
 
 #include "kernels/common/block_mask_view.h"
 #include "kernels/common/params.h"
+#include "kernels/common/score_program.h"
 
 namespace attnkit::kernels {
 
@@ -85,6 +86,10 @@ struct SoftmaxAttentionParams : QkvParams {
   // softcap tanh(scale q k^T / softcap) before the bias, ALiBi and the masks
   // act; the backward multiplies their gradient by 1 - tanh^2. 0: none.
   float softcap = 0.f;
+  // A traced score modifier (kernels/common/score_program.h), run on the
+  // scaled (and soft-capped) scores before the bias, ALiBi and the masks:
+  // s_ij = mod(s_ij, n, h, i, j). Inactive (size 0): none.
+  ScoreProgram score_mod;
 };
 
 /// The backward pass reads q, k, v, out, lse (as left by the forward) and the
@@ -105,6 +110,10 @@ struct SoftmaxAttentionBackwardParams : SoftmaxAttentionParams, QkvGrads {
   /// (H), written when sinks are given: d sink_h = -sum_(n, i) P_sink D_i with
   /// P_sink = exp(sink_h - lse_i), summed over n in order. nullptr: not computed.
   float* dsinks = nullptr;
+  /// (score_mod.tables_numel), fully overwritten when given: the gradient of
+  /// the score modifier's captured tensors (its flat `tables`), each work
+  /// item's share summed in item order. nullptr: not computed.
+  float* dscore_tables = nullptr;
 };
 
 /// Writes out and lse. Threads: num_threads() over (batch, head, query block).

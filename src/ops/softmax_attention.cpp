@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -98,8 +100,12 @@ struct SoftmaxConstants {
   int64_t window;              // 0: no window
   double dropout_p;            // 0: no dropout
   int64_t dropout_seed;        // drawn (or given) once per call: the backward's mask is the forward's
-  c10::optional<BlockMask> block_mask;  // checked against the problem
+  c10::optional<BlockMask> block_mask = c10::nullopt;  // checked against the problem
   double softcap = 0.0;                 // 0: none
+  // A traced score modifier (kernels/common/score_program.h): its
+  // instructions, int32 (n, 4) (op, a, b, c); their constants, float32 (n);
+  // its captured tensors flattened into one float32 vector. Undefined: none.
+  torch::Tensor score_code = {}, score_values = {}, score_tables = {};
 };
 
 /// c's numbers as saved_data (its tensors go through save_for_backward),
@@ -235,37 +241,44 @@ std::string bf16_fallback_reason(const torch::Tensor& q, const torch::Tensor& k,
 // block sizes (its grid is the problem's L x S), all or none given.
 #define ATTNKIT_BLOCK_MASK_ARGUMENTS \
   "Tensor? block_kinds=None, Tensor? block_partial_index=None, Tensor? block_bits=None, int[] block_size=[128, 128]"
+// A traced score modifier as op arguments (SoftmaxConstants::score_code).
+#define ATTNKIT_SCORE_MOD_ARGUMENTS "Tensor? score_code=None, Tensor? score_values=None, Tensor? score_tables=None"
 
 constexpr const char* kSoftmaxForwardOp = "_softmax_attention_forward";
 constexpr const char* kSoftmaxBackwardOp = "_softmax_attention_backward";
 constexpr const char* kSoftmaxForwardSchema =
     "_softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, "
     "Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, float rotary_base, int window, "
-    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, float softcap=0.) "
-    "-> (Tensor out, Tensor lse)";
+    "float dropout_p, int dropout_seed, " ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, float softcap=0., "
+    ATTNKIT_SCORE_MOD_ARGUMENTS ") -> (Tensor out, Tensor lse)";
 constexpr const char* kSoftmaxBackwardSchema =
     "_softmax_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? bias, Tensor? key_lengths, Tensor? alibi_slopes, float scale, bool causal, int rotary_dim, "
     "float rotary_base, int window, float dropout_p, int dropout_seed, bool bias_grad, "
-    ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, Tensor? grad_lse=None, float softcap=0.) "
-    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks)";
+    ATTNKIT_BLOCK_MASK_ARGUMENTS ", Tensor? sinks=None, Tensor? grad_lse=None, float softcap=0., "
+    ATTNKIT_SCORE_MOD_ARGUMENTS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks, "
+    "Tensor dscore_tables)";
 
 using detail::OptionalTensor;
 using SoftmaxForwardResult = std::tuple<torch::Tensor, torch::Tensor>;
-using SoftmaxBackwardResult = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
+using SoftmaxBackwardResult =
+    std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
 using SoftmaxForwardSignature = SoftmaxForwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                      const OptionalTensor&, const OptionalTensor&,
                                                      const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                      double, int64_t, const OptionalTensor&, const OptionalTensor&,
                                                      const OptionalTensor&, c10::IntArrayRef, const OptionalTensor&,
-                                                     double);
+                                                     double, const OptionalTensor&, const OptionalTensor&,
+                                                     const OptionalTensor&);
 using SoftmaxBackwardSignature = SoftmaxBackwardResult(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                                        const OptionalTensor&, const OptionalTensor&,
                                                        const OptionalTensor&, double, bool, int64_t, double, int64_t,
                                                        double, int64_t, bool, const OptionalTensor&,
                                                        const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
-                                                       const OptionalTensor&, const OptionalTensor&, double);
+                                                       const OptionalTensor&, const OptionalTensor&, double,
+                                                       const OptionalTensor&, const OptionalTensor&,
+                                                       const OptionalTensor&);
 
 /// The block mask of op arguments (ATTNKIT_BLOCK_MASK_ARGUMENTS) over an
 /// L x S grid: none when no tensor is given, refused when only some are.
@@ -320,6 +333,8 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16, op,
               ": the kernels take float32 or bfloat16, got ", detail::dtype_name(q.scalar_type()));
   if (q.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(!c.score_code.defined(), op,
+                ": bfloat16 inputs run on the AMX kernel, which cannot take a score modifier (pass float32)");
     const std::string why = bf16_fallback_reason(q, k, options);
     TORCH_CHECK(why.empty(), op, ": bfloat16 inputs run on the AMX kernel, which cannot take ", why,
                 " (softmax_attention converts them to float32 then)");
@@ -332,6 +347,112 @@ void check_softmax_kernel_arguments(const char* op, const torch::Tensor& q, cons
   TORCH_CHECK(!sinks.defined() || (sinks.scalar_type() == torch::kFloat && sinks.is_contiguous()), op,
               ": argument 'sinks' must be contiguous float32");
 }
+
+/// Arity of each opcode of kernels/common/score_program.h (how many of a, b,
+/// c it reads), -1 for a number that is no opcode.
+int score_op_arity(int32_t op) {
+  using kernels::ScoreOp;
+  switch (static_cast<ScoreOp>(op)) {
+    case ScoreOp::kScore: case ScoreOp::kBatch: case ScoreOp::kHead: case ScoreOp::kQuery: case ScoreOp::kKey:
+    case ScoreOp::kConst:
+      return 0;
+    case ScoreOp::kNeg: case ScoreOp::kAbs: case ScoreOp::kExp: case ScoreOp::kLog: case ScoreOp::kTanh:
+    case ScoreOp::kSigmoid: case ScoreOp::kSqrt: case ScoreOp::kFloor: case ScoreOp::kCeil: case ScoreOp::kTrunc:
+    case ScoreOp::kNot: case ScoreOp::kRound: case ScoreOp::kIndex: case ScoreOp::kGather:
+      return 1;
+    case ScoreOp::kAdd: case ScoreOp::kSub: case ScoreOp::kMul: case ScoreOp::kDiv: case ScoreOp::kFloorDiv:
+    case ScoreOp::kMod: case ScoreOp::kPow: case ScoreOp::kMinimum: case ScoreOp::kMaximum: case ScoreOp::kClampMin:
+    case ScoreOp::kClampMax: case ScoreOp::kLt: case ScoreOp::kLe: case ScoreOp::kGt: case ScoreOp::kGe:
+    case ScoreOp::kEq: case ScoreOp::kNe: case ScoreOp::kAnd: case ScoreOp::kOr:
+      return 2;
+    case ScoreOp::kWhere:
+      return 3;
+  }
+  return -1;
+}
+
+/// c's score modifier from the op arguments (all three or none; score_tables
+/// may be left out when no instruction gathers), checked whole: the kernels
+/// read every register and index they name without checking.
+void set_score_mod(const char* op, SoftmaxConstants& c, const OptionalTensor& code, const OptionalTensor& values,
+                   const OptionalTensor& tables) {
+  if (!code && !values && !tables) return;
+  TORCH_CHECK(code && values, op, ": a score modifier needs score_code and score_values (score_tables when it ",
+              "reads captured tensors)");
+  TORCH_CHECK(code->scalar_type() == torch::kInt && code->dim() == 2 && code->size(1) == 4 && code->size(0) >= 1 &&
+                  code->is_contiguous(),
+              op, ": argument 'score_code' must be contiguous int32 of shape (n, 4) with n >= 1, got ",
+              detail::dtype_name(code->scalar_type()), " ", detail::shape_str(*code));
+  const int64_t n = code->size(0);
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max() / 2, op, ": a score modifier of ", n,
+              " instructions is too long");
+  TORCH_CHECK(values->scalar_type() == torch::kFloat && values->dim() == 1 && values->size(0) == n &&
+                  values->is_contiguous(),
+              op, ": argument 'score_values' must be contiguous float32 of shape (", n, "), got ",
+              detail::dtype_name(values->scalar_type()), " ", detail::shape_str(*values));
+  TORCH_CHECK(!tables || (tables->scalar_type() == torch::kFloat && tables->dim() == 1 && tables->is_contiguous()),
+              op, ": argument 'score_tables' must be a contiguous float32 vector, got ",
+              tables ? detail::dtype_name(tables->scalar_type()) : "", " ", tables ? detail::shape_str(*tables) : "");
+  const int32_t* ins = code->data_ptr<int32_t>();
+  const float* value = values->data_ptr<float>();
+  const int64_t numel = tables ? tables->numel() : 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const int32_t* in = ins + 4 * t;
+    const int arity = score_op_arity(in[0]);
+    TORCH_CHECK(arity >= 0, op, ": score_code instruction ", t, " has no opcode ", in[0],
+                " (kernels/common/score_program.h)");
+    for (int k = 0; k < 3; ++k)
+      TORCH_CHECK(k < arity ? in[1 + k] >= 0 && in[1 + k] < t : in[1 + k] == -1, op, ": score_code instruction ", t,
+                  " (opcode ", in[0], ") must read ", arity, " earlier registers and mark the rest -1, got (",
+                  in[1], ", ", in[2], ", ", in[3], ")");
+    if (in[0] == static_cast<int32_t>(kernels::ScoreOp::kIndex))
+      TORCH_CHECK(value[t] >= 1.f && value[t] == std::floor(value[t]) && value[t] <= 16777216.f, op,
+                  ": score_code instruction ", t, " indexes a dimension of ", value[t],
+                  " entries; it must be a whole number in [1, 2^24]");
+    if (in[0] == static_cast<int32_t>(kernels::ScoreOp::kGather))
+      TORCH_CHECK(numel > 0 && numel <= 16777216, op, ": score_code instruction ", t,
+                  " reads score_tables, which hold ", numel, " values (it must be 1 to 2^24)");
+  }
+  c.score_code = *code;
+  c.score_values = *values;
+  c.score_tables = tables ? *tables : torch::empty({0}, values->options());
+}
+
+/// A score modifier bound to a kernel's parameters for one call: its
+/// instructions in the kernels' layout and the flag where they report an
+/// index out of range, which check() turns into an error.
+class ScoreModBinding {
+ public:
+  ScoreModBinding(const SoftmaxConstants& c, kernels::SoftmaxAttentionParams& p) {
+    if (!c.score_code.defined()) return;
+    const int64_t n = c.score_code.size(0);
+    const int32_t* ins = c.score_code.data_ptr<int32_t>();
+    const float* values = c.score_values.data_ptr<float>();
+    code_.resize(static_cast<std::size_t>(n));
+    for (int64_t t = 0; t < n; ++t)
+      code_[t] = {ins[4 * t], ins[4 * t + 1], ins[4 * t + 2], ins[4 * t + 3], values[t]};
+    p.score_mod.code = code_.data();
+    p.score_mod.size = static_cast<int32_t>(n);
+    p.score_mod.tables = c.score_tables.numel() > 0 ? c.score_tables.data_ptr<float>() : nullptr;
+    p.score_mod.tables_numel = c.score_tables.numel();
+    p.score_mod.error = &error_;
+  }
+
+  /// Raises when an instruction met an index out of range.
+  void check(const char* op) const {
+    const int32_t t = error_.load() - 1;
+    if (t < 0) return;
+    const kernels::ScoreInstr& in = code_[t];
+    if (in.op == static_cast<int32_t>(kernels::ScoreOp::kIndex))
+      TORCH_CHECK(false, op, ": the score modifier indexes a dimension of ", static_cast<int64_t>(in.value),
+                  " entries out of range (instruction ", t, ")");
+    TORCH_CHECK(false, op, ": the score modifier read outside its captured tensors (instruction ", t, ")");
+  }
+
+ private:
+  std::vector<kernels::ScoreInstr> code_;
+  std::atomic<int32_t> error_{0};
+};
 
 /// out (N, H, L, M) in q's dtype and the rows' log-sum-exp lse (N, H, L) in
 /// float32, on q's device (meta tensors in the Meta kernel).
@@ -347,11 +468,13 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
                                          int64_t dropout_seed, const OptionalTensor& block_kinds,
                                          const OptionalTensor& block_partial_index, const OptionalTensor& block_bits,
                                          c10::IntArrayRef block_size, const OptionalTensor& sinks_given,
-                                         double softcap) {
+                                         double softcap, const OptionalTensor& score_code,
+                                         const OptionalTensor& score_values, const OptionalTensor& score_tables) {
   auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxForwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   c.softcap = softcap;
+  set_score_mod(kSoftmaxForwardOp, c, score_code, score_values, score_tables);
   const auto b = bias.value_or(torch::Tensor());
   const auto sinks = sinks_given.value_or(torch::Tensor());
   check_softmax_kernel_arguments(kSoftmaxForwardOp, q, k, v, b, c, sinks);
@@ -361,7 +484,9 @@ SoftmaxForwardResult softmax_forward_cpu(const torch::Tensor& q, const torch::Te
   } else {
     auto p = make_params(q, k, v, b, c.key_lengths, c, out, lse);
     if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
+    ScoreModBinding score_mod(c, p);
     kernels::softmax_attention_forward(p);
+    score_mod.check(kSoftmaxForwardOp);
   }
   return {out, lse};
 }
@@ -370,23 +495,27 @@ SoftmaxForwardResult softmax_forward_meta(const torch::Tensor& q, const torch::T
                                           const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
                                           bool, int64_t, double, int64_t, double, int64_t, const OptionalTensor&,
                                           const OptionalTensor&, const OptionalTensor&, c10::IntArrayRef,
-                                          const OptionalTensor&, double) {
+                                          const OptionalTensor&, double, const OptionalTensor&, const OptionalTensor&,
+                                          const OptionalTensor&) {
   return softmax_forward_outputs(q, v);
 }
 
 /// dq, dk, dv contiguous in the shapes of q, k, v, and dbias in the bias's
-/// shape when asked for (bias_grad), else an empty (0) tensor.
+/// shape when asked for (bias_grad), dsinks in the sinks' and dscore_tables
+/// in the score modifier's tables' when given; each else an empty (0) tensor.
 SoftmaxBackwardResult softmax_backward_meta(const torch::Tensor& /*grad_out*/, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor&,
                                             const torch::Tensor&, const OptionalTensor& bias, const OptionalTensor&,
                                             const OptionalTensor&, double, bool, int64_t, double, int64_t, double,
                                             int64_t, bool bias_grad, const OptionalTensor&, const OptionalTensor&,
                                             const OptionalTensor&, c10::IntArrayRef, const OptionalTensor& sinks,
-                                            const OptionalTensor&, double) {
+                                            const OptionalTensor&, double, const OptionalTensor&,
+                                            const OptionalTensor&, const OptionalTensor& score_tables) {
   auto like = [](const torch::Tensor& x) { return torch::empty_like(x, torch::MemoryFormat::Contiguous); };
   return {like(q), like(k), like(v),
           bias_grad && bias ? torch::empty(bias->sizes(), bias->options()) : torch::empty({0}, q.options()),
-          sinks ? torch::empty(sinks->sizes(), sinks->options()) : torch::empty({0}, q.options())};
+          sinks ? torch::empty(sinks->sizes(), sinks->options()) : torch::empty({0}, q.options()),
+          score_tables ? torch::empty(score_tables->sizes(), score_tables->options()) : torch::empty({0}, q.options())};
 }
 
 SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -398,11 +527,13 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
                                            const OptionalTensor& block_kinds, const OptionalTensor& block_partial_index,
                                            const OptionalTensor& block_bits, c10::IntArrayRef block_size,
                                            const OptionalTensor& sinks_given, const OptionalTensor& grad_lse_given,
-                                           double softcap) {
+                                           double softcap, const OptionalTensor& score_code,
+                                           const OptionalTensor& score_values, const OptionalTensor& score_tables) {
   auto c = softmax_constants(
       key_lengths, alibi_slopes, scale, causal, rotary_dim, rotary_base, window, dropout_p, dropout_seed,
       block_mask_of(kSoftmaxBackwardOp, block_kinds, block_partial_index, block_bits, block_size, q.size(2), k.size(2)));
   c.softcap = softcap;
+  set_score_mod(kSoftmaxBackwardOp, c, score_code, score_values, score_tables);
   const auto bias = bias_given.value_or(torch::Tensor());
   const auto sinks = sinks_given.value_or(torch::Tensor());
   const auto grad_lse = grad_lse_given.value_or(torch::Tensor());
@@ -430,7 +561,8 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
     static_cast<kernels::SoftmaxAttentionBf16Params&>(p) = bf16_params(q, k, v, c, out, lse);
     auto [dq, dk, dv] = detail::bind_qkv_grads(p, q, k, v, grad_out);
     kernels::softmax_attention_backward_bf16(p);
-    return {dq, dk, dv, torch::empty({0}, q.options()), torch::empty({0}, q.options())};
+    return {dq, dk, dv, torch::empty({0}, q.options()), torch::empty({0}, q.options()),
+            torch::empty({0}, q.options())};
   }
   kernels::SoftmaxAttentionBackwardParams p;
   static_cast<kernels::SoftmaxAttentionParams&>(p) = make_params(q, k, v, bias, c.key_lengths, c, out, lse);
@@ -450,12 +582,16 @@ SoftmaxBackwardResult softmax_backward_cpu(const torch::Tensor& grad_out, const 
   torch::Tensor dsinks = torch::empty({sinks.defined() ? H : 0}, q.options());
   if (sinks.defined()) p.sinks = sinks.data_ptr<float>(), p.dsinks = dsinks.data_ptr<float>();
   if (grad_lse.defined()) p.dlse = grad_lse.data_ptr<float>();
+  torch::Tensor dscore_tables = torch::empty({c.score_tables.defined() ? c.score_tables.numel() : 0}, q.options());
+  ScoreModBinding score_mod(c, p);
+  if (c.score_tables.defined()) p.dscore_tables = dscore_tables.data_ptr<float>();
   kernels::softmax_attention_backward(p);
+  score_mod.check(kSoftmaxBackwardOp);
   if (p.kv_group > 1) {
     dk = detail::sum_over_groups(dk, p.kv_group);
     dv = detail::sum_over_groups(dv, p.kv_group);
   }
-  return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias, dsinks};
+  return {dq, dk, dv, bias_grad ? dbias.view(bias.sizes()) : dbias, dsinks, dscore_tables};
 }
 
 /// The block sizes argument of the kernel ops (the schema's default without a mask).
@@ -473,7 +609,9 @@ SoftmaxForwardResult call_softmax_forward(const torch::Tensor& q, const torch::T
   return op.call(q, k, v, detail::as_optional(bias), detail::as_optional(c.key_lengths),
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
-                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks), c.softcap);
+                 detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks), c.softcap,
+                 detail::as_optional(c.score_code), detail::as_optional(c.score_values),
+                 detail::as_optional(c.score_tables));
 }
 
 SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -487,7 +625,8 @@ SoftmaxBackwardResult call_softmax_backward(const torch::Tensor& grad_out, const
                  detail::as_optional(c.alibi_slopes), c.scale, c.causal, c.rotary_dim, c.rotary_base, c.window,
                  c.dropout_p, c.dropout_seed, bias_grad, detail::as_optional(mask[0]), detail::as_optional(mask[1]),
                  detail::as_optional(mask[2]), block_size_of(c), detail::as_optional(sinks),
-                 detail::as_optional(grad_lse), c.softcap);
+                 detail::as_optional(grad_lse), c.softcap, detail::as_optional(c.score_code),
+                 detail::as_optional(c.score_values), detail::as_optional(c.score_tables));
 }
 
 /// Exact attention by the tiled kernels, through the two ops above: out and
@@ -528,8 +667,9 @@ class SoftmaxAttentionFunction : public torch::autograd::Function<SoftmaxAttenti
     // A loss that reads lse alone leaves out's gradient undefined: zeros.
     const auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(out);
     const auto grad_lse = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
-    auto [dq, dk, dv, dbias, dsinks] = call_softmax_backward(grad_out, q, k, v, out, lse, bias, sinks, grad_lse, c,
-                                                             bias_grad);
+    // (c has no score modifier here: this Function does not take one.)
+    auto [dq, dk, dv, dbias, dsinks, dscore_tables] =
+        call_softmax_backward(grad_out, q, k, v, out, lse, bias, sinks, grad_lse, c, bias_grad);
     tensor_list result = {dq, dk, dv, bias_grad ? dbias : torch::Tensor(),
                           sinks.defined() && ctx->needs_input_grad(4) ? dsinks : torch::Tensor(),
                           torch::Tensor(), torch::Tensor(), torch::Tensor()};  // the flags and constants

@@ -336,10 +336,10 @@ class KernelOpsTest(unittest.TestCase):
             backward_args = (torch.randn_like(out), q, k, v, out, lse) + args[3:] + (bias is not None,)
             torch.library.opcheck(torch.ops.attnkit._softmax_attention_backward, backward_args,
                                   test_utils=("test_schema", "test_faketensor"))
-            dq, dk, dv, dbias, dsinks = torch.ops.attnkit._softmax_attention_backward(*backward_args)
+            dq, dk, dv, dbias, dsinks, dtables = torch.ops.attnkit._softmax_attention_backward(*backward_args)
             self.assertEqual((dq.shape, dk.shape, dv.shape), (q.shape, k.shape, v.shape))
             self.assertEqual(dbias.shape, bias.shape if bias is not None else (0,))
-            self.assertEqual(dsinks.shape, (0,))
+            self.assertEqual((dsinks.shape, dtables.shape), ((0,), (0,)))
 
     def test_opcheck_with_a_block_mask_sinks_and_the_lse_gradient(self):
         args = self.forward_args()
@@ -353,8 +353,22 @@ class KernelOpsTest(unittest.TestCase):
         backward_extra = dict(extra, grad_lse=torch.randn_like(lse))
         torch.library.opcheck(torch.ops.attnkit._softmax_attention_backward, backward_args, backward_extra,
                               test_utils=utils)
-        dq, dk, dv, dbias, dsinks = torch.ops.attnkit._softmax_attention_backward(*backward_args, **backward_extra)
+        dq, dk, dv, dbias, dsinks, _ = torch.ops.attnkit._softmax_attention_backward(*backward_args, **backward_extra)
         self.assertEqual((dq.shape, dsinks.shape), (q.shape, (4,)))
+
+    def test_opcheck_with_a_score_mod(self):
+        args = self.forward_args()
+        q, k, v = args[:3]
+        table = torch.randn(4, 8)
+        program = attnkit.score_mods.trace(lambda s, b, h, i, j: s + table[h, (i - j).abs().clamp(max=7)])
+        extra = dict(score_code=program.code, score_values=program.values, score_tables=program.flat_tables())
+        utils = ("test_schema", "test_faketensor")
+        torch.library.opcheck(torch.ops.attnkit._softmax_attention_forward, args, extra, test_utils=utils)
+        out, lse = torch.ops.attnkit._softmax_attention_forward(*args, **extra)
+        backward_args = (torch.randn_like(out), q, k, v, out, lse) + args[3:] + (False,)
+        torch.library.opcheck(torch.ops.attnkit._softmax_attention_backward, backward_args, extra, test_utils=utils)
+        dtables = torch.ops.attnkit._softmax_attention_backward(*backward_args, **extra)[5]
+        self.assertEqual(dtables.shape, (32,))
 
     def test_opcheck_linear(self):
         for x_shape, transposed, bias in [((5, 7), False, True), ((2, 3, 7), True, False), ((1, 7), False, False)]:

@@ -1,10 +1,11 @@
 """attnkit.flex_attention (python/attnkit/flex.py): torch 2's FlexAttention
-call on the exact kernel (no score_mod) or the composite (a score_mod).
+call on the exact kernel (score_mods traced into it) or the composite.
 Checked: the kernel path against a float64 formula written here, values and
 gradients, over block masks with empty, full and partial blocks and rows that
-see nothing, L != S, GQA, sinks and lse; the composite against the same
-formula with score_mods (soft-capping, ALiBi written as a function, a
-relative-position bias table that requires grad, whose gradient is checked);
+see nothing, L != S, GQA, sinks and lse; traced score_mods against the same
+formula (soft-capping, ALiBi written as a function, a relative-position bias
+table that requires grad, whose gradient is checked; tests/python/
+test_score_mods.py has the rest);
 merge_attention of split keys == attention over all of them; the dispatch
 strings and the errors; and on torch 2, torch's own eager flex_attention on
 the same functions (relative 1e-5)."""
@@ -75,7 +76,7 @@ def test_the_kernel_path_matches_float64(L, S, H, Hkv, sinks):
         assert error(g, w) <= 1e-5
 
 
-def test_the_composite_path_takes_score_mods_and_gradients_into_captured_tensors():
+def test_score_mods_run_in_the_kernel_with_gradients_into_captured_tensors():
     torch.manual_seed(5)
     B, H, L, S = 2, 3, 50, 50
     q = torch.randn(B, H, L, 8, requires_grad=True)
@@ -98,7 +99,8 @@ def test_the_composite_path_takes_score_mods_and_gradients_into_captured_tensors
              (alibi, lambda s: s - slopes.double().view(1, H, 1, 1) * (i - j).abs()),
              (relative, lambda s: s + table.double()[:, (i - j + S - 1)].unsqueeze(0))]
     for score_mod, rule in rules:
-        assert attnkit.flex_attention_dispatch(q, k, v, score_mod, causal).startswith("composite: a score_mod")
+        assert attnkit.flex_attention_dispatch(q, k, v, score_mod, causal).startswith(
+            "kernel over the block mask's non-empty blocks, with the score_mod traced into")
         out = attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=causal)
         leaves = [q, k, v] + ([table] if score_mod is relative else [])
         got = torch.autograd.grad(out.sum(), leaves)
