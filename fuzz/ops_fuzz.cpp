@@ -4,8 +4,9 @@
 // (contiguous, transposed, stepped, expanded, offset), dtype, values (with
 // NaN, inf, huge and tiny entries), options (NaN, inf, huge, negative),
 // key/query lengths, biases and edge lists (valid, per head, malformed), and
-// whether to run backward; or it builds structures: edge patterns, and block
-// masks (built, expanded and combined, then each of their tensors broken). Invariants (fuzz_util.h's violation() aborts):
+// whether to run backward; or it builds structures: edge patterns, block
+// masks (built, expanded and combined, then each of their tensors broken), and
+// score modifier programs (score_programs). Invariants (fuzz_util.h's violation() aborts):
 //   - an op either returns or throws a c10::Error whose message names the op;
 //     any other exception, a crash, a hang (-timeout) or a sanitizer report fails;
 //   - backward after a successful forward does not throw;
@@ -17,6 +18,8 @@
 #include <attnkit/runtime.h>
 
 #include "fuzz_util.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <functional>
@@ -40,13 +43,14 @@ struct Outcome {
 
 /// What the invariants were checked on; printed at exit with ATTNKIT_FUZZ_STATS=1.
 struct Stats {
-  long calls = 0, errors = 0, finite_checked = 0, compared = 0, backward = 0;
+  long calls = 0, errors = 0, finite_checked = 0, compared = 0, backward = 0, programs = 0, programs_run = 0;
   ~Stats() {
     if (std::getenv("ATTNKIT_FUZZ_STATS") != nullptr)
       std::fprintf(stderr,
                    "ops_fuzz stats: %ld op calls, %ld refused with an error, %ld outputs checked finite, "
-                   "%ld float32 outputs compared with float64, %ld backward passes\n",
-                   calls, errors, finite_checked, compared, backward);
+                   "%ld float32 outputs compared with float64, %ld backward passes; %ld score programs, "
+                   "%ld of them run\n",
+                   calls, errors, finite_checked, compared, backward, programs, programs_run);
   }
 } stats;
 
@@ -486,6 +490,86 @@ void block_masks(FuzzedDataProvider& in) {
   }
 }
 
+/// Score modifier programs (kernels/common/score_program.h) through the
+/// kernel ops: fuzzed instructions, mostly well formed (opcodes of the set,
+/// earlier operands, index sizes that are whole numbers), sometimes not, over
+/// fuzzed tables. Each call is refused with an error naming the op, or runs
+/// forward and backward; then it must give the same bits on 1 and 2 threads
+/// (its values may be anything a program computes, NaN included).
+void score_programs(FuzzedDataProvider& in) {
+  static const int32_t opcodes[] = {0,  1,  2,  3,  4,  5,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                                    21, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45,
+                                    46, 47, 48, 60, 70, 71, 70, 71};  // index and gather twice as often
+  static const int arity[] = {0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                              2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 1, 1, 1, 1};
+  const int32_t n = in.ConsumeIntegralInRange<int32_t>(1, 24);
+  std::vector<int32_t> code;
+  std::vector<float> values;
+  for (int32_t t = 0; t < n; ++t) {
+    const bool malformed = in.ConsumeIntegralInRange<int>(0, 31) == 0;
+    const size_t pick = in.ConsumeIntegralInRange<size_t>(0, std::size(opcodes) - 1);
+    const int a = t == 0 ? 0 : arity[pick];  // the first instruction can read nothing
+    int32_t op = t == 0 ? in.ConsumeIntegralInRange<int32_t>(0, 5) : opcodes[pick];
+    int32_t regs[3] = {-1, -1, -1};
+    for (int r = 0; r < a; ++r) regs[r] = in.ConsumeIntegralInRange<int32_t>(0, t - 1);
+    float value = in.ConsumeFloatingPointInRange<float>(-4.f, 4.f);
+    if (op == 70) value = static_cast<float>(in.ConsumeIntegralInRange<int>(1, 40));
+    if (malformed) {
+      switch (in.ConsumeIntegralInRange<int>(0, 3)) {
+        case 0: op = in.ConsumeIntegral<int32_t>(); break;
+        case 1: regs[in.ConsumeIntegralInRange<int>(0, 2)] = in.ConsumeIntegralInRange<int32_t>(-3, t + 3); break;
+        case 2: value = in.ConsumeFloatingPointInRange<float>(-2.f, 2.f); break;
+        default: break;
+      }
+    }
+    code.insert(code.end(), {op, regs[0], regs[1], regs[2]});
+    values.push_back(value);
+  }
+  const int64_t table_numel = in.ConsumeIntegralInRange<int64_t>(0, 48);
+  const int64_t N = in.ConsumeIntegralInRange<int64_t>(1, 2), H = in.ConsumeIntegralInRange<int64_t>(1, 3);
+  const int64_t L = in.ConsumeIntegralInRange<int64_t>(1, 40), S = in.ConsumeIntegralInRange<int64_t>(1, 300);
+  const int64_t E = in.ConsumeIntegralInRange<int64_t>(1, 9), M = in.ConsumeIntegralInRange<int64_t>(1, 9);
+  const bool causal = in.ConsumeBool();
+  const auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, S, E}), v = torch::randn({N, H, S, M});
+  const auto grad = torch::randn({N, H, L, M});
+  const auto code_tensor = torch::tensor(code, torch::kInt).view({n, 4});
+  const auto value_tensor = torch::tensor(values, torch::kFloat);
+  const c10::IValue none, tables = table_numel > 0 ? c10::IValue(torch::randn({table_numel})) : none;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  static const auto forward = dispatcher.findSchemaOrThrow("attnkit::_softmax_attention_forward", "");
+  static const auto backward = dispatcher.findSchemaOrThrow("attnkit::_softmax_attention_backward", "");
+  const std::vector<int64_t> blocks{128, 128};
+  auto run = [&](int threads) {
+    set_num_threads(threads);
+    torch::jit::Stack stack{q, k, v, none, none, none, 0.5, causal, int64_t{0}, 10000.0, int64_t{0}, 0.0,
+                            int64_t{0}, none, none, none, blocks, none, 0.0, code_tensor, value_tensor, tables};
+    forward.callBoxed(&stack);
+    const auto out = stack[0].toTensor(), lse = stack[1].toTensor();
+    stack = {grad, q, k, v, out, lse, none, none, none, 0.5, causal, int64_t{0}, 10000.0, int64_t{0}, 0.0,
+             int64_t{0}, false, none, none, none, blocks, none, none, 0.0, code_tensor, value_tensor, tables};
+    backward.callBoxed(&stack);
+    return std::vector<torch::Tensor>{out, lse, stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(),
+                                      stack[5].toTensor()};
+  };
+  std::vector<torch::Tensor> one;
+  ++stats.programs;
+  try {
+    one = run(1);
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find("_softmax_attention_forward") == std::string::npos &&
+        msg.find("_softmax_attention_backward") == std::string::npos)
+      violation("a score program's error that does not name the op: " + msg);
+    return;
+  }
+  ++stats.programs_run;
+  const auto two = run(2);
+  for (size_t i = 0; i < one.size(); ++i)
+    if (!torch::equal(one[i].nan_to_num(0, 1, -1), two[i].nan_to_num(0, 1, -1)) ||
+        !torch::equal(torch::isnan(one[i]), torch::isnan(two[i])))
+      violation("a score program gives other bits on 2 threads than on 1");
+}
+
 void check_close(const Outcome& r) {
   // The bounds are float32's; bfloat16 runs the composite in its own precision.
   if (!r.expected.defined() || r.out.scalar_type() != torch::kFloat) return;
@@ -565,7 +649,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The ops' cases first, then the structures' builders (edge patterns, block masks).
   static const std::function<Run(FuzzedDataProvider&, TensorMaker&, torch::ScalarType)> cases[] = {
       softmax_case, linear_attention_case, gated_case, agglomerative_case, clustered_case, sparse_case, dense_case};
-  static const std::function<void(FuzzedDataProvider&)> structures[] = {builders, block_masks};
+  static const std::function<void(FuzzedDataProvider&)> structures[] = {builders, block_masks, score_programs};
   const auto which = in.ConsumeIntegralInRange<size_t>(0, std::size(cases) + std::size(structures) - 1);
   if (which >= std::size(cases)) {
     structures[which - std::size(cases)](in);

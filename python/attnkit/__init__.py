@@ -47,7 +47,7 @@ __all__ = [
     "edge_pattern", "linear", "alibi_slopes", "rotary_embedding", "attention_dropout_mask", "library_path", "mechanisms", "nn", "models",
     "isa", "isa_description", "machine_isa", "set_max_isa",
     "BlockMask", "create_block_mask", "and_masks", "or_masks", "noop_mask", "masks",
-    "flex_attention", "flex_attention_dispatch",
+    "flex_attention", "flex_attention_dispatch", "score_mods",
 ]
 
 softmax_attention = torch.ops.attnkit.softmax_attention
@@ -103,3 +103,4 @@ from . import nn, models  # noqa: E402  (they need the library loaded above)
 from . import masks  # noqa: E402
 from .block_mask import BlockMask, and_masks, create_block_mask, noop_mask, or_masks  # noqa: E402
 from .flex import flex_attention, flex_attention_dispatch  # noqa: E402
+from . import score_mods  # noqa: E402  (score_mod functions traced into the kernel)
