@@ -58,15 +58,20 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def forward_and_backward(q, k, v, grad, bias=None, mask=None, causal=False, softcap=0.0):
+def forward_and_backward(q, k, v, grad, bias=None, mask=None, causal=False, softcap=0.0, score_mod=None):
     """The kernel's forward and forward + backward as callables, through its
     two ops (torch.ops.attnkit._softmax_attention_forward / _backward): what
     autograd runs, without autograd's own work (allocating and accumulating
-    the gradients), which does not follow the mask."""
+    the gradients), which does not follow the mask. score_mod: a function
+    traced into the kernel (attnkit.score_mods), with its captured tensors'
+    gradient."""
     forward_op = torch.ops.attnkit._softmax_attention_forward
     backward_op = torch.ops.attnkit._softmax_attention_backward
     constants = (None, None, q.shape[-1] ** -0.5, causal, 0, 10000.0, 0, 0.0, 0)
     blocks = dict(mask.as_arguments() if mask is not None else {}, softcap=softcap)
+    if score_mod is not None:
+        program = attnkit.score_mods.trace(score_mod)
+        blocks.update(score_code=program.code, score_values=program.values, score_tables=program.flat_tables())
 
     def forward():
         return forward_op(q, k, v, bias, *constants, **blocks)
@@ -84,7 +89,7 @@ def main():
     parser.add_argument("--dense-max", type=int, default=4096)
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="instead of the patterns: the unmasked kernel with soft-capping at this cap against "
-                             "without, not causal and causal")
+                             "without, not causal and causal, and the same cap as a traced score_mod")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"attnkit {attnkit.isa()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
@@ -94,14 +99,17 @@ def main():
         q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
         if args.softcap > 0:
             grad = torch.randn(1, 8, L, 64)
+            cap = args.softcap
+            traced = attnkit.score_mods.softcap(cap).fn
             for causal in (False, True):
-                plain, capped = ([timed(f, args.repeats) for f in
-                                  forward_and_backward(q, k, v, grad, causal=causal, softcap=cap)]
-                                 for cap in (0.0, args.softcap))
-                print(f"L = {L}, causal {causal}: forward {plain[0] * 1e3:.1f} / {capped[0] * 1e3:.1f} ms "
-                      f"(x{capped[0] / plain[0]:.2f}), forward + backward {plain[1] * 1e3:.1f} / "
-                      f"{capped[1] * 1e3:.1f} ms (x{capped[1] / plain[1]:.2f}) without / with softcap "
-                      f"{args.softcap}", flush=True)
+                plain, capped, modded = ([timed(f, args.repeats) for f in
+                                          forward_and_backward(q, k, v, grad, causal=causal, **extra)]
+                                         for extra in ({}, dict(softcap=cap), dict(score_mod=traced)))
+                print(f"L = {L}, causal {causal}: forward {plain[0] * 1e3:.1f} / {capped[0] * 1e3:.1f} / "
+                      f"{modded[0] * 1e3:.1f} ms (x{capped[0] / plain[0]:.2f} / x{modded[0] / plain[0]:.2f}), "
+                      f"forward + backward {plain[1] * 1e3:.1f} / {capped[1] * 1e3:.1f} / {modded[1] * 1e3:.1f} ms "
+                      f"(x{capped[1] / plain[1]:.2f} / x{modded[1] / plain[1]:.2f}): none / the softcap option / "
+                      f"softcap {cap} as a traced score_mod", flush=True)
             continue
         grad = torch.randn(1, 8, L, 64)
         base_f, base_b = (timed(f, args.repeats) for f in forward_and_backward(q, k, v, grad))

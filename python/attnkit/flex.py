@@ -92,8 +92,9 @@ def _closure_key(fn) -> Tuple:
     return tuple(key)
 
 
-def _program(score_mod) -> Union["_score_mods.ScoreModProgram", str]:
-    """score_mod's program, or why it has none (ScoreModUnsupported's message)."""
+def _traced(score_mod) -> Union["_score_mods.ScoreModProgram", str]:
+    """A plain function's program, traced once per function and closure, or
+    why it has none (ScoreModUnsupported's message)."""
     key = _closure_key(score_mod)
     try:
         cached = _programs.get(score_mod)
@@ -110,6 +111,19 @@ def _program(score_mod) -> Union["_score_mods.ScoreModProgram", str]:
     except TypeError:
         pass
     return program
+
+
+if hasattr(torch, "_dynamo"):
+    # Tracing with torch.fx inside a torch.compile'd region would be traced by
+    # dynamo in turn: it runs eagerly instead (a graph break, which
+    # score_mods.ScoreMod avoids by tracing when it is made).
+    _traced = torch._dynamo.disable(_traced)
+
+
+def _program(score_mod) -> Union["_score_mods.ScoreModProgram", str]:
+    if isinstance(score_mod, _score_mods.ScoreMod):
+        return score_mod.program
+    return _traced(score_mod)
 
 
 def flex_attention_dispatch(query, key, value, score_mod: Optional[ScoreMod] = None, block_mask=None) -> str:

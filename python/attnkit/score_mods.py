@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
-__all__ = ["ScoreModProgram", "ScoreModUnsupported", "trace", "softcap", "alibi", "relative_buckets",
+__all__ = ["ScoreMod", "ScoreModProgram", "ScoreModUnsupported", "trace", "softcap", "alibi", "relative_buckets",
            "t5_bucket"]
 
 # The opcodes of src/kernels/common/score_program.h (ScoreOp).
@@ -467,6 +467,26 @@ def trace(score_mod: Callable) -> ScoreModProgram:
 # Named modifiers: ordinary score_mods, traced like any other.
 # ---------------------------------------------------------------------------
 
+class ScoreMod:
+    """A score_mod function with its program traced when it is made: a call
+    runs the function (as the composite path does), ``program`` is what the
+    kernel runs. flex_attention then needs no tracing at call time, so that
+    under torch.compile the call compiles without a graph break. The named
+    modifiers below return these; ``ScoreMod(fn)`` wraps any function of the
+    op set."""
+
+    def __init__(self, fn: Callable, name: Optional[str] = None):
+        self.fn = fn
+        self.__name__ = name or getattr(fn, "__name__", "score_mod")
+        self.program = trace(fn)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def __repr__(self):
+        return f"attnkit.score_mods.ScoreMod({self.__name__}, {len(self.program)} instructions)"
+
+
 def softcap(cap: float) -> Callable:
     """Gemma 2's soft-capping, ``cap * tanh(score / cap)``."""
     cap = float(cap)
@@ -475,7 +495,7 @@ def softcap(cap: float) -> Callable:
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
-    return score_mod
+    return ScoreMod(score_mod, f"softcap({cap})")
 
 
 def alibi(slopes: torch.Tensor) -> Callable:
@@ -487,7 +507,7 @@ def alibi(slopes: torch.Tensor) -> Callable:
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
-    return score_mod
+    return ScoreMod(score_mod, "alibi")
 
 
 def t5_bucket(relative, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
@@ -518,4 +538,4 @@ def relative_buckets(table: torch.Tensor, num_buckets: int = 32, max_distance: i
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, t5_bucket(kv_idx - q_idx, num_buckets, max_distance, bidirectional)]
-    return score_mod
+    return ScoreMod(score_mod, "relative_buckets")

@@ -6,14 +6,19 @@
 // ... The program runs instruction by instruction over the whole row, so its
 // interpretation costs one dispatch per instruction and row, and each
 // instruction is a loop the compiler vectorises (tanh and exp by vec.h's own
-// polynomials). Registers are rows of `ld` floats.
+// polynomials). A register is a row of lanes, or one value for all of them:
+// the constants, b, h, q_idx and whatever is computed from those alone (a
+// head's slope, its row of a table) are computed once per row, not per lane.
+// The score register is the row of scores itself (no copy), and the last
+// instruction writes the modified scores in place.
 //
 // The backward recomputes the row's registers from its raw scores, then goes
 // through the program in reverse, one derivative rule per op (the rules of
 // docs/MATH.md, "Score modifiers", which are torch's). Where a lane's
 // incoming gradient is 0 (a masked pair, a branch of `where` not taken) it
 // adds nothing, even where a derivative is infinite or NaN there, so that a
-// modifier's values at hidden pairs cannot reach the gradients.
+// modifier's values at hidden pairs cannot reach the gradients. A one-value
+// register's gradient is the sum over the row's lanes, in lane order.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +34,40 @@ namespace score_mod {
 /// Where a row sits: query i of head (n, h), keys [j0, j0 + cols).
 struct RowSite {
   int64_t n, h, i, j0, cols;
+};
+
+/// The floats a row's run needs (forward or backward): each register's row,
+/// a value and a kind; the backward needs a second file for the gradients.
+inline int64_t scratch_floats(int32_t size, int64_t ld) { return size * (ld + 2); }
+
+/// A register's value: a row of lanes, or `s` for every lane (row nullptr).
+struct Reg {
+  const float* row;
+  float s;
+};
+
+enum Kind : int { kRow = 0, kScalar = 1, kRaw = 2 };
+
+/// The register file laid out in a caller's scratch_floats().
+struct File {
+  float* rows;    // size x ld
+  float* values;  // size: a one-value register's value
+  float* kinds;   // size: Kind, as a float
+  const float* raw;
+  int64_t ld;
+
+  File(float* scratch, int32_t size, int64_t ld_, const float* raw_)
+      : rows(scratch), values(scratch + size * ld_), kinds(scratch + size * ld_ + size), raw(raw_), ld(ld_) {}
+  int kind(int32_t t) const { return static_cast<int>(kinds[t]); }
+  Reg get(int32_t t) const {
+    switch (kind(t)) {
+      case kScalar: return {nullptr, values[t]};
+      case kRaw: return {raw, 0.f};
+      default: return {rows + t * ld, 0.f};
+    }
+  }
+  const float* row(int32_t t) const { return kind(t) == kRaw ? raw : rows + t * ld; }
+  void set_scalar(int32_t t, float v) { kinds[t] = kScalar, values[t] = v; }
 };
 
 inline void tanh_row(const float* x, float* y, int64_t n) {
@@ -56,183 +95,284 @@ inline void flag(const ScoreProgram& prog, int32_t t) {
   prog.error->compare_exchange_strong(none, t + 1, std::memory_order_relaxed);
 }
 
-/// Registers 0 .. size - 1 of the row (each `ld` floats at regs + t ld) from
-/// its scaled scores `raw`; the output is the last register.
-inline void forward(const ScoreProgram& prog, const RowSite& at, const float* raw, float* regs, int64_t ld) {
-  const int64_t cols = at.cols;
+/// f over one operand into o (one value when a is one).
+template <class F>
+inline void unary(File& file, int32_t t, const Reg& a, float* o, int64_t n, F f) {
+  if (!a.row) return file.set_scalar(t, f(a.s));
+  for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c]);
+}
+
+/// f over two operands into o (one value when both are one).
+template <class F>
+inline void binary(File& file, int32_t t, const Reg& a, const Reg& b, float* o, int64_t n, F f) {
+  if (!a.row && !b.row) return file.set_scalar(t, f(a.s, b.s));
+  if (a.row && b.row) {
+    for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c], b.row[c]);
+  } else if (a.row) {
+    const float y = b.s;
+    for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c], y);
+  } else {
+    const float x = a.s;
+    for (int64_t c = 0; c < n; ++c) o[c] = f(x, b.row[c]);
+  }
+}
+
+inline float floor_div(float a, float b) { return static_cast<float>(std::floor(static_cast<double>(a) / b)); }
+inline float nan_or(float a, float b, float v) { return std::isnan(a) || std::isnan(b) ? a + b : v; }
+
+/// Runs the program over the row whose scaled scores are `raw`. The last
+/// instruction's row goes to `out` when given (which may be raw itself:
+/// every op reads a lane before it writes it); the others' into `file`.
+inline void forward(const ScoreProgram& prog, const RowSite& at, File& file, float* out) {
+  const int64_t n = at.cols;
   for (int32_t t = 0; t < prog.size; ++t) {
     const ScoreInstr& in = prog.code[t];
-    float* o = regs + t * ld;
-    const float* a = in.a >= 0 ? regs + in.a * ld : nullptr;
-    const float* b = in.b >= 0 ? regs + in.b * ld : nullptr;
-    const float* c3 = in.c >= 0 ? regs + in.c * ld : nullptr;
-#define ATTNKIT_LANES(expr) \
-  for (int64_t c = 0; c < cols; ++c) o[c] = (expr);
+    file.kinds[t] = kRow;
+    float* o = out && t == prog.size - 1 ? out : file.rows + t * file.ld;
+    const Reg a = in.a >= 0 ? file.get(in.a) : Reg{nullptr, 0.f};
+    const Reg b = in.b >= 0 ? file.get(in.b) : Reg{nullptr, 0.f};
     switch (static_cast<ScoreOp>(in.op)) {
-      case ScoreOp::kScore: std::copy(raw, raw + cols, o); break;
-      case ScoreOp::kBatch: std::fill(o, o + cols, static_cast<float>(at.n)); break;
-      case ScoreOp::kHead: std::fill(o, o + cols, static_cast<float>(at.h)); break;
-      case ScoreOp::kQuery: std::fill(o, o + cols, static_cast<float>(at.i)); break;
-      case ScoreOp::kKey: ATTNKIT_LANES(static_cast<float>(at.j0 + c)) break;
-      case ScoreOp::kConst: std::fill(o, o + cols, in.value); break;
-      case ScoreOp::kNeg: ATTNKIT_LANES(-a[c]) break;
-      case ScoreOp::kAbs: ATTNKIT_LANES(std::fabs(a[c])) break;
-      case ScoreOp::kExp: exp_row(a, o, cols); break;
-      case ScoreOp::kLog: ATTNKIT_LANES(std::log(a[c])) break;
-      case ScoreOp::kTanh: tanh_row(a, o, cols); break;
-      case ScoreOp::kSigmoid:
-        for (int64_t c = 0; c < cols; ++c) o[c] = -a[c];
-        exp_row(o, o, cols);
-        ATTNKIT_LANES(1.f / (1.f + o[c]))
+      case ScoreOp::kScore: file.kinds[t] = kRaw; break;
+      case ScoreOp::kBatch: file.set_scalar(t, static_cast<float>(at.n)); break;
+      case ScoreOp::kHead: file.set_scalar(t, static_cast<float>(at.h)); break;
+      case ScoreOp::kQuery: file.set_scalar(t, static_cast<float>(at.i)); break;
+      case ScoreOp::kKey:
+        for (int64_t c = 0; c < n; ++c) o[c] = static_cast<float>(at.j0 + c);
         break;
-      case ScoreOp::kSqrt: ATTNKIT_LANES(std::sqrt(a[c])) break;
-      case ScoreOp::kFloor: ATTNKIT_LANES(std::floor(a[c])) break;
-      case ScoreOp::kCeil: ATTNKIT_LANES(std::ceil(a[c])) break;
-      case ScoreOp::kTrunc: ATTNKIT_LANES(std::trunc(a[c])) break;
-      case ScoreOp::kRound: ATTNKIT_LANES(std::nearbyint(a[c])) break;
-      case ScoreOp::kNot: ATTNKIT_LANES(a[c] != 0.f ? 0.f : 1.f) break;
-      case ScoreOp::kAdd: ATTNKIT_LANES(a[c] + b[c]) break;
-      case ScoreOp::kSub: ATTNKIT_LANES(a[c] - b[c]) break;
-      case ScoreOp::kMul: ATTNKIT_LANES(a[c] * b[c]) break;
-      case ScoreOp::kDiv: ATTNKIT_LANES(a[c] / b[c]) break;
+      case ScoreOp::kConst: file.set_scalar(t, in.value); break;
+      case ScoreOp::kNeg: unary(file, t, a, o, n, [](float x) { return -x; }); break;
+      case ScoreOp::kAbs: unary(file, t, a, o, n, [](float x) { return std::fabs(x); }); break;
+      case ScoreOp::kExp:
+        if (a.row) exp_row(a.row, o, n); else file.set_scalar(t, vec::exp(a.s));
+        break;
+      case ScoreOp::kLog: unary(file, t, a, o, n, [](float x) { return std::log(x); }); break;
+      case ScoreOp::kTanh:
+        if (a.row) tanh_row(a.row, o, n); else file.set_scalar(t, vec::tanh(a.s));
+        break;
+      case ScoreOp::kSigmoid:
+        if (a.row) {
+          for (int64_t c = 0; c < n; ++c) o[c] = -a.row[c];
+          exp_row(o, o, n);
+          for (int64_t c = 0; c < n; ++c) o[c] = 1.f / (1.f + o[c]);
+        } else {
+          file.set_scalar(t, 1.f / (1.f + vec::exp(-a.s)));
+        }
+        break;
+      case ScoreOp::kSqrt: unary(file, t, a, o, n, [](float x) { return std::sqrt(x); }); break;
+      case ScoreOp::kFloor: unary(file, t, a, o, n, [](float x) { return std::floor(x); }); break;
+      case ScoreOp::kCeil: unary(file, t, a, o, n, [](float x) { return std::ceil(x); }); break;
+      case ScoreOp::kTrunc: unary(file, t, a, o, n, [](float x) { return std::trunc(x); }); break;
+      case ScoreOp::kRound: unary(file, t, a, o, n, [](float x) { return std::nearbyint(x); }); break;
+      case ScoreOp::kNot: unary(file, t, a, o, n, [](float x) { return x != 0.f ? 0.f : 1.f; }); break;
+      case ScoreOp::kAdd: binary(file, t, a, b, o, n, [](float x, float y) { return x + y; }); break;
+      case ScoreOp::kSub: binary(file, t, a, b, o, n, [](float x, float y) { return x - y; }); break;
+      case ScoreOp::kMul: binary(file, t, a, b, o, n, [](float x, float y) { return x * y; }); break;
+      case ScoreOp::kDiv: binary(file, t, a, b, o, n, [](float x, float y) { return x / y; }); break;
       // Integer // and % in double, exact for the integers floats hold.
-      case ScoreOp::kFloorDiv:
-        ATTNKIT_LANES(static_cast<float>(std::floor(static_cast<double>(a[c]) / b[c]))) break;
+      case ScoreOp::kFloorDiv: binary(file, t, a, b, o, n, floor_div); break;
       case ScoreOp::kMod:
-        ATTNKIT_LANES(static_cast<float>(a[c] - b[c] * std::floor(static_cast<double>(a[c]) / b[c]))) break;
-      case ScoreOp::kPow: ATTNKIT_LANES(std::pow(a[c], b[c])) break;
+        binary(file, t, a, b, o, n, [](float x, float y) {
+          return static_cast<float>(x - y * std::floor(static_cast<double>(x) / y));
+        });
+        break;
+      case ScoreOp::kPow: binary(file, t, a, b, o, n, [](float x, float y) { return std::pow(x, y); }); break;
       case ScoreOp::kMinimum:
       case ScoreOp::kClampMax:
-        ATTNKIT_LANES(std::isnan(a[c]) || std::isnan(b[c]) ? a[c] + b[c] : std::min(a[c], b[c])) break;
+        binary(file, t, a, b, o, n, [](float x, float y) { return nan_or(x, y, std::min(x, y)); });
+        break;
       case ScoreOp::kMaximum:
       case ScoreOp::kClampMin:
-        ATTNKIT_LANES(std::isnan(a[c]) || std::isnan(b[c]) ? a[c] + b[c] : std::max(a[c], b[c])) break;
-      case ScoreOp::kLt: ATTNKIT_LANES(a[c] < b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kLe: ATTNKIT_LANES(a[c] <= b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kGt: ATTNKIT_LANES(a[c] > b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kGe: ATTNKIT_LANES(a[c] >= b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kEq: ATTNKIT_LANES(a[c] == b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kNe: ATTNKIT_LANES(a[c] != b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kAnd: ATTNKIT_LANES(a[c] != 0.f && b[c] != 0.f ? 1.f : 0.f) break;
-      case ScoreOp::kOr: ATTNKIT_LANES(a[c] != 0.f || b[c] != 0.f ? 1.f : 0.f) break;
-      case ScoreOp::kWhere: ATTNKIT_LANES(a[c] != 0.f ? b[c] : c3[c]) break;
+        binary(file, t, a, b, o, n, [](float x, float y) { return nan_or(x, y, std::max(x, y)); });
+        break;
+      case ScoreOp::kLt: binary(file, t, a, b, o, n, [](float x, float y) { return x < y ? 1.f : 0.f; }); break;
+      case ScoreOp::kLe: binary(file, t, a, b, o, n, [](float x, float y) { return x <= y ? 1.f : 0.f; }); break;
+      case ScoreOp::kGt: binary(file, t, a, b, o, n, [](float x, float y) { return x > y ? 1.f : 0.f; }); break;
+      case ScoreOp::kGe: binary(file, t, a, b, o, n, [](float x, float y) { return x >= y ? 1.f : 0.f; }); break;
+      case ScoreOp::kEq: binary(file, t, a, b, o, n, [](float x, float y) { return x == y ? 1.f : 0.f; }); break;
+      case ScoreOp::kNe: binary(file, t, a, b, o, n, [](float x, float y) { return x != y ? 1.f : 0.f; }); break;
+      case ScoreOp::kAnd:
+        binary(file, t, a, b, o, n, [](float x, float y) { return x != 0.f && y != 0.f ? 1.f : 0.f; });
+        break;
+      case ScoreOp::kOr:
+        binary(file, t, a, b, o, n, [](float x, float y) { return x != 0.f || y != 0.f ? 1.f : 0.f; });
+        break;
+      case ScoreOp::kWhere: {
+        const Reg c3 = file.get(in.c);
+        if (!a.row) {  // one condition for the row: the branch it takes
+          const Reg& taken = a.s != 0.f ? b : c3;
+          if (!taken.row) file.set_scalar(t, taken.s); else std::copy(taken.row, taken.row + n, o);
+        } else {
+          for (int64_t c = 0; c < n; ++c)
+            o[c] = a.row[c] != 0.f ? (b.row ? b.row[c] : b.s) : (c3.row ? c3.row[c] : c3.s);
+        }
+        break;
+      }
       case ScoreOp::kIndex: {
         const float size = in.value;
         bool bad = false;
-        for (int64_t c = 0; c < cols; ++c) {
-          const float x = a[c] < 0.f ? a[c] + size : a[c];
-          const bool inside = x >= 0.f && x < size;  // false for NaN too
+        auto wrap = [&](float x) {
+          const float y = x < 0.f ? x + size : x;
+          const bool inside = y >= 0.f && y < size;  // false for NaN too
           bad |= !inside;
-          o[c] = inside ? x : 0.f;
-        }
+          return inside ? y : 0.f;
+        };
+        unary(file, t, a, o, n, wrap);
         if (bad) flag(prog, t);
         break;
       }
       case ScoreOp::kGather: {
         const float numel = static_cast<float>(prog.tables_numel);
         bool bad = false;
-        for (int64_t c = 0; c < cols; ++c) {
-          const bool inside = a[c] >= 0.f && a[c] < numel;
+        auto read = [&](float x) {
+          const bool inside = x >= 0.f && x < numel;
           bad |= !inside;
-          o[c] = inside ? prog.tables[static_cast<int64_t>(a[c])] : 0.f;
-        }
+          return inside ? prog.tables[static_cast<int64_t>(x)] : 0.f;
+        };
+        unary(file, t, a, o, n, read);
         if (bad) flag(prog, t);
         break;
       }
       default:  // the op checked every opcode: unreachable
-        std::fill(o, o + cols, std::nanf(""));
+        std::fill(o, o + n, std::nanf(""));
         flag(prog, t);
     }
-#undef ATTNKIT_LANES
   }
 }
 
-/// The row's scores through the program, in place: s = mod(s).
-inline void apply(const ScoreProgram& prog, const RowSite& at, float* s, float* regs, int64_t ld) {
-  forward(prog, at, s, regs, ld);
-  const float* out = regs + (prog.size - 1) * ld;
-  std::copy(out, out + at.cols, s);
+/// The row's scores through the program, in place: s = mod(s). `scratch`
+/// holds scratch_floats(prog.size, ld).
+inline void apply(const ScoreProgram& prog, const RowSite& at, float* s, float* scratch, int64_t ld) {
+  File file(scratch, prog.size, ld, s);
+  forward(prog, at, file, s);
+  const int32_t last = prog.size - 1;
+  if (file.kind(last) == kScalar) std::fill(s, s + at.cols, file.values[last]);  // (kRaw: s already)
 }
 
 /// ds (the gradient of the modified scores, in place) becomes the gradient of
 /// the raw scores `raw`; each gather adds its share into dtables (the flat
-/// tables' gradient) when it is given. adj is a second register file.
-inline void backward(const ScoreProgram& prog, const RowSite& at, const float* raw, float* ds, float* regs,
-                     float* adj, int64_t ld, float* dtables) {
-  const int64_t cols = at.cols;
-  forward(prog, at, raw, regs, ld);
-  for (int32_t t = 0; t < prog.size; ++t) std::fill(adj + t * ld, adj + t * ld + cols, 0.f);
-  std::copy(ds, ds + cols, adj + (prog.size - 1) * ld);
-  std::fill(ds, ds + cols, 0.f);
-  for (int32_t t = prog.size - 1; t >= 0; --t) {
+/// tables' gradient) when it is given. `scratch` and `adj_scratch` hold
+/// scratch_floats(prog.size, ld) each.
+inline void backward(const ScoreProgram& prog, const RowSite& at, const float* raw, float* ds, float* scratch,
+                     float* adj_scratch, int64_t ld, float* dtables) {
+  const int64_t n = at.cols;
+  File file(scratch, prog.size, ld, raw);
+  forward(prog, at, file, nullptr);
+  // The gradient of register t: a row (adj + t ld) for a row register, one
+  // sum (adj_one[t]) for a one-value register.
+  float* adj = adj_scratch;
+  float* adj_one = adj_scratch + prog.size * ld;
+  for (int32_t t = 0; t < prog.size; ++t) {
+    if (file.kind(t) == kScalar) adj_one[t] = 0.f; else std::fill(adj + t * ld, adj + t * ld + n, 0.f);
+  }
+  const int32_t last = prog.size - 1;
+  if (file.kind(last) == kScalar) {
+    float sum = 0.f;
+    for (int64_t c = 0; c < n; ++c) sum += ds[c];
+    adj_one[last] = sum;
+  } else {
+    std::copy(ds, ds + n, adj + last * ld);
+  }
+  std::fill(ds, ds + n, 0.f);
+  // Adds lane c's g_c * d_c (d: the local derivative, a function of c) into
+  // operand r's gradient: its row, or its one sum in lane order. Lanes whose
+  // g is 0 add nothing.
+  for (int32_t t = last; t >= 0; --t) {
     const ScoreInstr& in = prog.code[t];
-    const float* g = adj + t * ld;
-    const float* o = regs + t * ld;
-    const float* a = in.a >= 0 ? regs + in.a * ld : nullptr;
-    const float* b = in.b >= 0 ? regs + in.b * ld : nullptr;
-    float* ga = in.a >= 0 ? adj + in.a * ld : nullptr;
-    float* gb = in.b >= 0 ? adj + in.b * ld : nullptr;
-    float* gc = in.c >= 0 ? adj + in.c * ld : nullptr;
-    // Adds g * (expr) into `into` where g is not 0.
-#define ATTNKIT_BACK(into, expr) \
-  for (int64_t c = 0; c < cols; ++c) into[c] += g[c] != 0.f ? g[c] * (expr) : 0.f;
+    const bool one = file.kind(t) == kScalar;
+    if (one && adj_one[t] == 0.f) continue;
+    // g(c): the incoming gradient of lane c.
+    const float* grow = one ? nullptr : adj + t * ld;
+    const float gone = one ? adj_one[t] : 0.f;
+    auto g = [&](int64_t c) { return grow ? grow[c] : gone; };
+    // A one-value register's lanes all hold its value, and its gradient is
+    // one value too: then n is 1 (its lanes were summed into gone).
+    const int64_t lanes = one ? 1 : n;
+    auto add_into = [&](int32_t r, auto d) {
+      if (r < 0) return;
+      if (file.kind(r) == kScalar) {
+        float sum = 0.f;
+        for (int64_t c = 0; c < lanes; ++c) {
+          const float gc = g(c);
+          sum += gc != 0.f ? gc * d(c) : 0.f;
+        }
+        adj_one[r] += sum;
+      } else {
+        float* into = file.kind(r) == kRaw ? ds : adj + r * ld;
+        if (one) {  // a row operand of a one-value result: impossible (a row makes a row)
+          return;
+        }
+        for (int64_t c = 0; c < n; ++c) {
+          const float gc = grow[c];
+          into[c] += gc != 0.f ? gc * d(c) : 0.f;
+        }
+      }
+    };
+    const Reg a = in.a >= 0 ? file.get(in.a) : Reg{nullptr, 0.f};
+    const Reg b = in.b >= 0 ? file.get(in.b) : Reg{nullptr, 0.f};
+    const Reg o = one ? Reg{nullptr, file.values[t]} : Reg{file.rows + t * ld, 0.f};
+    auto A = [&](int64_t c) { return a.row ? a.row[c] : a.s; };
+    auto B = [&](int64_t c) { return b.row ? b.row[c] : b.s; };
+    auto O = [&](int64_t c) { return o.row ? o.row[c] : o.s; };
     switch (static_cast<ScoreOp>(in.op)) {
-      case ScoreOp::kScore: ATTNKIT_BACK(ds, 1.f) break;
-      case ScoreOp::kNeg: ATTNKIT_BACK(ga, -1.f) break;
-      case ScoreOp::kAbs: ATTNKIT_BACK(ga, a[c] > 0.f ? 1.f : a[c] < 0.f ? -1.f : 0.f) break;
-      case ScoreOp::kExp: ATTNKIT_BACK(ga, o[c]) break;
-      case ScoreOp::kLog: ATTNKIT_BACK(ga, 1.f / a[c]) break;
-      case ScoreOp::kTanh: ATTNKIT_BACK(ga, 1.f - o[c] * o[c]) break;
-      case ScoreOp::kSigmoid: ATTNKIT_BACK(ga, o[c] * (1.f - o[c])) break;
-      case ScoreOp::kSqrt: ATTNKIT_BACK(ga, 0.5f / o[c]) break;
+      case ScoreOp::kNeg: add_into(in.a, [](int64_t) { return -1.f; }); break;
+      case ScoreOp::kAbs:
+        add_into(in.a, [&](int64_t c) { return A(c) > 0.f ? 1.f : A(c) < 0.f ? -1.f : 0.f; });
+        break;
+      case ScoreOp::kExp: add_into(in.a, O); break;
+      case ScoreOp::kLog: add_into(in.a, [&](int64_t c) { return 1.f / A(c); }); break;
+      case ScoreOp::kTanh: add_into(in.a, [&](int64_t c) { return 1.f - O(c) * O(c); }); break;
+      case ScoreOp::kSigmoid: add_into(in.a, [&](int64_t c) { return O(c) * (1.f - O(c)); }); break;
+      case ScoreOp::kSqrt: add_into(in.a, [&](int64_t c) { return 0.5f / O(c); }); break;
       case ScoreOp::kAdd:
-        ATTNKIT_BACK(ga, 1.f)
-        ATTNKIT_BACK(gb, 1.f)
+        add_into(in.a, [](int64_t) { return 1.f; });
+        add_into(in.b, [](int64_t) { return 1.f; });
         break;
       case ScoreOp::kSub:
-        ATTNKIT_BACK(ga, 1.f)
-        ATTNKIT_BACK(gb, -1.f)
+        add_into(in.a, [](int64_t) { return 1.f; });
+        add_into(in.b, [](int64_t) { return -1.f; });
         break;
       case ScoreOp::kMul:
-        ATTNKIT_BACK(ga, b[c])
-        ATTNKIT_BACK(gb, a[c])
+        add_into(in.a, B);
+        add_into(in.b, A);
         break;
       case ScoreOp::kDiv:
-        ATTNKIT_BACK(ga, 1.f / b[c])
-        ATTNKIT_BACK(gb, -o[c] / b[c])
+        add_into(in.a, [&](int64_t c) { return 1.f / B(c); });
+        add_into(in.b, [&](int64_t c) { return -O(c) / B(c); });
         break;
       case ScoreOp::kMod:  // torch.remainder: d/da 1, d/db -floor(a / b)
-        ATTNKIT_BACK(ga, 1.f)
-        ATTNKIT_BACK(gb, -static_cast<float>(std::floor(static_cast<double>(a[c]) / b[c])))
+        add_into(in.a, [](int64_t) { return 1.f; });
+        add_into(in.b, [&](int64_t c) { return -floor_div(A(c), B(c)); });
         break;
       case ScoreOp::kPow:  // torch.pow: d/da b a^(b-1) (0 where b is 0), d/db a^b log a (0 where a is 0 and b >= 0)
-        ATTNKIT_BACK(ga, b[c] == 0.f ? 0.f : b[c] * std::pow(a[c], b[c] - 1.f))
-        ATTNKIT_BACK(gb, a[c] == 0.f && b[c] >= 0.f ? 0.f : o[c] * std::log(a[c]))
+        add_into(in.a, [&](int64_t c) { return B(c) == 0.f ? 0.f : B(c) * std::pow(A(c), B(c) - 1.f); });
+        add_into(in.b, [&](int64_t c) { return A(c) == 0.f && B(c) >= 0.f ? 0.f : O(c) * std::log(A(c)); });
         break;
       case ScoreOp::kMinimum:
-        ATTNKIT_BACK(ga, a[c] < b[c] ? 1.f : a[c] == b[c] ? 0.5f : 0.f)
-        ATTNKIT_BACK(gb, b[c] < a[c] ? 1.f : a[c] == b[c] ? 0.5f : 0.f)
+        add_into(in.a, [&](int64_t c) { return A(c) < B(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
+        add_into(in.b, [&](int64_t c) { return B(c) < A(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
         break;
       case ScoreOp::kMaximum:
-        ATTNKIT_BACK(ga, a[c] > b[c] ? 1.f : a[c] == b[c] ? 0.5f : 0.f)
-        ATTNKIT_BACK(gb, b[c] > a[c] ? 1.f : a[c] == b[c] ? 0.5f : 0.f)
+        add_into(in.a, [&](int64_t c) { return A(c) > B(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
+        add_into(in.b, [&](int64_t c) { return B(c) > A(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
         break;
-      case ScoreOp::kClampMin: ATTNKIT_BACK(ga, a[c] >= b[c] ? 1.f : 0.f) break;
-      case ScoreOp::kClampMax: ATTNKIT_BACK(ga, a[c] <= b[c] ? 1.f : 0.f) break;
+      case ScoreOp::kClampMin: add_into(in.a, [&](int64_t c) { return A(c) >= B(c) ? 1.f : 0.f; }); break;
+      case ScoreOp::kClampMax: add_into(in.a, [&](int64_t c) { return A(c) <= B(c) ? 1.f : 0.f; }); break;
       case ScoreOp::kWhere:
-        ATTNKIT_BACK(gb, a[c] != 0.f ? 1.f : 0.f)
-        ATTNKIT_BACK(gc, a[c] != 0.f ? 0.f : 1.f)
+        add_into(in.b, [&](int64_t c) { return A(c) != 0.f ? 1.f : 0.f; });
+        add_into(in.c, [&](int64_t c) { return A(c) != 0.f ? 0.f : 1.f; });
         break;
       case ScoreOp::kGather:
-        if (dtables)
-          for (int64_t c = 0; c < cols; ++c)
-            if (g[c] != 0.f && a[c] >= 0.f && a[c] < static_cast<float>(prog.tables_numel))
-              dtables[static_cast<int64_t>(a[c])] += g[c];
+        if (dtables) {
+          const float numel = static_cast<float>(prog.tables_numel);
+          for (int64_t c = 0; c < lanes; ++c) {
+            const float gc = g(c), x = A(c);
+            if (gc != 0.f && x >= 0.f && x < numel) dtables[static_cast<int64_t>(x)] += gc;
+          }
+        }
         break;
       default:  // inputs, constants, and ops whose gradient is 0 (rounding, comparisons, logic, indices)
         break;
     }
-#undef ATTNKIT_BACK
   }
 }
 

@@ -290,7 +290,7 @@ struct ForwardScratch {
   // tile's state (u: 32 x M, m and l) before it joins acc.
   float* qt = nullptr;
   Accumulator tile{};
-  float* regs;  // a score modifier's registers: its size x one key tile
+  float* regs;  // a score modifier's registers over one key tile (score_mod::scratch_floats)
 
   /// Scratch for work items of up to `rows` query rows.
   ForwardScratch(const SoftmaxAttentionParams& p, Slicer& slicer, int64_t rows)
@@ -299,7 +299,7 @@ struct ForwardScratch {
         v(slicer.take(forward_tiles(p).k * p.M)),
         s(slicer.take(forward_tiles(p).q * forward_tiles(p).k)),
         acc{slicer.take(rows * p.M), slicer.take(rows), slicer.take(rows)},
-        regs(slicer.take(p.score_mod.size * forward_tiles(p).k)) {
+        regs(slicer.take(p.score_mod.active() ? score_mod::scratch_floats(p.score_mod.size, forward_tiles(p).k) : 0)) {
     if (!by_lanes(p)) return;
     qt = slicer.take(ceil_div(rows, kLaneRows) * kLaneRows * p.E);
     tile = {slicer.take(kLaneRows * p.M), slicer.take(kLaneRows), slicer.take(kLaneRows)};
@@ -705,11 +705,16 @@ void forward_split(const SoftmaxAttentionParams& p, const QkReader& qk, const Ke
 
 /// The inputs of one tile: q and dout at its first query, k and v at its first
 /// key, lse and D at its first query.
-/// A score modifier's scratch in the backward: its two register files (its
-/// size x kBackwardBlockK each) and a tile of the scores it was given.
+/// A score modifier's scratch in the backward: its two register files
+/// (score_mod_floats each) and a tile of the scores it was given.
 struct ScoreModScratch {
   float *regs = nullptr, *adj = nullptr, *raw = nullptr;
 };
+
+/// One register file of the backward's score modifier over a key tile.
+int64_t score_mod_floats(const SoftmaxAttentionParams& p) {
+  return p.score_mod.active() ? score_mod::scratch_floats(p.score_mod.size, kBackwardBlockK) : 0;
+}
 
 struct TileInputs {
   Rows q, dout, k, v;
@@ -877,7 +882,7 @@ struct BackwardScratch {
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
         slope(slicer.take(p.softcap > 0.f ? kBackwardBlockQ * kBackwardBlockK : 0)),
-        mod{slicer.take(p.score_mod.size * kBackwardBlockK), slicer.take(p.score_mod.size * kBackwardBlockK),
+        mod{slicer.take(score_mod_floats(p)), slicer.take(score_mod_floats(p)),
             slicer.take(p.score_mod.active() ? kBackwardBlockQ * kBackwardBlockK : 0)} {}
 };
 
@@ -996,7 +1001,7 @@ struct BiasScratch {
         d(slicer.take(kBackwardBlockQ)),
         prob(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
         ds(slicer.take(kBackwardBlockQ * kBackwardBlockK)),
-        mod{slicer.take(p.score_mod.size * kBackwardBlockK)} {}
+        mod{slicer.take(score_mod_floats(p))} {}
 };
 
 /// The part of dbias one work item owns: slice (nb, hb), queries [i_begin,

@@ -536,3 +536,56 @@ class KernelOpsTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(TORCH_2, SKIP)
+class FlexCompileTest(unittest.TestCase):
+    """attnkit.flex_attention under torch.compile: a block mask and a named
+    modifier (traced when made, outside the compiled code, as a module makes
+    it in __init__) compile without a graph break, forward and backward, the
+    captured table's gradient included; a plain Python score_mod is traced
+    outside the graph (a graph break, as docs/API.md says) and still runs in
+    the kernel; both equal eager."""
+
+    def setUp(self):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+
+    @staticmethod
+    def results(fn, q, k, v, table):
+        """fn(q, k, v)'s output and the gradients of q, k, v and `table`, a
+        leaf the function captures."""
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad(out.square().sum(), leaves + [table]))
+
+    def test_named_modifier_and_block_mask_compile_without_a_graph_break(self):
+        L = 200
+        mask = attnkit.create_block_mask(attnkit.masks.causal(L, L), None, None, L, L, BLOCK_SIZE=64)
+        q, k, v = (torch.randn(1, 4, L, 16) for _ in range(3))
+        table = torch.randn(4, 32, requires_grad=True)
+        relative = attnkit.score_mods.relative_buckets(table)
+
+        def fn(q, k, v):
+            return attnkit.flex_attention(q, k, v, relative, mask, softcap=20.0)
+
+        explanation = torch._dynamo.explain(fn)(q, k, v)
+        self.assertEqual(explanation.graph_break_count, 0, explanation.break_reasons)
+        expected = self.results(fn, q, k, v, table)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            got = self.results(torch.compile(fn, backend=backend, fullgraph=True), q, k, v, table)
+            for i, (a, e) in enumerate(zip(got, expected)):
+                self.assertLess(rel_err(a, e), TOLERANCE, f"{backend}: tensor {i}")
+
+    def test_a_plain_score_mod_breaks_the_graph_and_runs_in_the_kernel(self):
+        q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+        table = torch.randn(2, 8, requires_grad=True)
+
+        def fn(q, k, v):
+            return attnkit.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[h, (i - j).abs().clamp(max=7)])
+
+        expected = self.results(fn, q, k, v, table)
+        got = self.results(torch.compile(fn, backend="aot_eager"), q, k, v, table)
+        for i, (a, e) in enumerate(zip(got, expected)):
+            self.assertLess(rel_err(a, e), TOLERANCE, f"tensor {i}")
