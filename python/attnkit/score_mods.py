@@ -18,6 +18,7 @@ the same code written by hand.
 """
 import math
 import operator
+import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -452,7 +453,14 @@ def _describe(node) -> str:
 
 def trace(score_mod: Callable) -> ScoreModProgram:
     """The program of ``score_mod`` (a function of (score, b, h, q_idx,
-    kv_idx)); raises ``ScoreModUnsupported`` naming what it cannot run."""
+    kv_idx)); raises ``ScoreModUnsupported`` naming what it cannot run.
+    Any callable: an object with ``__call__`` or a ``functools.partial`` is
+    traced through a function of the five arguments that calls it."""
+    if not isinstance(score_mod, (types.FunctionType, torch.nn.Module)):
+        target = score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return target(score, b, h, q_idx, kv_idx)
     try:
         module = torch.fx.symbolic_trace(score_mod)
     except ScoreModUnsupported:
