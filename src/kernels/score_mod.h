@@ -37,8 +37,9 @@ struct RowSite {
 };
 
 /// The floats a row's run needs (forward or backward): each register's row,
-/// a value and a kind; the backward needs a second file for the gradients.
-inline int64_t scratch_floats(int32_t size, int64_t ld) { return size * (ld + 2); }
+/// a value and a kind, and one more row; the backward needs a second file for
+/// the gradients (a row each, a derivative row, a sum and a flag each).
+inline int64_t scratch_floats(int32_t size, int64_t ld) { return (size + 1) * ld + 2 * size; }
 
 /// A register's value: a row of lanes, or `s` for every lane (row nullptr).
 struct Reg {
@@ -248,129 +249,183 @@ inline void apply(const ScoreProgram& prog, const RowSite& at, float* s, float* 
   if (file.kind(last) == kScalar) std::fill(s, s + at.cols, file.values[last]);  // (kRaw: s already)
 }
 
+/// The local derivative of one operand, computed into `tmp` as a row, or one
+/// value when every operand it depends on is one.
+template <class F>
+inline Reg local1(const Reg& x, float* tmp, int64_t n, F f) {
+  if (!x.row) return {nullptr, f(x.s)};
+  for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c]);
+  return {tmp, 0.f};
+}
+
+template <class F>
+inline Reg local2(const Reg& x, const Reg& y, float* tmp, int64_t n, F f) {
+  if (!x.row && !y.row) return {nullptr, f(x.s, y.s)};
+  if (x.row && y.row) {
+    for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c], y.row[c]);
+  } else if (x.row) {
+    const float b = y.s;
+    for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c], b);
+  } else {
+    const float a = x.s;
+    for (int64_t c = 0; c < n; ++c) tmp[c] = f(a, y.row[c]);
+  }
+  return {tmp, 0.f};
+}
+
 /// ds (the gradient of the modified scores, in place) becomes the gradient of
 /// the raw scores `raw`; each gather adds its share into dtables (the flat
 /// tables' gradient) when it is given. `scratch` and `adj_scratch` hold
 /// scratch_floats(prog.size, ld) each.
+///
+/// Only registers that lead to the scores or to a gather whose table takes a
+/// gradient get one. Each derivative is formed as a row (or one value) by a
+/// loop of its own, then multiplied into the operand's gradient: both loops
+/// are plain enough to vectorise.
 inline void backward(const ScoreProgram& prog, const RowSite& at, const float* raw, float* ds, float* scratch,
                      float* adj_scratch, int64_t ld, float* dtables) {
   const int64_t n = at.cols;
-  File file(scratch, prog.size, ld, raw);
+  const int32_t size = prog.size, last = size - 1;
+  File file(scratch, size, ld, raw);
   forward(prog, at, file, nullptr);
-  // The gradient of register t: a row (adj + t ld) for a row register, one
-  // sum (adj_one[t]) for a one-value register.
+  // adj + t ld: register t's gradient row; tmp: a derivative row; adj_one[t]:
+  // a one-value register's gradient (its lanes' sum, in lane order);
+  // needs[t] != 0: t takes a gradient.
   float* adj = adj_scratch;
-  float* adj_one = adj_scratch + prog.size * ld;
-  for (int32_t t = 0; t < prog.size; ++t) {
-    if (file.kind(t) == kScalar) adj_one[t] = 0.f; else std::fill(adj + t * ld, adj + t * ld + n, 0.f);
+  float* tmp = adj_scratch + size * ld;
+  float* adj_one = tmp + ld;
+  float* needs = adj_one + size;
+  for (int32_t t = 0; t < size; ++t) {
+    const ScoreInstr& in = prog.code[t];
+    bool need = false;
+    switch (static_cast<ScoreOp>(in.op)) {
+      case ScoreOp::kScore: need = true; break;
+      case ScoreOp::kGather: need = dtables != nullptr; break;
+      // Inputs, constants, rounding, comparisons, logic and indices pass no
+      // gradient on.
+      case ScoreOp::kBatch: case ScoreOp::kHead: case ScoreOp::kQuery: case ScoreOp::kKey: case ScoreOp::kConst:
+      case ScoreOp::kFloor: case ScoreOp::kCeil: case ScoreOp::kTrunc: case ScoreOp::kRound: case ScoreOp::kNot:
+      case ScoreOp::kFloorDiv: case ScoreOp::kLt: case ScoreOp::kLe: case ScoreOp::kGt: case ScoreOp::kGe:
+      case ScoreOp::kEq: case ScoreOp::kNe: case ScoreOp::kAnd: case ScoreOp::kOr: case ScoreOp::kIndex:
+        break;
+      default:
+        for (const int32_t r : {in.a, in.b, in.c}) need = need || (r >= 0 && needs[r] != 0.f);
+    }
+    needs[t] = need ? 1.f : 0.f;
+    if (file.kind(t) == kScalar) adj_one[t] = 0.f; else if (need) std::fill(adj + t * ld, adj + t * ld + n, 0.f);
   }
-  const int32_t last = prog.size - 1;
+  // The output's gradient is the incoming ds; ds becomes the raw scores'.
   if (file.kind(last) == kScalar) {
-    float sum = 0.f;
-    for (int64_t c = 0; c < n; ++c) sum += ds[c];
-    adj_one[last] = sum;
-  } else {
+    for (int64_t c = 0; c < n; ++c) adj_one[last] += ds[c];
+  } else if (file.kind(last) == kRow) {
     std::copy(ds, ds + n, adj + last * ld);
-  }
-  std::fill(ds, ds + n, 0.f);
-  // Adds lane c's g_c * d_c (d: the local derivative, a function of c) into
-  // operand r's gradient: its row, or its one sum in lane order. Lanes whose
-  // g is 0 add nothing.
+  }  // (kRaw: the program is the score itself, and ds is its gradient already)
+  if (file.kind(last) != kRaw) std::fill(ds, ds + n, 0.f);
+  const Reg unit{nullptr, 1.f}, minus{nullptr, -1.f};
   for (int32_t t = last; t >= 0; --t) {
+    if (needs[t] == 0.f) continue;
     const ScoreInstr& in = prog.code[t];
     const bool one = file.kind(t) == kScalar;
     if (one && adj_one[t] == 0.f) continue;
-    // g(c): the incoming gradient of lane c.
-    const float* grow = one ? nullptr : adj + t * ld;
     const float gone = one ? adj_one[t] : 0.f;
-    auto g = [&](int64_t c) { return grow ? grow[c] : gone; };
-    // A one-value register's lanes all hold its value, and its gradient is
-    // one value too: then n is 1 (its lanes were summed into gone).
-    const int64_t lanes = one ? 1 : n;
-    auto add_into = [&](int32_t r, auto d) {
-      if (r < 0) return;
-      if (file.kind(r) == kScalar) {
-        float sum = 0.f;
-        for (int64_t c = 0; c < lanes; ++c) {
-          const float gc = g(c);
-          sum += gc != 0.f ? gc * d(c) : 0.f;
-        }
-        adj_one[r] += sum;
-      } else {
-        float* into = file.kind(r) == kRaw ? ds : adj + r * ld;
-        if (one) {  // a row operand of a one-value result: impossible (a row makes a row)
-          return;
-        }
-        for (int64_t c = 0; c < n; ++c) {
-          const float gc = grow[c];
-          into[c] += gc != 0.f ? gc * d(c) : 0.f;
-        }
-      }
-    };
+    const float* grow = one ? nullptr : adj + t * ld;
     const Reg a = in.a >= 0 ? file.get(in.a) : Reg{nullptr, 0.f};
     const Reg b = in.b >= 0 ? file.get(in.b) : Reg{nullptr, 0.f};
-    const Reg o = one ? Reg{nullptr, file.values[t]} : Reg{file.rows + t * ld, 0.f};
-    auto A = [&](int64_t c) { return a.row ? a.row[c] : a.s; };
-    auto B = [&](int64_t c) { return b.row ? b.row[c] : b.s; };
-    auto O = [&](int64_t c) { return o.row ? o.row[c] : o.s; };
+    const Reg o = file.get(t);
+    // Adds g d into operand r's gradient (nothing in lanes where g is 0).
+    auto add = [&](int32_t r, const Reg& d) {
+      if (r < 0 || needs[r] == 0.f) return;
+      if (one) {  // every operand of a one-value register is one value
+        adj_one[r] += gone * d.s;
+        return;
+      }
+      if (file.kind(r) == kScalar) {
+        float sum = 0.f;
+        if (d.row) {
+          for (int64_t c = 0; c < n; ++c) sum += grow[c] != 0.f ? grow[c] * d.row[c] : 0.f;
+        } else {
+          const float k = d.s;
+          for (int64_t c = 0; c < n; ++c) sum += grow[c] != 0.f ? grow[c] * k : 0.f;
+        }
+        adj_one[r] += sum;
+        return;
+      }
+      float* into = file.kind(r) == kRaw ? ds : adj + r * ld;
+      if (d.row) {
+        for (int64_t c = 0; c < n; ++c) into[c] += grow[c] != 0.f ? grow[c] * d.row[c] : 0.f;
+      } else {
+        const float k = d.s;
+        for (int64_t c = 0; c < n; ++c) into[c] += grow[c] != 0.f ? grow[c] * k : 0.f;
+      }
+    };
     switch (static_cast<ScoreOp>(in.op)) {
-      case ScoreOp::kNeg: add_into(in.a, [](int64_t) { return -1.f; }); break;
+      case ScoreOp::kNeg: add(in.a, minus); break;
       case ScoreOp::kAbs:
-        add_into(in.a, [&](int64_t c) { return A(c) > 0.f ? 1.f : A(c) < 0.f ? -1.f : 0.f; });
+        add(in.a, local1(a, tmp, n, [](float x) { return x > 0.f ? 1.f : x < 0.f ? -1.f : 0.f; }));
         break;
-      case ScoreOp::kExp: add_into(in.a, O); break;
-      case ScoreOp::kLog: add_into(in.a, [&](int64_t c) { return 1.f / A(c); }); break;
-      case ScoreOp::kTanh: add_into(in.a, [&](int64_t c) { return 1.f - O(c) * O(c); }); break;
-      case ScoreOp::kSigmoid: add_into(in.a, [&](int64_t c) { return O(c) * (1.f - O(c)); }); break;
-      case ScoreOp::kSqrt: add_into(in.a, [&](int64_t c) { return 0.5f / O(c); }); break;
+      case ScoreOp::kExp: add(in.a, o); break;
+      case ScoreOp::kLog: add(in.a, local1(a, tmp, n, [](float x) { return 1.f / x; })); break;
+      case ScoreOp::kTanh: add(in.a, local1(o, tmp, n, [](float y) { return 1.f - y * y; })); break;
+      case ScoreOp::kSigmoid: add(in.a, local1(o, tmp, n, [](float y) { return y * (1.f - y); })); break;
+      case ScoreOp::kSqrt: add(in.a, local1(o, tmp, n, [](float y) { return 0.5f / y; })); break;
       case ScoreOp::kAdd:
-        add_into(in.a, [](int64_t) { return 1.f; });
-        add_into(in.b, [](int64_t) { return 1.f; });
+        add(in.a, unit);
+        add(in.b, unit);
         break;
       case ScoreOp::kSub:
-        add_into(in.a, [](int64_t) { return 1.f; });
-        add_into(in.b, [](int64_t) { return -1.f; });
+        add(in.a, unit);
+        add(in.b, minus);
         break;
       case ScoreOp::kMul:
-        add_into(in.a, B);
-        add_into(in.b, A);
+        add(in.a, b);
+        add(in.b, a);
         break;
       case ScoreOp::kDiv:
-        add_into(in.a, [&](int64_t c) { return 1.f / B(c); });
-        add_into(in.b, [&](int64_t c) { return -O(c) / B(c); });
+        add(in.a, local1(b, tmp, n, [](float y) { return 1.f / y; }));
+        add(in.b, local2(o, b, tmp, n, [](float q, float y) { return -q / y; }));
         break;
       case ScoreOp::kMod:  // torch.remainder: d/da 1, d/db -floor(a / b)
-        add_into(in.a, [](int64_t) { return 1.f; });
-        add_into(in.b, [&](int64_t c) { return -floor_div(A(c), B(c)); });
+        add(in.a, unit);
+        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return -floor_div(x, y); }));
         break;
       case ScoreOp::kPow:  // torch.pow: d/da b a^(b-1) (0 where b is 0), d/db a^b log a (0 where a is 0 and b >= 0)
-        add_into(in.a, [&](int64_t c) { return B(c) == 0.f ? 0.f : B(c) * std::pow(A(c), B(c) - 1.f); });
-        add_into(in.b, [&](int64_t c) { return A(c) == 0.f && B(c) >= 0.f ? 0.f : O(c) * std::log(A(c)); });
+        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return y == 0.f ? 0.f : y * std::pow(x, y - 1.f); }));
+        add(in.b, local2(a, b, tmp, n, [](float x, float y) {
+              return x == 0.f && y >= 0.f ? 0.f : std::pow(x, y) * std::log(x);
+            }));
         break;
       case ScoreOp::kMinimum:
-        add_into(in.a, [&](int64_t c) { return A(c) < B(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
-        add_into(in.b, [&](int64_t c) { return B(c) < A(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
+        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x < y ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return y < x ? 1.f : x == y ? 0.5f : 0.f; }));
         break;
       case ScoreOp::kMaximum:
-        add_into(in.a, [&](int64_t c) { return A(c) > B(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
-        add_into(in.b, [&](int64_t c) { return B(c) > A(c) ? 1.f : A(c) == B(c) ? 0.5f : 0.f; });
+        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x > y ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return y > x ? 1.f : x == y ? 0.5f : 0.f; }));
         break;
-      case ScoreOp::kClampMin: add_into(in.a, [&](int64_t c) { return A(c) >= B(c) ? 1.f : 0.f; }); break;
-      case ScoreOp::kClampMax: add_into(in.a, [&](int64_t c) { return A(c) <= B(c) ? 1.f : 0.f; }); break;
+      case ScoreOp::kClampMin:
+        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x >= y ? 1.f : 0.f; }));
+        break;
+      case ScoreOp::kClampMax:
+        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x <= y ? 1.f : 0.f; }));
+        break;
       case ScoreOp::kWhere:
-        add_into(in.b, [&](int64_t c) { return A(c) != 0.f ? 1.f : 0.f; });
-        add_into(in.c, [&](int64_t c) { return A(c) != 0.f ? 0.f : 1.f; });
+        add(in.b, local1(a, tmp, n, [](float x) { return x != 0.f ? 1.f : 0.f; }));
+        add(in.c, local1(a, tmp, n, [](float x) { return x != 0.f ? 0.f : 1.f; }));
         break;
       case ScoreOp::kGather:
         if (dtables) {
           const float numel = static_cast<float>(prog.tables_numel);
-          for (int64_t c = 0; c < lanes; ++c) {
-            const float gc = g(c), x = A(c);
-            if (gc != 0.f && x >= 0.f && x < numel) dtables[static_cast<int64_t>(x)] += gc;
+          if (one) {
+            if (a.s >= 0.f && a.s < numel) dtables[static_cast<int64_t>(a.s)] += gone;
+          } else {
+            for (int64_t c = 0; c < n; ++c) {
+              const float x = a.row ? a.row[c] : a.s;
+              if (grow[c] != 0.f && x >= 0.f && x < numel) dtables[static_cast<int64_t>(x)] += grow[c];
+            }
           }
         }
         break;
-      default:  // inputs, constants, and ops whose gradient is 0 (rounding, comparisons, logic, indices)
+      default:  // the score itself (its gradient is summed in ds), and ops without one
         break;
     }
   }

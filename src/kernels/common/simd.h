@@ -7,10 +7,12 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's intrinsics headers trip -Wmaybe-uninitialized on their own
+// GCC 12's intrinsics headers trip -Wmaybe-uninitialized (and, where a
+// masked op is inlined into a loop, -Wuninitialized) on their own
 // _mm512_undefined_* (GCC bug 105593); the warning points into the header.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 #else
