@@ -94,7 +94,7 @@ debian_root_umount() {
 debian_root_env() {
   local v
   debian_env=(HOME=/root LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)
-  for v in ATTNKIT_JOBS ATTNKIT_TEST_JOBS ATTNKIT_TEST_CAPS; do
+  for v in ATTNKIT_JOBS ATTNKIT_TEST_JOBS ATTNKIT_TEST_CAPS ATTNKIT_TEST_EXCLUDE; do
     [ -n "${!v:-}" ] && debian_env+=("$v=${!v}")
   done
   return 0
