@@ -105,7 +105,7 @@ _UNARY = {  # name -> (opcode, result kind given the operand's; None: as the ope
     "tanh": ("tanh", "f"), "sigmoid": ("sigmoid", "f"), "sqrt": ("sqrt", "f"),
     "floor": ("floor", None), "ceil": ("ceil", None), "round": ("round", None), "trunc": ("trunc", None),
 }
-_BINARY = {  # name -> opcode; result kind by promotion unless listed in _BINARY_KIND
+_BINARY = {  # name -> opcode; result kinds: Lowering.binary (torch's promotion)
     "add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "div": "div", "floordiv": "floordiv",
     "mod": "mod", "remainder": "mod", "pow": "pow", "minimum": "minimum", "maximum": "maximum",
     "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",

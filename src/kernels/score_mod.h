@@ -96,26 +96,44 @@ inline void flag(const ScoreProgram& prog, int32_t t) {
   prog.error->compare_exchange_strong(none, t + 1, std::memory_order_relaxed);
 }
 
-/// f over one operand into o (one value when a is one).
+/// f over one operand, lane by lane into `row` (a row operand), or once (a
+/// one-value operand, returned as one value). The forward's ops and the
+/// backward's local derivatives both go through these two.
 template <class F>
-inline void unary(File& file, int32_t t, const Reg& a, float* o, int64_t n, F f) {
-  if (!a.row) return file.set_scalar(t, f(a.s));
-  for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c]);
+inline Reg map1(const Reg& x, float* row, int64_t n, F f) {
+  if (!x.row) return {nullptr, f(x.s)};
+  for (int64_t c = 0; c < n; ++c) row[c] = f(x.row[c]);
+  return {row, 0.f};
 }
 
-/// f over two operands into o (one value when both are one).
+/// f over two operands, as map1.
+template <class F>
+inline Reg map2(const Reg& x, const Reg& y, float* row, int64_t n, F f) {
+  if (!x.row && !y.row) return {nullptr, f(x.s, y.s)};
+  if (x.row && y.row) {
+    for (int64_t c = 0; c < n; ++c) row[c] = f(x.row[c], y.row[c]);
+  } else if (x.row) {
+    const float b = y.s;
+    for (int64_t c = 0; c < n; ++c) row[c] = f(x.row[c], b);
+  } else {
+    const float a = x.s;
+    for (int64_t c = 0; c < n; ++c) row[c] = f(a, y.row[c]);
+  }
+  return {row, 0.f};
+}
+
+/// Register t = f(a) (into o, or one value).
+template <class F>
+inline void unary(File& file, int32_t t, const Reg& a, float* o, int64_t n, F f) {
+  const Reg r = map1(a, o, n, f);
+  if (!r.row) file.set_scalar(t, r.s);
+}
+
+/// Register t = f(a, b) (into o, or one value).
 template <class F>
 inline void binary(File& file, int32_t t, const Reg& a, const Reg& b, float* o, int64_t n, F f) {
-  if (!a.row && !b.row) return file.set_scalar(t, f(a.s, b.s));
-  if (a.row && b.row) {
-    for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c], b.row[c]);
-  } else if (a.row) {
-    const float y = b.s;
-    for (int64_t c = 0; c < n; ++c) o[c] = f(a.row[c], y);
-  } else {
-    const float x = a.s;
-    for (int64_t c = 0; c < n; ++c) o[c] = f(x, b.row[c]);
-  }
+  const Reg r = map2(a, b, o, n, f);
+  if (!r.row) file.set_scalar(t, r.s);
 }
 
 inline float floor_div(float a, float b) { return static_cast<float>(std::floor(static_cast<double>(a) / b)); }
@@ -249,30 +267,6 @@ inline void apply(const ScoreProgram& prog, const RowSite& at, float* s, float* 
   if (file.kind(last) == kScalar) std::fill(s, s + at.cols, file.values[last]);  // (kRaw: s already)
 }
 
-/// The local derivative of one operand, computed into `tmp` as a row, or one
-/// value when every operand it depends on is one.
-template <class F>
-inline Reg local1(const Reg& x, float* tmp, int64_t n, F f) {
-  if (!x.row) return {nullptr, f(x.s)};
-  for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c]);
-  return {tmp, 0.f};
-}
-
-template <class F>
-inline Reg local2(const Reg& x, const Reg& y, float* tmp, int64_t n, F f) {
-  if (!x.row && !y.row) return {nullptr, f(x.s, y.s)};
-  if (x.row && y.row) {
-    for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c], y.row[c]);
-  } else if (x.row) {
-    const float b = y.s;
-    for (int64_t c = 0; c < n; ++c) tmp[c] = f(x.row[c], b);
-  } else {
-    const float a = x.s;
-    for (int64_t c = 0; c < n; ++c) tmp[c] = f(a, y.row[c]);
-  }
-  return {tmp, 0.f};
-}
-
 /// ds (the gradient of the modified scores, in place) becomes the gradient of
 /// the raw scores `raw`; each gather adds its share into dtables (the flat
 /// tables' gradient) when it is given. `scratch` and `adj_scratch` hold
@@ -361,13 +355,13 @@ inline void backward(const ScoreProgram& prog, const RowSite& at, const float* r
     switch (static_cast<ScoreOp>(in.op)) {
       case ScoreOp::kNeg: add(in.a, minus); break;
       case ScoreOp::kAbs:
-        add(in.a, local1(a, tmp, n, [](float x) { return x > 0.f ? 1.f : x < 0.f ? -1.f : 0.f; }));
+        add(in.a, map1(a, tmp, n, [](float x) { return x > 0.f ? 1.f : x < 0.f ? -1.f : 0.f; }));
         break;
       case ScoreOp::kExp: add(in.a, o); break;
-      case ScoreOp::kLog: add(in.a, local1(a, tmp, n, [](float x) { return 1.f / x; })); break;
-      case ScoreOp::kTanh: add(in.a, local1(o, tmp, n, [](float y) { return 1.f - y * y; })); break;
-      case ScoreOp::kSigmoid: add(in.a, local1(o, tmp, n, [](float y) { return y * (1.f - y); })); break;
-      case ScoreOp::kSqrt: add(in.a, local1(o, tmp, n, [](float y) { return 0.5f / y; })); break;
+      case ScoreOp::kLog: add(in.a, map1(a, tmp, n, [](float x) { return 1.f / x; })); break;
+      case ScoreOp::kTanh: add(in.a, map1(o, tmp, n, [](float y) { return 1.f - y * y; })); break;
+      case ScoreOp::kSigmoid: add(in.a, map1(o, tmp, n, [](float y) { return y * (1.f - y); })); break;
+      case ScoreOp::kSqrt: add(in.a, map1(o, tmp, n, [](float y) { return 0.5f / y; })); break;
       case ScoreOp::kAdd:
         add(in.a, unit);
         add(in.b, unit);
@@ -381,36 +375,36 @@ inline void backward(const ScoreProgram& prog, const RowSite& at, const float* r
         add(in.b, a);
         break;
       case ScoreOp::kDiv:
-        add(in.a, local1(b, tmp, n, [](float y) { return 1.f / y; }));
-        add(in.b, local2(o, b, tmp, n, [](float q, float y) { return -q / y; }));
+        add(in.a, map1(b, tmp, n, [](float y) { return 1.f / y; }));
+        add(in.b, map2(o, b, tmp, n, [](float q, float y) { return -q / y; }));
         break;
       case ScoreOp::kMod:  // torch.remainder: d/da 1, d/db -floor(a / b)
         add(in.a, unit);
-        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return -floor_div(x, y); }));
+        add(in.b, map2(a, b, tmp, n, [](float x, float y) { return -floor_div(x, y); }));
         break;
       case ScoreOp::kPow:  // torch.pow: d/da b a^(b-1) (0 where b is 0), d/db a^b log a (0 where a is 0 and b >= 0)
-        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return y == 0.f ? 0.f : y * std::pow(x, y - 1.f); }));
-        add(in.b, local2(a, b, tmp, n, [](float x, float y) {
+        add(in.a, map2(a, b, tmp, n, [](float x, float y) { return y == 0.f ? 0.f : y * std::pow(x, y - 1.f); }));
+        add(in.b, map2(a, b, tmp, n, [](float x, float y) {
               return x == 0.f && y >= 0.f ? 0.f : std::pow(x, y) * std::log(x);
             }));
         break;
       case ScoreOp::kMinimum:
-        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x < y ? 1.f : x == y ? 0.5f : 0.f; }));
-        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return y < x ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.a, map2(a, b, tmp, n, [](float x, float y) { return x < y ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.b, map2(a, b, tmp, n, [](float x, float y) { return y < x ? 1.f : x == y ? 0.5f : 0.f; }));
         break;
       case ScoreOp::kMaximum:
-        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x > y ? 1.f : x == y ? 0.5f : 0.f; }));
-        add(in.b, local2(a, b, tmp, n, [](float x, float y) { return y > x ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.a, map2(a, b, tmp, n, [](float x, float y) { return x > y ? 1.f : x == y ? 0.5f : 0.f; }));
+        add(in.b, map2(a, b, tmp, n, [](float x, float y) { return y > x ? 1.f : x == y ? 0.5f : 0.f; }));
         break;
       case ScoreOp::kClampMin:
-        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x >= y ? 1.f : 0.f; }));
+        add(in.a, map2(a, b, tmp, n, [](float x, float y) { return x >= y ? 1.f : 0.f; }));
         break;
       case ScoreOp::kClampMax:
-        add(in.a, local2(a, b, tmp, n, [](float x, float y) { return x <= y ? 1.f : 0.f; }));
+        add(in.a, map2(a, b, tmp, n, [](float x, float y) { return x <= y ? 1.f : 0.f; }));
         break;
       case ScoreOp::kWhere:
-        add(in.b, local1(a, tmp, n, [](float x) { return x != 0.f ? 1.f : 0.f; }));
-        add(in.c, local1(a, tmp, n, [](float x) { return x != 0.f ? 0.f : 1.f; }));
+        add(in.b, map1(a, tmp, n, [](float x) { return x != 0.f ? 1.f : 0.f; }));
+        add(in.c, map1(a, tmp, n, [](float x) { return x != 0.f ? 0.f : 1.f; }));
         break;
       case ScoreOp::kGather:
         if (dtables) {

@@ -25,6 +25,14 @@ def rel_err(actual, expected):
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-300)
 
 
+def finite_rel_err(actual, expected):
+    """rel_err over the finite entries, after checking that actual is finite
+    exactly where expected is (an lse of -inf for a row that sees nothing)."""
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(actual), finite)
+    return rel_err(actual.masked_fill(~finite, 0), expected.masked_fill(~finite, 0))
+
+
 def as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 

@@ -37,11 +37,7 @@ def formula(q, k, v, visible, scale, score=None, sinks=None):
     return w @ v, torch.logsumexp(safe, -1).masked_fill(~seen.squeeze(-1), -math.inf)
 
 
-def error(got, want):
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite)
-    want, got = want.masked_fill(~finite, 0), got.double().masked_fill(~finite, 0)
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+from conftest import finite_rel_err as error  # noqa: E402
 
 
 def random_rows(B, H, L, S, seed):

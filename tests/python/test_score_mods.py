@@ -46,11 +46,7 @@ def composite64(q, k, v, score_mod, visible, scale, softcap=0.0, sinks=None):
     return w @ v, torch.logsumexp(safe, -1).masked_fill(~seen.squeeze(-1), -math.inf)
 
 
-def error(got, want):
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite)
-    want, got = want.masked_fill(~finite, 0), got.double().masked_fill(~finite, 0)
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+from conftest import finite_rel_err as error  # noqa: E402
 
 
 def random_visible(B, H, L, S, seed):
